@@ -1,0 +1,505 @@
+//! The canonical XML codec (namespace `urn:ste:trade:1`), streaming with quick-xml: no DOM and
+//! no serde on the hot path.
+//!
+//! Parsing is split from validation: [`parse_fields`] only checks that the bytes are one
+//! well-formed `Msg` element in the right namespace, with no DOCTYPE or entity declaration, and
+//! collects the text of each known child element. Turning that text into typed values is the
+//! validator's job.
+
+use std::borrow::Cow;
+use std::fmt::Write as _;
+
+use quick_xml::events::Event;
+use quick_xml::name::{Namespace, ResolveResult};
+use quick_xml::NsReader;
+
+use crate::model::{format_date, Cls, Msg};
+use crate::reason::{ReasonCode, Rejection};
+
+/// The namespace of every STE message.
+pub const NAMESPACE: &str = "urn:ste:trade:1";
+
+/// Every element a `Msg` may hold, in canonical output order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Field {
+    MsgId,
+    Type,
+    Function,
+    Sender,
+    SentAt,
+    RelatedId,
+    TradeRef,
+    Broker,
+    InvMgr,
+    Side,
+    Isin,
+    TradeDate,
+    SettleDate,
+    Market,
+    Price,
+    Ccy,
+    Qty,
+    AllocCount,
+    Account,
+    Pset,
+    PaymentType,
+    Gross,
+    Commission,
+    Fees,
+    Net,
+    Custodian,
+    SafekeepingAccount,
+    SettleAmount,
+}
+
+/// Number of [`Field`] variants.
+pub const FIELD_COUNT: usize = 28;
+
+impl Field {
+    /// Every field in canonical order.
+    pub const ALL: [Field; FIELD_COUNT] = [
+        Self::MsgId,
+        Self::Type,
+        Self::Function,
+        Self::Sender,
+        Self::SentAt,
+        Self::RelatedId,
+        Self::TradeRef,
+        Self::Broker,
+        Self::InvMgr,
+        Self::Side,
+        Self::Isin,
+        Self::TradeDate,
+        Self::SettleDate,
+        Self::Market,
+        Self::Price,
+        Self::Ccy,
+        Self::Qty,
+        Self::AllocCount,
+        Self::Account,
+        Self::Pset,
+        Self::PaymentType,
+        Self::Gross,
+        Self::Commission,
+        Self::Fees,
+        Self::Net,
+        Self::Custodian,
+        Self::SafekeepingAccount,
+        Self::SettleAmount,
+    ];
+
+    /// The element name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::MsgId => "MsgId",
+            Self::Type => "Type",
+            Self::Function => "Function",
+            Self::Sender => "Sender",
+            Self::SentAt => "SentAt",
+            Self::RelatedId => "RelatedId",
+            Self::TradeRef => "TradeRef",
+            Self::Broker => "Broker",
+            Self::InvMgr => "InvMgr",
+            Self::Side => "Side",
+            Self::Isin => "Isin",
+            Self::TradeDate => "TradeDate",
+            Self::SettleDate => "SettleDate",
+            Self::Market => "Market",
+            Self::Price => "Price",
+            Self::Ccy => "Ccy",
+            Self::Qty => "Qty",
+            Self::AllocCount => "AllocCount",
+            Self::Account => "Account",
+            Self::Pset => "Pset",
+            Self::PaymentType => "PaymentType",
+            Self::Gross => "Gross",
+            Self::Commission => "Commission",
+            Self::Fees => "Fees",
+            Self::Net => "Net",
+            Self::Custodian => "Custodian",
+            Self::SafekeepingAccount => "SafekeepingAccount",
+            Self::SettleAmount => "SettleAmount",
+        }
+    }
+
+    /// Looks up an element name.
+    pub fn from_name(name: &[u8]) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|field| field.name().as_bytes() == name)
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// The text of each child element of one `Msg`, unescaped, before any typing.
+#[derive(Debug, Default)]
+pub struct RawFields<'a> {
+    values: [Option<Cow<'a, str>>; FIELD_COUNT],
+}
+
+impl<'a> RawFields<'a> {
+    /// The text of a field, if the element was present.
+    pub fn get(&self, field: Field) -> Option<&str> {
+        self.values[field.index()].as_deref()
+    }
+
+    /// Sets a field's text (used by tests and by message builders).
+    pub fn set(&mut self, field: Field, value: impl Into<Cow<'a, str>>) {
+        self.values[field.index()] = Some(value.into());
+    }
+
+    /// The fields that are present, in canonical order.
+    pub fn present(&self) -> impl Iterator<Item = (Field, &str)> {
+        Field::ALL
+            .into_iter()
+            .filter_map(|field| self.get(field).map(|value| (field, value)))
+    }
+}
+
+fn parse_error(detail: impl Into<String>) -> Rejection {
+    Rejection::new(ReasonCode::Parse, detail)
+}
+
+fn field_error(detail: impl Into<String>) -> Rejection {
+    Rejection::new(ReasonCode::Field, detail)
+}
+
+fn is_ste_namespace(resolved: &ResolveResult) -> bool {
+    matches!(resolved, ResolveResult::Bound(Namespace(ns)) if *ns == NAMESPACE.as_bytes())
+}
+
+/// Parses one `Msg` element. Fails with E_PARSE for anything that is not well-formed XML in the
+/// STE namespace (including any DOCTYPE), and with E_FIELD for unknown, repeated or nested
+/// elements.
+pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
+    let mut reader = NsReader::from_reader(bytes);
+    reader.config_mut().check_end_names = true;
+    let mut fields = RawFields::default();
+    let mut seen_root = false;
+    let mut root_closed = false;
+    let mut current: Option<Field> = None;
+    let mut current_has_text = false;
+    loop {
+        let (resolved, event) = reader
+            .read_resolved_event()
+            .map_err(|error| parse_error(format!("not well-formed xml: {error}")))?;
+        let is_empty = matches!(event, Event::Empty(_));
+        match event {
+            Event::DocType(_) => return Err(parse_error("a DOCTYPE is not allowed")),
+            Event::Decl(_) if seen_root => {
+                return Err(parse_error("xml declaration inside the document"));
+            }
+            Event::Decl(_) | Event::Comment(_) | Event::PI(_) => {}
+            Event::Eof => {
+                if !seen_root {
+                    return Err(parse_error("no Msg element"));
+                }
+                if !root_closed {
+                    return Err(parse_error("truncated message: Msg is not closed"));
+                }
+                return Ok(fields);
+            }
+            Event::Start(start) | Event::Empty(start) if !seen_root => {
+                if start.local_name().as_ref() != b"Msg" {
+                    return Err(parse_error("the root element is not Msg"));
+                }
+                if !is_ste_namespace(&resolved) {
+                    return Err(parse_error(format!(
+                        "Msg is not in the namespace {NAMESPACE}"
+                    )));
+                }
+                seen_root = true;
+                if is_empty {
+                    root_closed = true;
+                }
+            }
+            Event::Start(_) | Event::Empty(_) if root_closed => {
+                return Err(parse_error("content after the Msg element"));
+            }
+            Event::Start(start) | Event::Empty(start) => {
+                if current.is_some() {
+                    return Err(field_error("nested element inside a field"));
+                }
+                let local = start.local_name();
+                let name = String::from_utf8_lossy(local.as_ref()).into_owned();
+                if !is_ste_namespace(&resolved) {
+                    return Err(field_error(format!(
+                        "element {name} is not in the namespace {NAMESPACE}"
+                    )));
+                }
+                let Some(field) = Field::from_name(local.as_ref()) else {
+                    return Err(field_error(format!("unknown element {name}")));
+                };
+                if fields.get(field).is_some() {
+                    return Err(field_error(format!("repeated element {name}")));
+                }
+                if is_empty {
+                    fields.set(field, "");
+                } else {
+                    current = Some(field);
+                    current_has_text = false;
+                }
+            }
+            Event::End(_) => match current.take() {
+                Some(field) => {
+                    if !current_has_text {
+                        fields.set(field, "");
+                    }
+                }
+                None => root_closed = true,
+            },
+            Event::Text(text) => {
+                let value = text
+                    .unescape()
+                    .map_err(|error| parse_error(format!("bad text: {error}")))?;
+                match current {
+                    Some(field) => {
+                        fields.set(field, value);
+                        current_has_text = true;
+                    }
+                    None => {
+                        if !value.trim().is_empty() {
+                            return Err(if seen_root && !root_closed {
+                                field_error("text outside any field")
+                            } else {
+                                parse_error("text outside the Msg element")
+                            });
+                        }
+                    }
+                }
+            }
+            Event::CData(data) => {
+                let Some(field) = current else {
+                    return Err(field_error("CDATA outside any field"));
+                };
+                let value = std::str::from_utf8(&data)
+                    .map_err(|_| parse_error("CDATA is not UTF-8"))?
+                    .to_owned();
+                fields.set(field, value);
+                current_has_text = true;
+            }
+        }
+    }
+}
+
+/// Escapes text for an element body.
+fn push_escaped(out: &mut String, text: &str) {
+    for ch in text.chars() {
+        match ch {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            _ => out.push(ch),
+        }
+    }
+}
+
+fn push_element(out: &mut String, name: &str, value: &str) {
+    out.push('<');
+    out.push_str(name);
+    out.push('>');
+    push_escaped(out, value);
+    out.push_str("</");
+    out.push_str(name);
+    out.push('>');
+}
+
+/// Encodes raw field texts as one canonical `Msg` line (no trailing newline).
+pub fn encode_fields(fields: &RawFields<'_>) -> String {
+    let mut out = String::with_capacity(640);
+    out.push_str("<Msg xmlns=\"");
+    out.push_str(NAMESPACE);
+    out.push_str("\">");
+    for (field, value) in fields.present() {
+        push_element(&mut out, field.name(), value);
+    }
+    out.push_str("</Msg>");
+    out
+}
+
+/// The raw field texts of a typed message, amounts and prices in their shortest exact form.
+pub fn fields_of(msg: &Msg) -> RawFields<'static> {
+    let mut fields = RawFields::default();
+    fields.set(Field::MsgId, msg.msg_id.clone());
+    fields.set(Field::Type, msg.msg_type.as_str());
+    fields.set(Field::Function, msg.function.as_str());
+    fields.set(Field::Sender, msg.sender.clone());
+    fields.set(Field::SentAt, msg.sent_at.clone());
+    let optional_texts = [
+        (Field::RelatedId, msg.related_id.clone()),
+        (Field::TradeRef, Some(msg.trade_ref.clone())),
+        (Field::Broker, Some(msg.broker.clone())),
+        (Field::InvMgr, msg.inv_mgr.clone()),
+        (Field::Side, msg.side.map(|v| v.as_str().to_owned())),
+        (Field::Isin, msg.isin.clone()),
+        (Field::TradeDate, msg.trade_date.map(format_date)),
+        (Field::SettleDate, msg.settle_date.map(format_date)),
+        (Field::Market, msg.market.clone()),
+        (Field::Price, msg.price.map(|v| v.to_string())),
+        (Field::Ccy, msg.ccy.clone()),
+        (Field::Qty, msg.qty.map(|v| v.to_string())),
+        (Field::AllocCount, msg.alloc_count.map(|v| v.to_string())),
+        (Field::Account, msg.account.clone()),
+        (Field::Pset, msg.pset.clone()),
+        (
+            Field::PaymentType,
+            msg.payment_type.map(|v| v.as_str().to_owned()),
+        ),
+        (Field::Gross, msg.gross.map(|v| v.to_string())),
+        (Field::Commission, msg.commission.map(|v| v.to_string())),
+        (Field::Fees, msg.fees.map(|v| v.to_string())),
+        (Field::Net, msg.net.map(|v| v.to_string())),
+        (Field::Custodian, msg.custodian.clone()),
+        (Field::SafekeepingAccount, msg.safekeeping_account.clone()),
+        (Field::SettleAmount, msg.settle_amount.map(|v| v.to_string())),
+    ];
+    for (field, value) in optional_texts {
+        if let Some(value) = value {
+            fields.set(field, value);
+        }
+    }
+    fields
+}
+
+/// Encodes a typed message as one canonical `Msg` line.
+pub fn encode_msg(msg: &Msg) -> String {
+    encode_fields(&fields_of(msg))
+}
+
+/// Encodes a CLS as one line. Amounts carry the currency's minor units.
+pub fn encode_cls(cls: &Cls) -> String {
+    let mut out = String::with_capacity(512 + 256 * cls.settlements.len());
+    out.push_str("<Cls xmlns=\"");
+    out.push_str(NAMESPACE);
+    out.push_str("\">");
+    push_element(&mut out, "ClsId", &cls.cls_id);
+    push_element(&mut out, "TradeRef", &cls.trade_ref);
+    push_element(&mut out, "Broker", &cls.broker);
+    push_element(&mut out, "InvMgr", &cls.inv_mgr);
+    push_element(&mut out, "Isin", &cls.isin);
+    push_element(&mut out, "Side", cls.side.as_str());
+    push_element(&mut out, "TradeDate", &format_date(cls.trade_date));
+    push_element(&mut out, "SettleDate", &format_date(cls.settle_date));
+    push_element(&mut out, "Ccy", &cls.ccy);
+    push_element(&mut out, "Price", &cls.price.to_string());
+    push_element(&mut out, "Qty", &cls.qty.to_string());
+    push_element(&mut out, "MatchedAt", &cls.matched_at);
+    for settlement in &cls.settlements {
+        out.push_str("<Settlement>");
+        push_element(&mut out, "Account", &settlement.account);
+        let _ = write!(out, "<Qty>{}</Qty>", settlement.qty);
+        push_element(
+            &mut out,
+            "Net",
+            &settlement.net.format_fixed(cls.ccy_minor_units),
+        );
+        push_element(&mut out, "Custodian", &settlement.custodian);
+        push_element(
+            &mut out,
+            "SafekeepingAccount",
+            &settlement.safekeeping_account,
+        );
+        push_element(&mut out, "Pset", &settlement.pset);
+        push_element(&mut out, "PaymentType", settlement.payment_type.as_str());
+        out.push_str("</Settlement>");
+    }
+    out.push_str("</Cls>");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOE: &str = r#"<Msg xmlns="urn:ste:trade:1"><MsgId>BRKAAU21XXX-000000000001</MsgId> <Type>NOE</Type> <Function>NEW</Function> <Sender>BRKAAU21XXX</Sender></Msg>"#;
+
+    fn code_of(input: &[u8]) -> Option<ReasonCode> {
+        parse_fields(input).err().map(|rejection| rejection.code)
+    }
+
+    #[test]
+    fn parses_fields_in_any_order_with_whitespace() {
+        let fields = parse_fields(NOE.as_bytes()).expect("well-formed");
+        assert_eq!(fields.get(Field::Type), Some("NOE"));
+        assert_eq!(fields.get(Field::Sender), Some("BRKAAU21XXX"));
+        assert_eq!(fields.get(Field::Price), None);
+    }
+
+    #[test]
+    fn predefined_entities_are_unescaped() {
+        let input = r#"<Msg xmlns="urn:ste:trade:1"><Account>A&amp;B&#65;</Account></Msg>"#;
+        let fields = parse_fields(input.as_bytes()).expect("well-formed");
+        assert_eq!(fields.get(Field::Account), Some("A&BA"));
+    }
+
+    #[test]
+    fn prefixed_namespace_is_accepted() {
+        let input = r#"<s:Msg xmlns:s="urn:ste:trade:1"><s:Type>NOE</s:Type></s:Msg>"#;
+        let fields = parse_fields(input.as_bytes()).expect("well-formed");
+        assert_eq!(fields.get(Field::Type), Some("NOE"));
+    }
+
+    #[test]
+    fn hostile_and_malformed_input() {
+        let cases: [(&[u8], ReasonCode); 12] = [
+            (&NOE.as_bytes()[..60], ReasonCode::Parse),
+            (b"", ReasonCode::Parse),
+            (b"\x00\x01\x02\xff\xfe garbage", ReasonCode::Parse),
+            (
+                br#"<!DOCTYPE Msg [<!ENTITY a "aaaa">]><Msg xmlns="urn:ste:trade:1"><Account>&a;</Account></Msg>"#,
+                ReasonCode::Parse,
+            ),
+            (
+                br#"<Msg xmlns="urn:ste:trade:1"><Account>&a;</Account></Msg>"#,
+                ReasonCode::Parse,
+            ),
+            (
+                br#"<Msg xmlns="urn:other"><Type>NOE</Type></Msg>"#,
+                ReasonCode::Parse,
+            ),
+            (br#"<Msg><Type>NOE</Type></Msg>"#, ReasonCode::Parse),
+            (
+                br#"<Msg xmlns="urn:ste:trade:1"><Type>NOE</Typo></Msg>"#,
+                ReasonCode::Parse,
+            ),
+            (
+                br#"<Msg xmlns="urn:ste:trade:1"><Colour>red</Colour></Msg>"#,
+                ReasonCode::Field,
+            ),
+            (
+                br#"<Msg xmlns="urn:ste:trade:1"><Type>NOE</Type><Type>ALC</Type></Msg>"#,
+                ReasonCode::Field,
+            ),
+            (
+                br#"<Msg xmlns="urn:ste:trade:1"><Type><Qty>1</Qty></Type></Msg>"#,
+                ReasonCode::Field,
+            ),
+            (
+                br#"<Msg xmlns="urn:ste:trade:1"></Msg><Msg xmlns="urn:ste:trade:1"></Msg>"#,
+                ReasonCode::Parse,
+            ),
+        ];
+        for (input, expected) in cases {
+            assert_eq!(
+                code_of(input),
+                Some(expected),
+                "input {:?}",
+                String::from_utf8_lossy(input)
+            );
+        }
+    }
+
+    #[test]
+    fn encode_then_parse_round_trips() {
+        let mut fields = RawFields::default();
+        fields.set(Field::MsgId, "X-1");
+        fields.set(Field::Account, "A<B>&C");
+        let line = encode_fields(&fields);
+        let parsed = parse_fields(line.as_bytes()).expect("well-formed");
+        assert_eq!(parsed.get(Field::Account), Some("A<B>&C"));
+        assert_eq!(parsed.get(Field::MsgId), Some("X-1"));
+    }
+}

@@ -1,0 +1,15 @@
+//! STE: a straight-through-processing trade-matching engine.
+//!
+//! The pure parts (codec, validator, matcher, routing) do no I/O and read no clock; the queue
+//! network in [`pipeline`] wires them together with bounded channels, instrumented stations and
+//! batched stores.
+
+pub mod codec;
+pub mod matcher;
+pub mod model;
+pub mod profile;
+pub mod reason;
+pub mod refdata;
+pub mod routing;
+pub mod sign;
+pub mod validate;

@@ -1,0 +1,511 @@
+//! The matcher: a deterministic state machine per shard. It does no I/O and reads no clock; the
+//! time it stamps on a CLS is handed in by its caller. Its state can always be rebuilt by
+//! replaying the shard's accepted messages.
+//!
+//! Cancel and amend are order-independent by construction: a message is *live* when it is
+//! accepted, is not a CAN, and no accepted CAN or AMD names it. The state of a trade is a
+//! function of the set of its accepted messages, whatever order they came in.
+
+use std::sync::Arc;
+
+use ahash::{AHashMap, AHashSet};
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+
+use crate::model::{cls_id, Cls, Decimal, Function, Msg, MsgType, Settlement, Side};
+use crate::profile::Tolerances;
+use crate::reason::{Criterion, ReasonCode, Rejection};
+use crate::refdata::RefData;
+
+/// A 128-bit hash standing in for a (Sender, MsgId) pair or a trade key, so that every message
+/// ever accepted by a shard can be remembered in 24 bytes.
+pub type HashKey = [u64; 2];
+
+fn hash_key(parts: &[&str]) -> HashKey {
+    let mut bytes = Vec::with_capacity(64);
+    for part in parts {
+        bytes.extend_from_slice(part.as_bytes());
+        bytes.push(0);
+    }
+    let hash = xxh3_128(&bytes);
+    [(hash >> 64) as u64, hash as u64]
+}
+
+/// The key of a message: its Sender and MsgId.
+pub fn message_key(sender: &str, msg_id: &str) -> HashKey {
+    hash_key(&[sender, msg_id])
+}
+
+/// The status of a trade.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TradeStatus {
+    /// Waiting for messages.
+    Pending,
+    /// Complete but failing at least one criterion; waits for an AMD or CAN.
+    Mismatched,
+    /// All criteria hold; the CLS is emitted and the trade is closed.
+    Matched,
+    /// CANs removed every message; a later NEW reopens it.
+    Cancelled,
+}
+
+impl TradeStatus {
+    /// The status as stored.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "PENDING",
+            Self::Mismatched => "MISMATCHED",
+            Self::Matched => "MATCHED",
+            Self::Cancelled => "CANCELLED",
+        }
+    }
+}
+
+/// What became of one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    Accepted,
+    /// An exact re-send of an accepted message: acknowledged again, changes nothing.
+    Duplicate,
+    Rejected(Rejection),
+}
+
+/// A MISMATCHED status advice: the criteria that failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Advice {
+    pub trade_key: String,
+    pub failed: Vec<Criterion>,
+}
+
+/// Everything one message changes: what must be written and what must be sent after commit.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub disposition: Disposition,
+    /// The trade's new status, when it changed.
+    pub trade_status: Option<TradeStatus>,
+    pub cls: Option<Cls>,
+    /// Injection time of the trade's first message, for CLS latency.
+    pub trade_first_injected_ns: u64,
+    pub advice: Option<Advice>,
+}
+
+impl Outcome {
+    fn only(disposition: Disposition) -> Self {
+        Self {
+            disposition,
+            trade_status: None,
+            cls: None,
+            trade_first_injected_ns: 0,
+            advice: None,
+        }
+    }
+}
+
+struct Held {
+    key: HashKey,
+    msg: Msg,
+}
+
+struct Trade {
+    messages: Vec<Held>,
+    status: TradeStatus,
+    first_injected_ns: u64,
+    last_failed: Vec<Criterion>,
+}
+
+/// Final counts of a shard.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ShardCounts {
+    /// Distinct trades with at least one accepted message.
+    pub trades: u64,
+    /// Accepted messages.
+    pub messages: u64,
+    pub matched: u64,
+    pub mismatched: u64,
+    pub pending: u64,
+    pub cancelled: u64,
+}
+
+/// The matching state machine of one shard.
+pub struct Matcher {
+    refdata: Arc<RefData>,
+    tolerances: Tolerances,
+    open: AHashMap<Box<str>, Trade>,
+    closed: AHashSet<HashKey>,
+    /// Content hash of every accepted message, by message key.
+    seen: AHashMap<HashKey, u64>,
+    /// Message keys named by an accepted CAN or AMD.
+    named: AHashSet<HashKey>,
+    accepted: u64,
+}
+
+impl Matcher {
+    /// A matcher with no trades.
+    pub fn new(refdata: Arc<RefData>, tolerances: Tolerances) -> Self {
+        Self {
+            refdata,
+            tolerances,
+            open: AHashMap::new(),
+            closed: AHashSet::new(),
+            seen: AHashMap::new(),
+            named: AHashSet::new(),
+            accepted: 0,
+        }
+    }
+
+    /// Processes one validated message. `raw` is its wire bytes (for exact-duplicate detection),
+    /// `injected_ns` when it entered the engine, `now` the timestamp to stamp on a CLS.
+    pub fn process(&mut self, msg: Msg, raw: &[u8], injected_ns: u64, now: &str) -> Outcome {
+        let key = message_key(&msg.sender, &msg.msg_id);
+        let content = xxh3_64(raw);
+        if let Some(previous) = self.seen.get(&key) {
+            return Outcome::only(if *previous == content {
+                Disposition::Duplicate
+            } else {
+                Disposition::Rejected(Rejection::new(
+                    ReasonCode::DupId,
+                    format!(
+                        "MsgId {} of {} was already accepted with different content",
+                        msg.msg_id, msg.sender
+                    ),
+                ))
+            });
+        }
+        let trade_key = msg.trade_key();
+        let is_named = self.named.contains(&key);
+        if self.closed.contains(&hash_key(&[&trade_key])) {
+            if !is_named {
+                return Outcome::only(Disposition::Rejected(Rejection::new(
+                    ReasonCode::Closed,
+                    format!("trade {trade_key} is already matched"),
+                )));
+            }
+            self.remember(key, content, &msg);
+            return Outcome::only(Disposition::Accepted);
+        }
+        if msg.function == Function::New && !is_named {
+            if let Some(trade) = self.open.get(trade_key.as_str()) {
+                let slot = slot_of(&msg);
+                let taken = trade
+                    .messages
+                    .iter()
+                    .any(|held| self.is_live(held) && slot_of(&held.msg) == slot);
+                if taken {
+                    return Outcome::only(Disposition::Rejected(Rejection::new(
+                        ReasonCode::Conflict,
+                        format!(
+                            "a live {} already holds this slot of trade {trade_key}",
+                            msg.msg_type.as_str()
+                        ),
+                    )));
+                }
+            }
+        }
+        self.remember(key, content, &msg);
+        let trade = self
+            .open
+            .entry(trade_key.clone().into_boxed_str())
+            .or_insert_with(|| Trade {
+                messages: Vec::new(),
+                status: TradeStatus::Pending,
+                first_injected_ns: injected_ns,
+                last_failed: Vec::new(),
+            });
+        trade.first_injected_ns = trade.first_injected_ns.min(injected_ns);
+        trade.messages.push(Held { key, msg });
+        self.evaluate(trade_key, now)
+    }
+
+    fn remember(&mut self, key: HashKey, content: u64, msg: &Msg) {
+        self.seen.insert(key, content);
+        self.accepted += 1;
+        if msg.function != Function::New {
+            if let Some(related) = &msg.related_id {
+                self.named.insert(message_key(&msg.sender, related));
+            }
+        }
+    }
+
+    fn is_live(&self, held: &Held) -> bool {
+        held.msg.function != Function::Can && !self.named.contains(&held.key)
+    }
+
+    fn evaluate(&mut self, trade_key: String, now: &str) -> Outcome {
+        let Some(trade) = self.open.get(trade_key.as_str()) else {
+            return Outcome::only(Disposition::Accepted);
+        };
+        let live: Vec<&Msg> = trade
+            .messages
+            .iter()
+            .filter(|held| self.is_live(held))
+            .map(|held| &held.msg)
+            .collect();
+        let mut failed = Vec::new();
+        let status = if live.is_empty() {
+            if trade.messages.iter().any(|h| h.msg.function == Function::Can) {
+                TradeStatus::Cancelled
+            } else {
+                TradeStatus::Pending
+            }
+        } else if let Some(group) = Group::complete(&live) {
+            failed = group.failed_criteria(&self.refdata, &self.tolerances);
+            if failed.is_empty() {
+                TradeStatus::Matched
+            } else {
+                TradeStatus::Mismatched
+            }
+        } else {
+            TradeStatus::Pending
+        };
+        let cls = if status == TradeStatus::Matched {
+            Group::complete(&live).map(|group| group.cls(&self.refdata, now))
+        } else {
+            None
+        };
+        let first_injected_ns = trade.first_injected_ns;
+        let changed = status != trade.status;
+        let advice = (status == TradeStatus::Mismatched && failed != trade.last_failed).then(|| {
+            Advice {
+                trade_key: trade_key.clone(),
+                failed: failed.clone(),
+            }
+        });
+        if status == TradeStatus::Matched {
+            self.open.remove(trade_key.as_str());
+            self.closed.insert(hash_key(&[&trade_key]));
+        } else if let Some(trade) = self.open.get_mut(trade_key.as_str()) {
+            trade.status = status;
+            trade.last_failed = failed;
+        }
+        Outcome {
+            disposition: Disposition::Accepted,
+            trade_status: changed.then_some(status),
+            cls,
+            trade_first_injected_ns: first_injected_ns,
+            advice,
+        }
+    }
+
+    /// Final counts: trades by status and accepted messages.
+    pub fn counts(&self) -> ShardCounts {
+        let mut counts = ShardCounts {
+            trades: (self.open.len() + self.closed.len()) as u64,
+            messages: self.accepted,
+            matched: self.closed.len() as u64,
+            ..ShardCounts::default()
+        };
+        for trade in self.open.values() {
+            match trade.status {
+                TradeStatus::Pending => counts.pending += 1,
+                TradeStatus::Mismatched => counts.mismatched += 1,
+                TradeStatus::Cancelled => counts.cancelled += 1,
+                TradeStatus::Matched => counts.matched += 1,
+            }
+        }
+        counts
+    }
+
+    /// The status of a trade, if the shard knows it.
+    pub fn status_of(&self, trade_key: &str) -> Option<TradeStatus> {
+        if self.closed.contains(&hash_key(&[trade_key])) {
+            return Some(TradeStatus::Matched);
+        }
+        self.open.get(trade_key).map(|trade| trade.status)
+    }
+}
+
+/// The slot a NEW message takes in its trade: the NOE, or one (Type, Account).
+fn slot_of(msg: &Msg) -> (MsgType, Option<&str>) {
+    match msg.msg_type {
+        MsgType::Noe => (MsgType::Noe, None),
+        other => (other, msg.account.as_deref()),
+    }
+}
+
+/// The live messages of a complete trade, by type.
+struct Group<'a> {
+    noe: &'a Msg,
+    alcs: Vec<&'a Msg>,
+    nprs: Vec<&'a Msg>,
+    sets: Vec<&'a Msg>,
+    all: &'a [&'a Msg],
+}
+
+impl<'a> Group<'a> {
+    /// A trade is complete when its live messages are 1 NOE and n ALC, n NPR and n SET, where n
+    /// is the AllocCount of at least one ALC.
+    fn complete(live: &'a [&'a Msg]) -> Option<Self> {
+        let of = |msg_type: MsgType| -> Vec<&'a Msg> {
+            live.iter().copied().filter(|m| m.msg_type == msg_type).collect()
+        };
+        let noes = of(MsgType::Noe);
+        let alcs = of(MsgType::Alc);
+        let nprs = of(MsgType::Npr);
+        let sets = of(MsgType::Set);
+        let count = alcs.len();
+        let complete = noes.len() == 1
+            && count >= 1
+            && nprs.len() == count
+            && sets.len() == count
+            && alcs.iter().any(|alc| alc.alloc_count == Some(count as u32));
+        complete.then(|| Self {
+            noe: noes[0],
+            alcs,
+            nprs,
+            sets,
+            all: live,
+        })
+    }
+
+    fn minor_units(&self, refdata: &RefData) -> u8 {
+        self.noe
+            .ccy
+            .as_deref()
+            .and_then(|ccy| refdata.currency(ccy))
+            .map_or(2, |currency| currency.minor_units)
+    }
+
+    fn failed_criteria(&self, refdata: &RefData, tolerances: &Tolerances) -> Vec<Criterion> {
+        let mut failed = Vec::new();
+        let mut check = |criterion: Criterion, holds: bool| {
+            if !holds {
+                failed.push(criterion);
+            }
+        };
+        fn all_equal<'m, T: PartialEq>(
+            messages: impl IntoIterator<Item = &'m &'m Msg>,
+            field: impl Fn(&Msg) -> T,
+        ) -> bool {
+            let mut values = messages.into_iter().map(|m| field(m));
+            match values.next() {
+                Some(first) => values.all(|value| value == first),
+                None => true,
+            }
+        }
+        let noe_alc = || std::iter::once(&self.noe).chain(self.alcs.iter());
+        check(Criterion::C01, all_equal(self.all, |m| m.trade_ref.clone()));
+        check(Criterion::C02, all_equal(self.all, |m| m.broker.clone()));
+        check(Criterion::C03, all_equal(self.all, |m| m.inv_mgr.clone()));
+        check(Criterion::C04, all_equal(self.all, |m| m.side));
+        check(Criterion::C05, all_equal(self.all, |m| m.isin.clone()));
+        check(Criterion::C06, all_equal(self.all, |m| m.trade_date));
+        check(Criterion::C07, all_equal(self.all, |m| m.settle_date));
+        check(Criterion::C08, all_equal(noe_alc(), |m| m.market.clone()));
+        check(
+            Criterion::C09,
+            all_equal(noe_alc().chain(self.nprs.iter()), |m| m.price),
+        );
+        check(Criterion::C10, all_equal(self.all, |m| m.ccy.clone()));
+        let allocated: u64 = self.alcs.iter().filter_map(|alc| alc.qty).sum();
+        check(
+            Criterion::C11,
+            all_equal(self.alcs.iter(), |m| m.alloc_count) && Some(allocated) == self.noe.qty,
+        );
+
+        let find = |messages: &[&'a Msg], account: Option<&str>| -> Vec<&'a Msg> {
+            messages
+                .iter()
+                .copied()
+                .filter(|m| m.account.as_deref() == account)
+                .collect()
+        };
+        let mut accounts_hold = true;
+        let mut per_account: Vec<(&Msg, &Msg, &Msg)> = Vec::with_capacity(self.alcs.len());
+        for alc in &self.alcs {
+            let account = alc.account.as_deref();
+            let alcs = find(&self.alcs, account);
+            let nprs = find(&self.nprs, account);
+            let sets = find(&self.sets, account);
+            if alcs.len() == 1 && nprs.len() == 1 && sets.len() == 1 {
+                per_account.push((alc, nprs[0], sets[0]));
+            } else {
+                accounts_hold = false;
+            }
+        }
+        check(Criterion::C12, accounts_hold);
+        check(
+            Criterion::C13,
+            per_account
+                .iter()
+                .all(|(alc, npr, set)| alc.qty == npr.qty && npr.qty == set.qty),
+        );
+        let minor_units = self.minor_units(refdata);
+        let gross_holds = self.nprs.iter().all(|npr| match (npr.qty, npr.price, npr.gross) {
+            (Some(qty), Some(price), Some(gross)) => {
+                let expected = price.times_quantity(qty).round_to(minor_units);
+                tolerances.within(expected, gross)
+            }
+            _ => false,
+        });
+        check(Criterion::C14, gross_holds);
+        let net_holds = self.nprs.iter().all(|npr| {
+            match (npr.gross, npr.commission, npr.fees, npr.net, npr.side) {
+                (Some(gross), Some(commission), Some(fees), Some(net), Some(side)) => {
+                    let expected = match side {
+                        Side::Buy => gross + commission + fees,
+                        Side::Sell => gross - commission - fees,
+                    };
+                    tolerances.within(expected, net)
+                }
+                _ => false,
+            }
+        });
+        check(Criterion::C15, net_holds);
+        check(
+            Criterion::C16,
+            per_account
+                .iter()
+                .all(|(alc, _, set)| alc.pset == set.pset && alc.payment_type == set.payment_type),
+        );
+        check(
+            Criterion::C17,
+            per_account
+                .iter()
+                .all(|(_, npr, set)| match (npr.net, set.settle_amount) {
+                    (Some(net), Some(amount)) => tolerances.within(net, amount),
+                    _ => false,
+                }),
+        );
+        failed
+    }
+
+    fn cls(&self, refdata: &RefData, now: &str) -> Cls {
+        let noe = self.noe;
+        let mut settlements: Vec<Settlement> = self
+            .alcs
+            .iter()
+            .map(|alc| {
+                let account = alc.account.as_deref();
+                let npr = self.nprs.iter().find(|m| m.account.as_deref() == account);
+                let set = self.sets.iter().find(|m| m.account.as_deref() == account);
+                Settlement {
+                    account: alc.account.clone().unwrap_or_default(),
+                    qty: alc.qty.unwrap_or_default(),
+                    net: npr.and_then(|m| m.net).unwrap_or_default(),
+                    custodian: set.and_then(|m| m.custodian.clone()).unwrap_or_default(),
+                    safekeeping_account: set
+                        .and_then(|m| m.safekeeping_account.clone())
+                        .unwrap_or_default(),
+                    pset: alc.pset.clone().unwrap_or_default(),
+                    payment_type: alc.payment_type.unwrap_or(crate::model::PaymentType::Dvp),
+                }
+            })
+            .collect();
+        settlements.sort_by(|a, b| a.account.cmp(&b.account));
+        Cls {
+            cls_id: cls_id(&noe.broker, &noe.trade_ref),
+            trade_ref: noe.trade_ref.clone(),
+            broker: noe.broker.clone(),
+            inv_mgr: noe.inv_mgr.clone().unwrap_or_default(),
+            isin: noe.isin.clone().unwrap_or_default(),
+            side: noe.side.unwrap_or(Side::Buy),
+            trade_date: noe.trade_date.unwrap_or(time::Date::MIN),
+            settle_date: noe.settle_date.unwrap_or(time::Date::MIN),
+            ccy: noe.ccy.clone().unwrap_or_default(),
+            ccy_minor_units: self.minor_units(refdata),
+            price: noe.price.unwrap_or(Decimal(0)),
+            qty: noe.qty.unwrap_or_default(),
+            matched_at: now.to_owned(),
+            settlements,
+        }
+    }
+}

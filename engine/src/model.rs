@@ -1,0 +1,400 @@
+//! The message model: the four inbound types, their functions and the typed fields.
+
+use std::fmt;
+
+use time::{Date, Month};
+
+/// The four inbound message types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MsgType {
+    Noe,
+    Alc,
+    Npr,
+    Set,
+}
+
+impl MsgType {
+    /// Parses the wire spelling.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "NOE" => Some(Self::Noe),
+            "ALC" => Some(Self::Alc),
+            "NPR" => Some(Self::Npr),
+            "SET" => Some(Self::Set),
+            _ => None,
+        }
+    }
+
+    /// The wire spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Noe => "NOE",
+            Self::Alc => "ALC",
+            Self::Npr => "NPR",
+            Self::Set => "SET",
+        }
+    }
+}
+
+/// NEW, CAN (cancel) or AMD (amend and replace).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Function {
+    New,
+    Can,
+    Amd,
+}
+
+impl Function {
+    /// Parses the wire spelling.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "NEW" => Some(Self::New),
+            "CAN" => Some(Self::Can),
+            "AMD" => Some(Self::Amd),
+            _ => None,
+        }
+    }
+
+    /// The wire spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::New => "NEW",
+            Self::Can => "CAN",
+            Self::Amd => "AMD",
+        }
+    }
+}
+
+/// BUY or SELL, from the investment manager's view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Side {
+    Buy,
+    Sell,
+}
+
+impl Side {
+    /// Parses the wire spelling.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "BUY" => Some(Self::Buy),
+            "SELL" => Some(Self::Sell),
+            _ => None,
+        }
+    }
+
+    /// The wire spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Buy => "BUY",
+            Self::Sell => "SELL",
+        }
+    }
+}
+
+/// Delivery versus payment or free of payment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PaymentType {
+    Dvp,
+    Fop,
+}
+
+impl PaymentType {
+    /// Parses the wire spelling.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "DVP" => Some(Self::Dvp),
+            "FOP" => Some(Self::Fop),
+            _ => None,
+        }
+    }
+
+    /// The wire spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Dvp => "DVP",
+            Self::Fop => "FOP",
+        }
+    }
+}
+
+/// A non-negative fixed-point decimal with six fraction digits, held as millionths.
+///
+/// Money and prices are never floating point: `Qty × Price` of the largest allowed values still
+/// fits in the `i128` mantissa.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Decimal(pub i128);
+
+/// Fraction digits held by [`Decimal`].
+pub const DECIMAL_SCALE_DIGITS: u32 = 6;
+const DECIMAL_ONE: i128 = 1_000_000;
+/// Integer digits accepted before the decimal point; bounds every amount well inside `i128`.
+const DECIMAL_INTEGER_DIGITS_MAX: usize = 15;
+
+impl Decimal {
+    /// Parses `digits[.digits]` with at most six fraction digits and no sign.
+    pub fn parse(text: &str) -> Option<Self> {
+        let (integer, fraction) = match text.split_once('.') {
+            Some((integer, fraction)) => (integer, fraction),
+            None => (text, ""),
+        };
+        if integer.is_empty()
+            || integer.len() > DECIMAL_INTEGER_DIGITS_MAX
+            || fraction.len() > DECIMAL_SCALE_DIGITS as usize
+            || (text.contains('.') && fraction.is_empty())
+            || !integer.bytes().all(|b| b.is_ascii_digit())
+            || !fraction.bytes().all(|b| b.is_ascii_digit())
+        {
+            return None;
+        }
+        let mut value: i128 = 0;
+        for b in integer.bytes() {
+            value = value * 10 + i128::from(b - b'0');
+        }
+        let mut fraction_value: i128 = 0;
+        for b in fraction.bytes() {
+            fraction_value = fraction_value * 10 + i128::from(b - b'0');
+        }
+        for _ in fraction.len()..DECIMAL_SCALE_DIGITS as usize {
+            fraction_value *= 10;
+        }
+        Some(Self(value * DECIMAL_ONE + fraction_value))
+    }
+
+    /// A whole number of units.
+    pub fn from_units(units: i128) -> Self {
+        Self(units * DECIMAL_ONE)
+    }
+
+    /// Builds a decimal from an integer count of 10^-digits units (e.g. cents for digits = 2).
+    pub fn from_minor(minor: i128, digits: u8) -> Self {
+        Self(minor * 10_i128.pow(DECIMAL_SCALE_DIGITS - u32::from(digits)))
+    }
+
+    /// `quantity × self`, exact.
+    pub fn times_quantity(self, quantity: u64) -> Self {
+        Self(self.0 * i128::from(quantity))
+    }
+
+    /// Rounds half away from zero to `digits` fraction digits.
+    pub fn round_to(self, digits: u8) -> Self {
+        let unit = 10_i128.pow(DECIMAL_SCALE_DIGITS - u32::from(digits.min(6)));
+        let half = unit / 2;
+        let magnitude = (self.0.abs() + half) / unit * unit;
+        Self(if self.0 < 0 { -magnitude } else { magnitude })
+    }
+
+    /// The absolute difference.
+    pub fn abs_diff(self, other: Self) -> Self {
+        Self((self.0 - other.0).abs())
+    }
+
+    /// Formats with exactly `digits` fraction digits (truncating any finer digits).
+    pub fn format_fixed(self, digits: u8) -> String {
+        let digits = u32::from(digits.min(6));
+        let sign = if self.0 < 0 { "-" } else { "" };
+        let magnitude = self.0.abs();
+        let integer = magnitude / DECIMAL_ONE;
+        if digits == 0 {
+            return format!("{sign}{integer}");
+        }
+        let fraction = (magnitude % DECIMAL_ONE) / 10_i128.pow(DECIMAL_SCALE_DIGITS - digits);
+        format!("{sign}{integer}.{fraction:0width$}", width = digits as usize)
+    }
+}
+
+impl std::ops::Add for Decimal {
+    type Output = Self;
+    fn add(self, other: Self) -> Self {
+        Self(self.0 + other.0)
+    }
+}
+
+impl std::ops::Sub for Decimal {
+    type Output = Self;
+    fn sub(self, other: Self) -> Self {
+        Self(self.0 - other.0)
+    }
+}
+
+impl fmt::Display for Decimal {
+    /// The shortest exact form: trailing zero fraction digits are dropped.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let full = self.format_fixed(6);
+        let trimmed = full.trim_end_matches('0').trim_end_matches('.');
+        f.write_str(trimmed)
+    }
+}
+
+/// Parses a strict `YYYY-MM-DD` calendar date.
+pub fn parse_date(text: &str) -> Option<Date> {
+    let bytes = text.as_bytes();
+    if bytes.len() != 10 || bytes[4] != b'-' || bytes[7] != b'-' {
+        return None;
+    }
+    let number = |range: std::ops::Range<usize>| -> Option<u32> {
+        let slice = &bytes[range];
+        if !slice.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        Some(slice.iter().fold(0, |acc, b| acc * 10 + u32::from(b - b'0')))
+    };
+    let year = i32::try_from(number(0..4)?).ok()?;
+    let month = Month::try_from(u8::try_from(number(5..7)?).ok()?).ok()?;
+    let day = u8::try_from(number(8..10)?).ok()?;
+    Date::from_calendar_date(year, month, day).ok()
+}
+
+/// Formats a date as `YYYY-MM-DD`.
+pub fn format_date(date: Date) -> String {
+    format!(
+        "{:04}-{:02}-{:02}",
+        date.year(),
+        u8::from(date.month()),
+        date.day()
+    )
+}
+
+/// One validated inbound message. Fields that a type or function does not carry are `None`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Msg {
+    pub msg_id: String,
+    pub msg_type: MsgType,
+    pub function: Function,
+    pub sender: String,
+    pub sent_at: String,
+    pub related_id: Option<String>,
+    pub trade_ref: String,
+    pub broker: String,
+    pub inv_mgr: Option<String>,
+    pub side: Option<Side>,
+    pub isin: Option<String>,
+    pub trade_date: Option<Date>,
+    pub settle_date: Option<Date>,
+    pub market: Option<String>,
+    pub price: Option<Decimal>,
+    pub ccy: Option<String>,
+    pub qty: Option<u64>,
+    pub alloc_count: Option<u32>,
+    pub account: Option<String>,
+    pub pset: Option<String>,
+    pub payment_type: Option<PaymentType>,
+    pub gross: Option<Decimal>,
+    pub commission: Option<Decimal>,
+    pub fees: Option<Decimal>,
+    pub net: Option<Decimal>,
+    pub custodian: Option<String>,
+    pub safekeeping_account: Option<String>,
+    pub settle_amount: Option<Decimal>,
+}
+
+impl Msg {
+    /// The grouping and routing key `Broker/TradeRef`.
+    pub fn trade_key(&self) -> String {
+        trade_key(&self.broker, &self.trade_ref)
+    }
+}
+
+/// The grouping and routing key of a trade: `Broker + "/" + TradeRef`.
+pub fn trade_key(broker: &str, trade_ref: &str) -> String {
+    let mut key = String::with_capacity(broker.len() + 1 + trade_ref.len());
+    key.push_str(broker);
+    key.push('/');
+    key.push_str(trade_ref);
+    key
+}
+
+/// One allocation's settlement line in a CLS.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settlement {
+    pub account: String,
+    pub qty: u64,
+    pub net: Decimal,
+    pub custodian: String,
+    pub safekeeping_account: String,
+    pub pset: String,
+    pub payment_type: PaymentType,
+}
+
+/// The clearing and settlement message emitted once per matched trade.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cls {
+    pub cls_id: String,
+    pub trade_ref: String,
+    pub broker: String,
+    pub inv_mgr: String,
+    pub isin: String,
+    pub side: Side,
+    pub trade_date: Date,
+    pub settle_date: Date,
+    pub ccy: String,
+    pub ccy_minor_units: u8,
+    pub price: Decimal,
+    pub qty: u64,
+    pub matched_at: String,
+    pub settlements: Vec<Settlement>,
+}
+
+/// The stable ClsId of a trade, so that a re-emitted CLS is recognisable.
+pub fn cls_id(broker: &str, trade_ref: &str) -> String {
+    format!("CLS-{broker}-{trade_ref}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decimal_parse_and_format() {
+        let cases = [
+            ("0", Some("0")),
+            ("12.345", Some("12.345")),
+            ("47.6582", Some("47.6582")),
+            ("1.000000", Some("1")),
+            ("1.0000001", None),
+            ("-1", None),
+            ("+1", None),
+            (".5", None),
+            ("5.", None),
+            ("1e5", None),
+            ("", None),
+            ("1234567890123456", None),
+        ];
+        for (input, expected) in cases {
+            let parsed = Decimal::parse(input).map(|d| d.to_string());
+            assert_eq!(parsed.as_deref(), expected, "input {input:?}");
+        }
+    }
+
+    #[test]
+    fn rounding_is_half_away_from_zero() {
+        let value = Decimal::parse("2.345").expect("valid decimal");
+        assert_eq!(value.round_to(2).format_fixed(2), "2.35");
+        let value = Decimal::parse("2.344999").expect("valid decimal");
+        assert_eq!(value.round_to(2).format_fixed(2), "2.34");
+        let negative = Decimal(-2_345_000);
+        assert_eq!(negative.round_to(2).format_fixed(2), "-2.35");
+        let yen = Decimal::parse("1234.5").expect("valid decimal");
+        assert_eq!(yen.round_to(0).format_fixed(0), "1235");
+    }
+
+    #[test]
+    fn gross_of_the_example_trade() {
+        let price = Decimal::parse("47.6582").expect("valid decimal");
+        assert_eq!(
+            price.times_quantity(15475).round_to(2).format_fixed(2),
+            "737510.65"
+        );
+    }
+
+    #[test]
+    fn dates_are_strict() {
+        assert!(parse_date("2026-08-04").is_some());
+        assert!(parse_date("2026-02-30").is_none());
+        assert!(parse_date("2026-8-04").is_none());
+        assert!(parse_date("20260804").is_none());
+        assert_eq!(
+            format_date(parse_date("2002-10-15").expect("valid date")),
+            "2002-10-15"
+        );
+    }
+}

@@ -1,0 +1,429 @@
+//! Static reference data: CSV files loaded at start into sorted arrays and searched by binary
+//! search, as the STE did with qsort/bsearch.
+
+pub mod generate;
+pub mod iso;
+
+use std::path::Path;
+
+use serde::Deserialize;
+use time::{Date, Weekday};
+
+use crate::model::parse_date;
+
+/// A participant's role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    Broker,
+    InvMgr,
+    Custodian,
+    Csd,
+}
+
+impl Role {
+    /// The spelling used in participants.csv.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Broker => "BROKER",
+            Self::InvMgr => "INVMGR",
+            Self::Custodian => "CUSTODIAN",
+            Self::Csd => "CSD",
+        }
+    }
+
+    fn parse(text: &str) -> Option<Self> {
+        match text {
+            "BROKER" => Some(Self::Broker),
+            "INVMGR" => Some(Self::InvMgr),
+            "CUSTODIAN" => Some(Self::Custodian),
+            "CSD" => Some(Self::Csd),
+            _ => None,
+        }
+    }
+}
+
+/// A currency and its minor units.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Currency {
+    pub code: String,
+    pub minor_units: u8,
+}
+
+/// A market (ISO 10383 MIC).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Market {
+    pub mic: String,
+    pub country: String,
+    pub currency: String,
+}
+
+/// A security and its home market.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Security {
+    pub isin: String,
+    pub market: String,
+    pub currency: String,
+}
+
+/// A participant with its signing key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Participant {
+    pub bic: String,
+    pub role: Role,
+    pub country: String,
+    pub key: Vec<u8>,
+}
+
+/// Why reference data could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum RefDataError {
+    #[error("cannot read {file}: {source}")]
+    Io {
+        file: String,
+        source: std::io::Error,
+    },
+    #[error("bad row in {file}: {detail}")]
+    Row { file: String, detail: String },
+}
+
+/// The six reference-data tables, each sorted by its key.
+#[derive(Debug, Clone)]
+pub struct RefData {
+    currencies: Vec<Currency>,
+    countries: Vec<String>,
+    markets: Vec<Market>,
+    securities: Vec<Security>,
+    participants: Vec<Participant>,
+    /// (market, date) pairs, sorted.
+    holidays: Vec<(String, Date)>,
+}
+
+/// The file names under `engine/refdata/`.
+pub const FILES: [&str; 6] = [
+    "currencies.csv",
+    "countries.csv",
+    "markets.csv",
+    "securities.csv",
+    "participants.csv",
+    "holidays.csv",
+];
+
+const EMBEDDED: [&str; 6] = [
+    include_str!("../../refdata/currencies.csv"),
+    include_str!("../../refdata/countries.csv"),
+    include_str!("../../refdata/markets.csv"),
+    include_str!("../../refdata/securities.csv"),
+    include_str!("../../refdata/participants.csv"),
+    include_str!("../../refdata/holidays.csv"),
+];
+
+#[derive(Deserialize)]
+struct CurrencyRow {
+    code: String,
+    minor_units: u8,
+}
+
+#[derive(Deserialize)]
+struct CountryRow {
+    code: String,
+    #[allow(dead_code)]
+    name: String,
+}
+
+#[derive(Deserialize)]
+struct MarketRow {
+    mic: String,
+    country: String,
+    currency: String,
+}
+
+#[derive(Deserialize)]
+struct SecurityRow {
+    isin: String,
+    market: String,
+    currency: String,
+}
+
+#[derive(Deserialize)]
+struct ParticipantRow {
+    bic: String,
+    role: String,
+    country: String,
+    key_hex: String,
+}
+
+#[derive(Deserialize)]
+struct HolidayRow {
+    market: String,
+    date: String,
+}
+
+fn read_rows<T: serde::de::DeserializeOwned>(file: &str, text: &str) -> Result<Vec<T>, RefDataError> {
+    let mut reader = csv::Reader::from_reader(text.as_bytes());
+    reader
+        .deserialize()
+        .map(|row| {
+            row.map_err(|error| RefDataError::Row {
+                file: file.to_owned(),
+                detail: error.to_string(),
+            })
+        })
+        .collect()
+}
+
+fn row_error(file: &str, detail: String) -> RefDataError {
+    RefDataError::Row {
+        file: file.to_owned(),
+        detail,
+    }
+}
+
+impl RefData {
+    /// The reference data committed under `engine/refdata/`, compiled into the binary.
+    pub fn embedded() -> Result<Self, RefDataError> {
+        Self::from_texts(EMBEDDED)
+    }
+
+    /// Loads the six CSV files from a folder.
+    pub fn load(dir: &Path) -> Result<Self, RefDataError> {
+        let mut texts: Vec<String> = Vec::with_capacity(FILES.len());
+        for file in FILES {
+            let path = dir.join(file);
+            let text = std::fs::read_to_string(&path).map_err(|source| RefDataError::Io {
+                file: path.display().to_string(),
+                source,
+            })?;
+            texts.push(text);
+        }
+        Self::from_texts([
+            &texts[0], &texts[1], &texts[2], &texts[3], &texts[4], &texts[5],
+        ])
+    }
+
+    /// Builds the sorted tables from the six CSV texts, in [`FILES`] order.
+    pub fn from_texts(texts: [&str; 6]) -> Result<Self, RefDataError> {
+        let mut currencies: Vec<Currency> = read_rows::<CurrencyRow>(FILES[0], texts[0])?
+            .into_iter()
+            .map(|row| Currency {
+                code: row.code,
+                minor_units: row.minor_units,
+            })
+            .collect();
+        currencies.sort_by(|a, b| a.code.cmp(&b.code));
+        let mut countries: Vec<String> = read_rows::<CountryRow>(FILES[1], texts[1])?
+            .into_iter()
+            .map(|row| row.code)
+            .collect();
+        countries.sort();
+        let mut markets: Vec<Market> = read_rows::<MarketRow>(FILES[2], texts[2])?
+            .into_iter()
+            .map(|row| Market {
+                mic: row.mic,
+                country: row.country,
+                currency: row.currency,
+            })
+            .collect();
+        markets.sort_by(|a, b| a.mic.cmp(&b.mic));
+        let mut securities: Vec<Security> = read_rows::<SecurityRow>(FILES[3], texts[3])?
+            .into_iter()
+            .map(|row| Security {
+                isin: row.isin,
+                market: row.market,
+                currency: row.currency,
+            })
+            .collect();
+        securities.sort_by(|a, b| a.isin.cmp(&b.isin));
+        let mut participants = Vec::new();
+        for row in read_rows::<ParticipantRow>(FILES[4], texts[4])? {
+            let role = Role::parse(&row.role)
+                .ok_or_else(|| row_error(FILES[4], format!("unknown role {}", row.role)))?;
+            let key = hex::decode(&row.key_hex)
+                .map_err(|error| row_error(FILES[4], format!("bad key of {}: {error}", row.bic)))?;
+            participants.push(Participant {
+                bic: row.bic,
+                role,
+                country: row.country,
+                key,
+            });
+        }
+        participants.sort_by(|a, b| a.bic.cmp(&b.bic));
+        let mut holidays = Vec::new();
+        for row in read_rows::<HolidayRow>(FILES[5], texts[5])? {
+            let date = parse_date(&row.date)
+                .ok_or_else(|| row_error(FILES[5], format!("bad date {}", row.date)))?;
+            holidays.push((row.market, date));
+        }
+        holidays.sort();
+        Ok(Self {
+            currencies,
+            countries,
+            markets,
+            securities,
+            participants,
+            holidays,
+        })
+    }
+
+    /// The currency with this code.
+    pub fn currency(&self, code: &str) -> Option<&Currency> {
+        self.currencies
+            .binary_search_by(|c| c.code.as_str().cmp(code))
+            .ok()
+            .map(|i| &self.currencies[i])
+    }
+
+    /// Whether the ISO 3166 country code is known.
+    pub fn has_country(&self, code: &str) -> bool {
+        self.countries
+            .binary_search_by(|c| c.as_str().cmp(code))
+            .is_ok()
+    }
+
+    /// The market with this MIC.
+    pub fn market(&self, mic: &str) -> Option<&Market> {
+        self.markets
+            .binary_search_by(|m| m.mic.as_str().cmp(mic))
+            .ok()
+            .map(|i| &self.markets[i])
+    }
+
+    /// The security with this ISIN.
+    pub fn security(&self, isin: &str) -> Option<&Security> {
+        self.securities
+            .binary_search_by(|s| s.isin.as_str().cmp(isin))
+            .ok()
+            .map(|i| &self.securities[i])
+    }
+
+    /// The participant with this BIC.
+    pub fn participant(&self, bic: &str) -> Option<&Participant> {
+        self.participants
+            .binary_search_by(|p| p.bic.as_str().cmp(bic))
+            .ok()
+            .map(|i| &self.participants[i])
+    }
+
+    /// Whether `date` is a holiday of `market` in holidays.csv.
+    pub fn is_holiday(&self, market: &str, date: Date) -> bool {
+        self.holidays
+            .binary_search_by(|(m, d)| m.as_str().cmp(market).then(d.cmp(&date)))
+            .is_ok()
+    }
+
+    /// Whether `date` is a business day of `market`: not a weekend, not a listed holiday.
+    pub fn is_business_day(&self, market: &str, date: Date) -> bool {
+        !matches!(date.weekday(), Weekday::Saturday | Weekday::Sunday)
+            && !self.is_holiday(market, date)
+    }
+
+    /// All currencies, sorted by code.
+    pub fn currencies(&self) -> &[Currency] {
+        &self.currencies
+    }
+
+    /// All markets, sorted by MIC.
+    pub fn markets(&self) -> &[Market] {
+        &self.markets
+    }
+
+    /// All securities, sorted by ISIN.
+    pub fn securities(&self) -> &[Security] {
+        &self.securities
+    }
+
+    /// All participants, sorted by BIC.
+    pub fn participants(&self) -> &[Participant] {
+        &self.participants
+    }
+
+    /// Number of countries.
+    pub fn country_count(&self) -> usize {
+        self.countries.len()
+    }
+
+    /// Number of holiday rows.
+    pub fn holiday_count(&self) -> usize {
+        self.holidays.len()
+    }
+}
+
+/// Whether an ISIN's last character is the right check digit (ISO 6166: letters become two
+/// digits A=10 … Z=35, then the Luhn algorithm over the digit string).
+pub fn isin_check_digit_ok(isin: &str) -> bool {
+    let bytes = isin.as_bytes();
+    if bytes.len() != 12 {
+        return false;
+    }
+    match isin_check_digit(&isin[..11]) {
+        Some(digit) => bytes[11] == b'0' + digit,
+        None => false,
+    }
+}
+
+/// Computes the ISIN check digit of the first eleven characters.
+pub fn isin_check_digit(body: &str) -> Option<u8> {
+    let mut digits: Vec<u8> = Vec::with_capacity(22);
+    for b in body.bytes() {
+        match b {
+            b'0'..=b'9' => digits.push(b - b'0'),
+            b'A'..=b'Z' => {
+                let value = b - b'A' + 10;
+                digits.push(value / 10);
+                digits.push(value % 10);
+            }
+            _ => return None,
+        }
+    }
+    // Luhn: double every second digit from the right, starting with the rightmost.
+    let mut sum: u32 = 0;
+    for (position, digit) in digits.iter().rev().enumerate() {
+        let mut value = u32::from(*digit);
+        if position % 2 == 0 {
+            value *= 2;
+            if value > 9 {
+                value -= 9;
+            }
+        }
+        sum += value;
+    }
+    Some(((10 - sum % 10) % 10) as u8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn isin_check_digits_of_known_securities() {
+        for isin in ["US0378331005", "GB0002634946", "AU0000XVGZA3", "DE000BAY0017"] {
+            assert!(isin_check_digit_ok(isin), "{isin}");
+        }
+        for isin in ["US0378331006", "GB000263494", "us0378331005"] {
+            assert!(!isin_check_digit_ok(isin), "{isin}");
+        }
+    }
+
+    #[test]
+    fn embedded_reference_data_is_searchable() {
+        let refdata = RefData::embedded().expect("committed reference data loads");
+        assert!(refdata.currencies().len() >= 150);
+        assert!(refdata.country_count() >= 240);
+        assert!(refdata.markets().len() >= 20);
+        assert!(refdata.securities().len() >= 5000);
+        assert!(refdata.participants().len() >= 500);
+        assert_eq!(refdata.currency("JPY").map(|c| c.minor_units), Some(0));
+        assert_eq!(refdata.currency("KWD").map(|c| c.minor_units), Some(3));
+        assert!(refdata.currency("ZZZ").is_none());
+        assert_eq!(refdata.market("XSES").map(|m| m.currency.as_str()), Some("SGD"));
+        for security in refdata.securities() {
+            assert!(isin_check_digit_ok(&security.isin), "{}", security.isin);
+            assert!(refdata.market(&security.market).is_some());
+        }
+        let christmas = parse_date("2026-12-25").expect("valid date");
+        assert!(!refdata.is_business_day("XLON", christmas));
+        let tuesday = parse_date("2026-08-04").expect("valid date");
+        assert!(refdata.is_business_day("XSES", tuesday));
+        let saturday = parse_date("2026-08-08").expect("valid date");
+        assert!(!refdata.is_business_day("XSES", saturday));
+    }
+}

@@ -1,0 +1,64 @@
+//! HMAC-SHA256 message signatures with each participant's key.
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// Length of a signature in bytes.
+pub const SIGNATURE_LEN: usize = 32;
+
+/// Signs `bytes` with `key`.
+pub fn sign(key: &[u8], bytes: &[u8]) -> [u8; SIGNATURE_LEN] {
+    // HMAC accepts keys of any length, so construction cannot fail.
+    let mut mac = HmacSha256::new_from_slice(key).expect("hmac takes keys of any length");
+    mac.update(bytes);
+    mac.finalize().into_bytes().into()
+}
+
+/// Checks `signature` over `bytes` with `key`, in constant time.
+pub fn verify(key: &[u8], bytes: &[u8], signature: &[u8]) -> bool {
+    let Ok(mut mac) = HmacSha256::new_from_slice(key) else {
+        return false;
+    };
+    mac.update(bytes);
+    mac.verify_slice(signature).is_ok()
+}
+
+/// The text of the first `<Sender>…</Sender>` in a line, which names the key that signs it.
+pub fn claimed_sender(bytes: &[u8]) -> Option<&str> {
+    const OPEN: &[u8] = b"<Sender>";
+    const CLOSE: &[u8] = b"</Sender>";
+    let start = find(bytes, OPEN)? + OPEN.len();
+    let end = start + find(&bytes[start..], CLOSE)?;
+    std::str::from_utf8(&bytes[start..end]).ok()
+}
+
+/// Position of the first occurrence of `needle` in `haystack`.
+pub fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack
+        .windows(needle.len())
+        .position(|window| window == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sign_and_verify() {
+        let signature = sign(b"key", b"message");
+        assert!(verify(b"key", b"message", &signature));
+        assert!(!verify(b"other", b"message", &signature));
+        assert!(!verify(b"key", b"messagE", &signature));
+        assert!(!verify(b"key", b"message", &signature[..31]));
+    }
+
+    #[test]
+    fn finds_the_first_sender() {
+        let line = b"<Msg><Sender>AAA</Sender><Sender>BBB</Sender></Msg>";
+        assert_eq!(claimed_sender(line), Some("AAA"));
+        assert_eq!(claimed_sender(b"<Msg></Msg>"), None);
+        assert_eq!(claimed_sender(b"<Sender>unterminated"), None);
+    }
+}

@@ -1,0 +1,489 @@
+//! The validator: a pure function from one inbound message (bytes, claimed sender, signature)
+//! to a typed [`Msg`] or a [`Rejection`] with the reason code of the first failing check, in the
+//! order of DESIGN.md section 3. It holds no state, so validators can be added freely.
+
+use time::format_description::well_known::Rfc3339;
+use time::OffsetDateTime;
+
+use crate::codec::{parse_fields, Field, RawFields};
+use crate::model::{parse_date, Decimal, Function, Msg, MsgType, PaymentType, Side};
+use crate::reason::{ReasonCode, Rejection};
+use crate::refdata::{isin_check_digit_ok, RefData, Role};
+use crate::sign;
+
+/// Largest message accepted, in bytes.
+pub const MESSAGE_SIZE_MAX_BYTES: usize = 64 * 1024;
+/// Longest MsgId, TradeRef, RelatedId or account text.
+const IDENTIFIER_LEN_MAX: usize = 35;
+/// Largest quantity accepted; keeps `Qty × Price` exact in a [`Decimal`].
+const QTY_MAX: u64 = 1_000_000_000_000;
+/// Largest AllocCount accepted: bounds the work of matching one trade.
+pub const ALLOC_COUNT_MAX: u32 = 1000;
+
+const COMMON: &[Field] = &[
+    Field::MsgId,
+    Field::Type,
+    Field::Function,
+    Field::Sender,
+    Field::SentAt,
+    Field::TradeRef,
+    Field::Broker,
+];
+
+const NOE_FIELDS: &[Field] = &[
+    Field::InvMgr,
+    Field::Side,
+    Field::Isin,
+    Field::TradeDate,
+    Field::SettleDate,
+    Field::Market,
+    Field::Price,
+    Field::Ccy,
+    Field::Qty,
+];
+
+const ALC_FIELDS: &[Field] = &[
+    Field::InvMgr,
+    Field::Side,
+    Field::Isin,
+    Field::TradeDate,
+    Field::SettleDate,
+    Field::Market,
+    Field::Price,
+    Field::Ccy,
+    Field::Qty,
+    Field::AllocCount,
+    Field::Account,
+    Field::Pset,
+    Field::PaymentType,
+];
+
+const NPR_FIELDS: &[Field] = &[
+    Field::InvMgr,
+    Field::Side,
+    Field::Isin,
+    Field::TradeDate,
+    Field::SettleDate,
+    Field::Price,
+    Field::Ccy,
+    Field::Qty,
+    Field::Account,
+    Field::Gross,
+    Field::Commission,
+    Field::Fees,
+    Field::Net,
+];
+
+const SET_FIELDS: &[Field] = &[
+    Field::InvMgr,
+    Field::Side,
+    Field::Isin,
+    Field::TradeDate,
+    Field::SettleDate,
+    Field::Ccy,
+    Field::Qty,
+    Field::Account,
+    Field::Pset,
+    Field::PaymentType,
+    Field::Custodian,
+    Field::SafekeepingAccount,
+    Field::SettleAmount,
+];
+
+/// The fields a message of this type carries besides the common header.
+pub fn type_fields(msg_type: MsgType) -> &'static [Field] {
+    match msg_type {
+        MsgType::Noe => NOE_FIELDS,
+        MsgType::Alc => ALC_FIELDS,
+        MsgType::Npr => NPR_FIELDS,
+        MsgType::Set => SET_FIELDS,
+    }
+}
+
+fn field_error(detail: impl Into<String>) -> Rejection {
+    Rejection::new(ReasonCode::Field, detail)
+}
+
+/// Validates one inbound message end to end: size, signature, parse, fields, reference data,
+/// entitlement and dates.
+pub fn validate(
+    refdata: &RefData,
+    bytes: &[u8],
+    claimed_sender: Option<&str>,
+    signature: Option<&[u8]>,
+) -> Result<Msg, Rejection> {
+    if bytes.len() > MESSAGE_SIZE_MAX_BYTES {
+        return Err(Rejection::new(
+            ReasonCode::Size,
+            format!(
+                "message of {} bytes is larger than {MESSAGE_SIZE_MAX_BYTES}",
+                bytes.len()
+            ),
+        ));
+    }
+    let (Some(sender), Some(signature)) = (claimed_sender, signature) else {
+        return Err(Rejection::new(ReasonCode::Sig, "message is not signed"));
+    };
+    let Some(participant) = refdata.participant(sender) else {
+        return Err(Rejection::new(
+            ReasonCode::Sig,
+            format!("no signing key for sender {sender}"),
+        ));
+    };
+    if !sign::verify(&participant.key, bytes, signature) {
+        return Err(Rejection::new(
+            ReasonCode::Sig,
+            format!("signature does not match the key of {sender}"),
+        ));
+    }
+    let fields = parse_fields(bytes)?;
+    let msg = typed_fields(&fields)?;
+    if msg.sender != sender {
+        return Err(Rejection::new(
+            ReasonCode::Sig,
+            format!(
+                "message names sender {} but is signed by {sender}",
+                msg.sender
+            ),
+        ));
+    }
+    check_reference_data(refdata, &msg)?;
+    Ok(msg)
+}
+
+fn is_bic(text: &str) -> bool {
+    let bytes = text.as_bytes();
+    (bytes.len() == 8 || bytes.len() == 11)
+        && bytes[..6].iter().all(u8::is_ascii_uppercase)
+        && bytes[6..]
+            .iter()
+            .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit())
+}
+
+fn is_identifier(text: &str) -> bool {
+    !text.is_empty()
+        && text.len() <= IDENTIFIER_LEN_MAX
+        && text.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// Checks presence and format of every field and builds the typed message (E_FIELD).
+pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
+    let require = |field: Field| -> Result<&str, Rejection> {
+        fields
+            .get(field)
+            .ok_or_else(|| field_error(format!("missing mandatory field {}", field.name())))
+    };
+    let msg_type_text = require(Field::Type)?;
+    let msg_type = MsgType::parse(msg_type_text)
+        .ok_or_else(|| field_error(format!("unknown Type {msg_type_text:?}")))?;
+    let function_text = require(Field::Function)?;
+    let function = Function::parse(function_text)
+        .ok_or_else(|| field_error(format!("unknown Function {function_text:?}")))?;
+
+    for field in COMMON {
+        require(*field)?;
+    }
+    match function {
+        Function::Can => {
+            require(Field::RelatedId)?;
+            if let Some((field, _)) = fields.present().find(|(field, _)| {
+                !COMMON.contains(field) && *field != Field::RelatedId
+            }) {
+                return Err(field_error(format!(
+                    "field {} is not allowed in a CAN",
+                    field.name()
+                )));
+            }
+        }
+        Function::New | Function::Amd => {
+            if function == Function::Amd {
+                require(Field::RelatedId)?;
+            } else if fields.get(Field::RelatedId).is_some() {
+                return Err(field_error("RelatedId is only allowed in a CAN or AMD"));
+            }
+            let allowed = type_fields(msg_type);
+            for field in allowed {
+                require(*field)?;
+            }
+            if let Some((field, _)) = fields.present().find(|(field, _)| {
+                !COMMON.contains(field) && *field != Field::RelatedId && !allowed.contains(field)
+            }) {
+                return Err(field_error(format!(
+                    "field {} does not belong in a {}",
+                    field.name(),
+                    msg_type.as_str()
+                )));
+            }
+        }
+    }
+
+    let identifier = |field: Field| -> Result<Option<String>, Rejection> {
+        match fields.get(field) {
+            None => Ok(None),
+            Some(text) if is_identifier(text) => Ok(Some(text.to_owned())),
+            Some(text) => Err(field_error(format!(
+                "{} {text:?} is not 1 to {IDENTIFIER_LEN_MAX} printable characters",
+                field.name()
+            ))),
+        }
+    };
+    let bic = |field: Field| -> Result<Option<String>, Rejection> {
+        match fields.get(field) {
+            None => Ok(None),
+            Some(text) if is_bic(text) => Ok(Some(text.to_owned())),
+            Some(text) => Err(field_error(format!("{} {text:?} is not a BIC", field.name()))),
+        }
+    };
+    let decimal = |field: Field| -> Result<Option<Decimal>, Rejection> {
+        fields
+            .get(field)
+            .map(|text| {
+                Decimal::parse(text).ok_or_else(|| {
+                    field_error(format!(
+                        "{} {text:?} is not a decimal with at most 6 fraction digits",
+                        field.name()
+                    ))
+                })
+            })
+            .transpose()
+    };
+    let date = |field: Field| -> Result<Option<time::Date>, Rejection> {
+        fields
+            .get(field)
+            .map(|text| {
+                parse_date(text).ok_or_else(|| {
+                    field_error(format!("{} {text:?} is not a YYYY-MM-DD date", field.name()))
+                })
+            })
+            .transpose()
+    };
+    let code = |field: Field, len: usize, digits_allowed: bool| -> Result<Option<String>, Rejection> {
+        match fields.get(field) {
+            None => Ok(None),
+            Some(text)
+                if text.len() == len
+                    && text.bytes().all(|b| {
+                        b.is_ascii_uppercase() || (digits_allowed && b.is_ascii_digit())
+                    }) =>
+            {
+                Ok(Some(text.to_owned()))
+            }
+            Some(text) => Err(field_error(format!("{} {text:?} is malformed", field.name()))),
+        }
+    };
+
+    let sent_at = require(Field::SentAt)?;
+    match OffsetDateTime::parse(sent_at, &Rfc3339) {
+        Ok(parsed) if parsed.offset().is_utc() => {}
+        _ => {
+            return Err(field_error(format!(
+                "SentAt {sent_at:?} is not an RFC 3339 UTC timestamp"
+            )))
+        }
+    }
+    let side = fields
+        .get(Field::Side)
+        .map(|text| Side::parse(text).ok_or_else(|| field_error(format!("Side {text:?} is not BUY or SELL"))))
+        .transpose()?;
+    let payment_type = fields
+        .get(Field::PaymentType)
+        .map(|text| {
+            PaymentType::parse(text)
+                .ok_or_else(|| field_error(format!("PaymentType {text:?} is not DVP or FOP")))
+        })
+        .transpose()?;
+    let qty = fields
+        .get(Field::Qty)
+        .map(|text| match text.parse::<u64>() {
+            Ok(value) if value > 0 && value <= QTY_MAX && text.bytes().all(|b| b.is_ascii_digit()) => Ok(value),
+            _ => Err(field_error(format!("Qty {text:?} is not a positive integer up to {QTY_MAX}"))),
+        })
+        .transpose()?;
+    let alloc_count = fields
+        .get(Field::AllocCount)
+        .map(|text| match text.parse::<u32>() {
+            Ok(value) if value > 0 && value <= ALLOC_COUNT_MAX && text.bytes().all(|b| b.is_ascii_digit()) => Ok(value),
+            _ => Err(field_error(format!(
+                "AllocCount {text:?} is not a positive integer up to {ALLOC_COUNT_MAX}"
+            ))),
+        })
+        .transpose()?;
+    let isin = fields.get(Field::Isin);
+    if let Some(text) = isin {
+        let bytes = text.as_bytes();
+        let well_formed = bytes.len() == 12
+            && bytes[..2].iter().all(u8::is_ascii_uppercase)
+            && bytes[2..11]
+                .iter()
+                .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit())
+            && bytes[11].is_ascii_digit();
+        if !well_formed {
+            return Err(field_error(format!("Isin {text:?} is not 12 ISIN characters")));
+        }
+    }
+
+    Ok(Msg {
+        msg_id: identifier(Field::MsgId)?.unwrap_or_default(),
+        msg_type,
+        function,
+        sender: bic(Field::Sender)?.unwrap_or_default(),
+        sent_at: sent_at.to_owned(),
+        related_id: identifier(Field::RelatedId)?,
+        trade_ref: identifier(Field::TradeRef)?.unwrap_or_default(),
+        broker: bic(Field::Broker)?.unwrap_or_default(),
+        inv_mgr: bic(Field::InvMgr)?,
+        side,
+        isin: isin.map(str::to_owned),
+        trade_date: date(Field::TradeDate)?,
+        settle_date: date(Field::SettleDate)?,
+        market: code(Field::Market, 4, true)?,
+        price: decimal(Field::Price)?,
+        ccy: code(Field::Ccy, 3, false)?,
+        qty,
+        alloc_count,
+        account: identifier(Field::Account)?,
+        pset: bic(Field::Pset)?,
+        payment_type,
+        gross: decimal(Field::Gross)?,
+        commission: decimal(Field::Commission)?,
+        fees: decimal(Field::Fees)?,
+        net: decimal(Field::Net)?,
+        custodian: bic(Field::Custodian)?,
+        safekeeping_account: identifier(Field::SafekeepingAccount)?,
+        settle_amount: decimal(Field::SettleAmount)?,
+    })
+}
+
+/// The reference-data, entitlement and date checks, in reason-code order.
+pub fn check_reference_data(refdata: &RefData, msg: &Msg) -> Result<(), Rejection> {
+    if let Some(ccy) = &msg.ccy {
+        if refdata.currency(ccy).is_none() {
+            return Err(Rejection::new(
+                ReasonCode::Ccy,
+                format!("currency {ccy} is not in currencies.csv"),
+            ));
+        }
+    }
+    let parties: [(&str, Option<&str>, Role); 5] = [
+        ("Sender", Some(msg.sender.as_str()), Role::Broker),
+        ("Broker", Some(msg.broker.as_str()), Role::Broker),
+        ("InvMgr", msg.inv_mgr.as_deref(), Role::InvMgr),
+        ("Custodian", msg.custodian.as_deref(), Role::Custodian),
+        ("Pset", msg.pset.as_deref(), Role::Csd),
+    ];
+    for (name, bic, _) in &parties {
+        if let Some(bic) = bic {
+            let country = &bic[4..6];
+            if !refdata.has_country(country) {
+                return Err(Rejection::new(
+                    ReasonCode::Country,
+                    format!("{name} {bic} has country {country}, not in countries.csv"),
+                ));
+            }
+        }
+    }
+    if let Some(mic) = &msg.market {
+        if refdata.market(mic).is_none() {
+            return Err(Rejection::new(
+                ReasonCode::Market,
+                format!("market {mic} is not in markets.csv"),
+            ));
+        }
+    }
+    let security = match &msg.isin {
+        Some(isin) => {
+            if !isin_check_digit_ok(isin) {
+                return Err(Rejection::new(
+                    ReasonCode::Isin,
+                    format!("ISIN {isin} has a wrong check digit"),
+                ));
+            }
+            let Some(security) = refdata.security(isin) else {
+                return Err(Rejection::new(
+                    ReasonCode::Isin,
+                    format!("ISIN {isin} is not in securities.csv"),
+                ));
+            };
+            Some(security)
+        }
+        None => None,
+    };
+    // The Sender's role is checked by entitlement below, not here.
+    for (name, bic, role) in &parties[1..] {
+        if let Some(bic) = bic {
+            match refdata.participant(bic) {
+                Some(participant) if participant.role == *role => {}
+                Some(participant) => {
+                    return Err(Rejection::new(
+                        ReasonCode::Party,
+                        format!(
+                            "{name} {bic} is a {}, not a {}",
+                            participant.role.as_str(),
+                            role.as_str()
+                        ),
+                    ))
+                }
+                None => {
+                    return Err(Rejection::new(
+                        ReasonCode::Party,
+                        format!("{name} {bic} is not in participants.csv"),
+                    ))
+                }
+            }
+        }
+    }
+    check_entitlement(refdata, msg)?;
+    if let (Some(trade_date), Some(settle_date)) = (msg.trade_date, msg.settle_date) {
+        // The security is known here: a NEW or AMD carries an Isin, checked above.
+        let market = security.map(|s| s.market.as_str()).unwrap_or_default();
+        for (name, date) in [("TradeDate", trade_date), ("SettleDate", settle_date)] {
+            if !refdata.is_business_day(market, date) {
+                return Err(Rejection::new(
+                    ReasonCode::Date,
+                    format!("{name} {date} is not a business day of {market}"),
+                ));
+            }
+        }
+        if settle_date < trade_date {
+            return Err(Rejection::new(
+                ReasonCode::Date,
+                format!("SettleDate {settle_date} is before TradeDate {trade_date}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// E_AUTH: NOE and NPR come from the executing broker; ALC from the investment manager; SET from
+/// the investment manager or the custodian it names. A CAN carries no InvMgr or Custodian, so its
+/// sender is checked by role (and the matcher only lets it name the sender's own messages).
+fn check_entitlement(refdata: &RefData, msg: &Msg) -> Result<(), Rejection> {
+    let sender = msg.sender.as_str();
+    let entitled = match (msg.function, msg.msg_type) {
+        (Function::Can, MsgType::Noe | MsgType::Npr) => sender == msg.broker,
+        (Function::Can, MsgType::Alc) => {
+            matches!(refdata.participant(sender), Some(p) if p.role == Role::InvMgr)
+        }
+        (Function::Can, MsgType::Set) => matches!(
+            refdata.participant(sender),
+            Some(p) if p.role == Role::InvMgr || p.role == Role::Custodian
+        ),
+        (_, MsgType::Noe | MsgType::Npr) => sender == msg.broker,
+        (_, MsgType::Alc) => msg.inv_mgr.as_deref() == Some(sender),
+        (_, MsgType::Set) => {
+            msg.inv_mgr.as_deref() == Some(sender) || msg.custodian.as_deref() == Some(sender)
+        }
+    };
+    if entitled {
+        Ok(())
+    } else {
+        Err(Rejection::new(
+            ReasonCode::Auth,
+            format!(
+                "{sender} is not entitled to send this {} {}",
+                msg.msg_type.as_str(),
+                msg.function.as_str()
+            ),
+        ))
+    }
+}
