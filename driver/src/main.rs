@@ -1,1 +1,308 @@
-fn main(){}
+//! `driver`: generate, replay and measure STE runs.
+//!
+//! - `driver --trades N [--json]` generates N standard trades and runs them through the whole
+//!   pipeline in process;
+//! - `driver --input FILE` replays a message-set file;
+//! - `driver generate --trades N --out FILE` writes a message set (and `FILE.expected.json`);
+//! - `driver refdata [--out DIR]` writes the reference-data files.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use ste_driver::{RunConfig, Source, StoreChoice, Summary};
+use ste_engine::generator::{GeneratorConfig, DEFAULT_SEED};
+use ste_engine::profile::{MatchingProfile, Tolerances};
+use ste_engine::refdata::RefData;
+
+#[derive(Parser)]
+#[command(
+    name = "driver",
+    about = "Injects load into the STE trade-matching engine and measures it",
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write a message-set file and, beside it, the outcome it must produce.
+    Generate {
+        #[command(flatten)]
+        generation: GenerationArgs,
+        /// The message-set file to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// Reference data folder (default: the data compiled in).
+        #[arg(long)]
+        refdata: Option<PathBuf>,
+    },
+    /// Write the reference-data CSV files (deterministic).
+    Refdata {
+        /// Folder to write into.
+        #[arg(long, default_value = "engine/refdata")]
+        out: PathBuf,
+    },
+}
+
+#[derive(Args, Clone)]
+struct GenerationArgs {
+    /// Number of standard trades (7 messages each).
+    #[arg(long, default_value_t = 10_000)]
+    trades: u64,
+    /// Seed of the generator.
+    #[arg(long, default_value_t = DEFAULT_SEED)]
+    seed: u64,
+    /// Fraction of trades carrying a fault (invalid fields, mismatches, duplicates, cancels,
+    /// amends, conflicts, late messages).
+    #[arg(long, default_value_t = 0.0)]
+    fault_rate: f64,
+    /// Shuffle each trade's messages (where the fault allows it).
+    #[arg(long)]
+    shuffle: bool,
+}
+
+#[derive(Copy, Clone, ValueEnum)]
+enum StoreArg {
+    Memory,
+    Embedded,
+    Postgres,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    generation: GenerationArgs,
+    /// Replay this message-set file instead of generating.
+    #[arg(long)]
+    input: Option<PathBuf>,
+    /// Where the shards keep their rows.
+    #[arg(long, value_enum, default_value = "embedded")]
+    store: StoreArg,
+    /// Database URL of each shard, in shard order (postgres store).
+    #[arg(long = "db")]
+    db: Vec<String>,
+    /// Number of shards (matchers, writers and stores).
+    #[arg(long, default_value_t = 2)]
+    shards: u32,
+    /// Number of validators (and sharded inbound queues).
+    #[arg(long, default_value_t = 2)]
+    validators: u32,
+    /// Largest number of messages committed in one transaction.
+    #[arg(long, default_value_t = 4096)]
+    batch_max: usize,
+    /// Capacity of every inbound, match and store queue.
+    #[arg(long, default_value_t = 8192)]
+    queue_capacity: usize,
+    /// Open-loop injection rate in messages per second (default: as fast as accepted).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Write every CLS to this file, one per line.
+    #[arg(long)]
+    cls_out: Option<PathBuf>,
+    /// Run directory (summary.json, samples.csv, store files); default runs/<time>.
+    #[arg(long)]
+    run_dir: Option<PathBuf>,
+    /// Station sampling interval in milliseconds.
+    #[arg(long, default_value_t = 10)]
+    sample_ms: u64,
+    /// Matching profile (JSON); default: the T2S-style tolerances.
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Reference data folder (default: the data compiled in).
+    #[arg(long)]
+    refdata: Option<PathBuf>,
+    /// Print the summary as one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// No progress display.
+    #[arg(long)]
+    quiet: bool,
+}
+
+fn load_refdata(dir: Option<&PathBuf>) -> anyhow::Result<RefData> {
+    Ok(match dir {
+        Some(dir) => RefData::load(dir).with_context(|| format!("loading {}", dir.display()))?,
+        None => RefData::embedded().context("loading the compiled-in reference data")?,
+    })
+}
+
+fn generator_config(args: &GenerationArgs) -> anyhow::Result<GeneratorConfig> {
+    if !(0.0..=1.0).contains(&args.fault_rate) {
+        bail!("--fault-rate must be between 0 and 1");
+    }
+    Ok(GeneratorConfig {
+        trades: args.trades,
+        seed: args.seed,
+        fault_rate: args.fault_rate,
+        shuffle: args.shuffle,
+    })
+}
+
+fn default_run_dir() -> PathBuf {
+    let now = time::OffsetDateTime::now_utc();
+    PathBuf::from("runs").join(format!(
+        "{:04}{:02}{:02}T{:02}{:02}{:02}Z-{}",
+        now.year(),
+        u8::from(now.month()),
+        now.day(),
+        now.hour(),
+        now.minute(),
+        now.second(),
+        std::process::id()
+    ))
+}
+
+fn print_summary(summary: &Summary) {
+    let exceptions: Vec<String> = summary
+        .exceptions
+        .iter()
+        .map(|(code, count)| format!("{code}={count}"))
+        .collect();
+    println!("STE run ({} store, {} shards, {} validators)", summary.store, summary.shards.len(), summary.validators);
+    println!("  trades            {}", summary.trades);
+    println!(
+        "  messages in       {}  = accepted {} + duplicates {} + exceptions {}  [{}]",
+        summary.messages_in,
+        summary.accepted,
+        summary.duplicates,
+        summary.exceptions_total(),
+        if summary.conserved { "conserved" } else { "NOT CONSERVED" }
+    );
+    if !exceptions.is_empty() {
+        println!("  exceptions        {}", exceptions.join(" "));
+    }
+    println!(
+        "  trades            {} CLS, {} mismatched, {} pending, {} cancelled",
+        summary.cls, summary.mismatched_trades, summary.pending_trades, summary.cancelled_trades
+    );
+    println!(
+        "  elapsed           {:.2} s   throughput {:.0} msg/s   peak RSS {:.0} MiB",
+        summary.elapsed_s, summary.throughput_msg_s, summary.peak_rss_mb
+    );
+    println!(
+        "  CLS latency ms    p50 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
+        summary.latency_ms.p50, summary.latency_ms.p99, summary.latency_ms.p999, summary.latency_ms.max
+    );
+    println!(
+        "  {:<12} {:>10} {:>10} {:>7} {:>9} {:>9} {:>10} {:>12}",
+        "station", "C", "X/s", "U", "S_ms", "N", "R_ms", "R_direct_ms"
+    );
+    for station in &summary.stations {
+        println!(
+            "  {:<12} {:>10} {:>10.0} {:>7.3} {:>9.4} {:>9.2} {:>10.3} {:>12.3}",
+            station.name, station.C, station.X, station.U, station.S_ms, station.N, station.R_ms, station.R_direct_ms
+        );
+    }
+    if let Some(bottleneck) = &summary.bottleneck {
+        println!("  bottleneck        {bottleneck}");
+    }
+    for (index, shard) in summary.shards.iter().enumerate() {
+        println!("  shard {index}           {} trades, {} messages", shard.trades, shard.messages);
+    }
+    if let Some(matches) = summary.matches_expected {
+        println!(
+            "  expected outcome  {}",
+            if matches { "matched exactly" } else { "DIFFERS" }
+        );
+    }
+    println!("  run directory     {}", summary.run_dir);
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Refdata { out }) => {
+            ste_engine::refdata::generate::write_files(&out)
+                .with_context(|| format!("writing {}", out.display()))?;
+            eprintln!("reference data written to {}", out.display());
+            Ok(())
+        }
+        Some(Command::Generate {
+            generation,
+            out,
+            refdata,
+        }) => {
+            let refdata = load_refdata(refdata.as_ref())?;
+            let expected = ste_driver::write_message_set(&refdata, generator_config(&generation)?, &out)?;
+            let expected_path = PathBuf::from(format!("{}.expected.json", out.display()));
+            std::fs::write(&expected_path, serde_json::to_string_pretty(&expected)?)
+                .with_context(|| format!("writing {}", expected_path.display()))?;
+            eprintln!(
+                "{} messages of {} trades written to {} (expected outcome in {})",
+                expected.messages_in,
+                expected.trades,
+                out.display(),
+                expected_path.display()
+            );
+            Ok(())
+        }
+        None => run(cli.run),
+    }
+}
+
+fn run(args: RunArgs) -> anyhow::Result<()> {
+    let refdata = Arc::new(load_refdata(args.refdata.as_ref())?);
+    let profile = match &args.profile {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str::<MatchingProfile>(&text)
+                .with_context(|| format!("parsing {}", path.display()))?
+        }
+        None => MatchingProfile::default(),
+    };
+    let source = match &args.input {
+        Some(path) => Source::File(path.clone()),
+        None => Source::Generated(generator_config(&args.generation)?),
+    };
+    let store = match args.store {
+        StoreArg::Memory => StoreChoice::Memory,
+        StoreArg::Embedded => StoreChoice::Embedded,
+        StoreArg::Postgres => StoreChoice::Postgres,
+    };
+    if args.shards == 0 || args.validators == 0 {
+        bail!("--shards and --validators must be at least 1");
+    }
+    let config = RunConfig {
+        source,
+        store,
+        db_urls: args.db,
+        shards: args.shards,
+        validators: args.validators,
+        batch_max_messages: args.batch_max.max(1),
+        queue_capacity_messages: args.queue_capacity.max(1),
+        rate_msgs_per_s: args.rate.filter(|rate| *rate > 0.0),
+        cls_out: args.cls_out,
+        run_dir: args.run_dir.unwrap_or_else(default_run_dir),
+        sample_interval: Duration::from_millis(args.sample_ms.max(1)),
+        progress: !args.quiet,
+        tolerances: Tolerances::from_profile(&profile).context("reading the matching profile")?,
+    };
+    let summary = ste_driver::run(&config, refdata)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print_summary(&summary);
+    }
+    if !summary.conserved {
+        bail!("conservation violated: messages_in != accepted + duplicates + exceptions");
+    }
+    if summary.matches_expected == Some(false) {
+        bail!("the outcome differs from what the generator expected");
+    }
+    Ok(())
+}

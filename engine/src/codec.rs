@@ -10,8 +10,6 @@ use std::borrow::Cow;
 use std::fmt::Write as _;
 
 use quick_xml::events::Event;
-use quick_xml::name::{Namespace, ResolveResult};
-use quick_xml::NsReader;
 
 use crate::model::{format_date, Cls, Msg};
 use crate::reason::{ReasonCode, Rejection};
@@ -124,9 +122,37 @@ impl Field {
 
     /// Looks up an element name.
     pub fn from_name(name: &[u8]) -> Option<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|field| field.name().as_bytes() == name)
+        Some(match name {
+            b"MsgId" => Self::MsgId,
+            b"Type" => Self::Type,
+            b"Function" => Self::Function,
+            b"Sender" => Self::Sender,
+            b"SentAt" => Self::SentAt,
+            b"RelatedId" => Self::RelatedId,
+            b"TradeRef" => Self::TradeRef,
+            b"Broker" => Self::Broker,
+            b"InvMgr" => Self::InvMgr,
+            b"Side" => Self::Side,
+            b"Isin" => Self::Isin,
+            b"TradeDate" => Self::TradeDate,
+            b"SettleDate" => Self::SettleDate,
+            b"Market" => Self::Market,
+            b"Price" => Self::Price,
+            b"Ccy" => Self::Ccy,
+            b"Qty" => Self::Qty,
+            b"AllocCount" => Self::AllocCount,
+            b"Account" => Self::Account,
+            b"Pset" => Self::Pset,
+            b"PaymentType" => Self::PaymentType,
+            b"Gross" => Self::Gross,
+            b"Commission" => Self::Commission,
+            b"Fees" => Self::Fees,
+            b"Net" => Self::Net,
+            b"Custodian" => Self::Custodian,
+            b"SafekeepingAccount" => Self::SafekeepingAccount,
+            b"SettleAmount" => Self::SettleAmount,
+            _ => return None,
+        })
     }
 
     fn index(self) -> usize {
@@ -167,34 +193,90 @@ fn field_error(detail: impl Into<String>) -> Rejection {
     Rejection::new(ReasonCode::Field, detail)
 }
 
-fn is_ste_namespace(resolved: &ResolveResult) -> bool {
-    matches!(resolved, ResolveResult::Bound(Namespace(ns)) if *ns == NAMESPACE.as_bytes())
+/// The namespace declarations of the root element: the default namespace and prefixed ones.
+/// Child elements may not carry attributes, so these are the only declarations in scope.
+#[derive(Default)]
+struct RootNamespaces<'a> {
+    default: Option<&'a [u8]>,
+    prefixed: Vec<(&'a [u8], &'a [u8])>,
+}
+
+impl<'a> RootNamespaces<'a> {
+    fn read(start: &quick_xml::events::BytesStart<'a>, bytes: &'a [u8]) -> Result<Self, Rejection> {
+        let mut namespaces = Self::default();
+        for attribute in start.attributes() {
+            let attribute =
+                attribute.map_err(|error| parse_error(format!("bad attribute: {error}")))?;
+            let key = attribute.key.as_ref();
+            let value = match attribute.value {
+                Cow::Borrowed(value) => value,
+                // An escaped namespace URI cannot equal ours; keep it out of scope.
+                Cow::Owned(_) => b"" as &[u8],
+            };
+            // Borrow the value from the input so that it outlives the attribute iterator.
+            let value = subslice_of(bytes, value).unwrap_or(b"");
+            let key_in_input = subslice_of(bytes, key).unwrap_or(b"");
+            if key == b"xmlns" {
+                namespaces.default = Some(value);
+            } else if let Some(prefix) = key_in_input.strip_prefix(b"xmlns:") {
+                namespaces.prefixed.push((prefix, value));
+            }
+        }
+        Ok(namespaces)
+    }
+
+    fn resolve(&self, prefix: Option<&[u8]>) -> Option<&'a [u8]> {
+        match prefix {
+            None => self.default,
+            Some(prefix) => self
+                .prefixed
+                .iter()
+                .find(|(declared, _)| *declared == prefix)
+                .map(|(_, namespace)| *namespace),
+        }
+    }
+
+    fn is_ste(&self, name: quick_xml::name::QName<'_>) -> bool {
+        let prefix = name.prefix().map(|p| p.into_inner());
+        self.resolve(prefix) == Some(NAMESPACE.as_bytes())
+    }
+}
+
+/// `part` as a slice of `whole` when it points into it, so that it carries `whole`'s lifetime.
+fn subslice_of<'a>(whole: &'a [u8], part: &[u8]) -> Option<&'a [u8]> {
+    let whole_start = whole.as_ptr() as usize;
+    let part_start = part.as_ptr() as usize;
+    if part_start < whole_start || part_start + part.len() > whole_start + whole.len() {
+        return None;
+    }
+    let offset = part_start - whole_start;
+    Some(&whole[offset..offset + part.len()])
 }
 
 /// Parses one `Msg` element. Fails with E_PARSE for anything that is not well-formed XML in the
 /// STE namespace (including any DOCTYPE), and with E_FIELD for unknown, repeated or nested
-/// elements.
+/// elements and for attributes on fields.
 pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
-    let mut reader = NsReader::from_reader(bytes);
+    let mut reader = quick_xml::Reader::from_reader(bytes);
     reader.config_mut().check_end_names = true;
     let mut fields = RawFields::default();
-    let mut seen_root = false;
+    let mut namespaces: Option<RootNamespaces<'_>> = None;
     let mut root_closed = false;
     let mut current: Option<Field> = None;
     let mut current_has_text = false;
     loop {
-        let (resolved, event) = reader
-            .read_resolved_event()
+        let event = reader
+            .read_event()
             .map_err(|error| parse_error(format!("not well-formed xml: {error}")))?;
         let is_empty = matches!(event, Event::Empty(_));
         match event {
             Event::DocType(_) => return Err(parse_error("a DOCTYPE is not allowed")),
-            Event::Decl(_) if seen_root => {
+            Event::Decl(_) if namespaces.is_some() => {
                 return Err(parse_error("xml declaration inside the document"));
             }
             Event::Decl(_) | Event::Comment(_) | Event::PI(_) => {}
             Event::Eof => {
-                if !seen_root {
+                if namespaces.is_none() {
                     return Err(parse_error("no Msg element"));
                 }
                 if !root_closed {
@@ -202,19 +284,18 @@ pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
                 }
                 return Ok(fields);
             }
-            Event::Start(start) | Event::Empty(start) if !seen_root => {
+            Event::Start(start) | Event::Empty(start) if namespaces.is_none() => {
                 if start.local_name().as_ref() != b"Msg" {
                     return Err(parse_error("the root element is not Msg"));
                 }
-                if !is_ste_namespace(&resolved) {
+                let declared = RootNamespaces::read(&start, bytes)?;
+                if !declared.is_ste(start.name()) {
                     return Err(parse_error(format!(
                         "Msg is not in the namespace {NAMESPACE}"
                     )));
                 }
-                seen_root = true;
-                if is_empty {
-                    root_closed = true;
-                }
+                namespaces = Some(declared);
+                root_closed = is_empty;
             }
             Event::Start(_) | Event::Empty(_) if root_closed => {
                 return Err(parse_error("content after the Msg element"));
@@ -224,17 +305,27 @@ pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
                     return Err(field_error("nested element inside a field"));
                 }
                 let local = start.local_name();
-                let name = String::from_utf8_lossy(local.as_ref()).into_owned();
-                if !is_ste_namespace(&resolved) {
+                let name = || String::from_utf8_lossy(local.as_ref()).into_owned();
+                let in_namespace = namespaces
+                    .as_ref()
+                    .is_some_and(|declared| declared.is_ste(start.name()));
+                if !in_namespace {
                     return Err(field_error(format!(
-                        "element {name} is not in the namespace {NAMESPACE}"
+                        "element {} is not in the namespace {NAMESPACE}",
+                        name()
+                    )));
+                }
+                if start.attributes_raw().iter().any(|b| !b.is_ascii_whitespace()) {
+                    return Err(field_error(format!(
+                        "element {} may not carry attributes",
+                        name()
                     )));
                 }
                 let Some(field) = Field::from_name(local.as_ref()) else {
-                    return Err(field_error(format!("unknown element {name}")));
+                    return Err(field_error(format!("unknown element {}", name())));
                 };
                 if fields.get(field).is_some() {
-                    return Err(field_error(format!("repeated element {name}")));
+                    return Err(field_error(format!("repeated element {}", name())));
                 }
                 if is_empty {
                     fields.set(field, "");
@@ -262,7 +353,7 @@ pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
                     }
                     None => {
                         if !value.trim().is_empty() {
-                            return Err(if seen_root && !root_closed {
+                            return Err(if namespaces.is_some() && !root_closed {
                                 field_error("text outside any field")
                             } else {
                                 parse_error("text outside the Msg element")

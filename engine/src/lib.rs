@@ -5,11 +5,15 @@
 //! batched stores.
 
 pub mod codec;
+pub mod generator;
 pub mod matcher;
 pub mod model;
+pub mod pipeline;
 pub mod profile;
 pub mod reason;
 pub mod refdata;
 pub mod routing;
 pub mod sign;
+pub mod station;
+pub mod store;
 pub mod validate;

@@ -36,9 +36,7 @@ pub fn claimed_sender(bytes: &[u8]) -> Option<&str> {
 
 /// Position of the first occurrence of `needle` in `haystack`.
 pub fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack
-        .windows(needle.len())
-        .position(|window| window == needle)
+    memchr::memmem::find(haystack, needle)
 }
 
 #[cfg(test)]

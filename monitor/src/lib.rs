@@ -1,1 +1,226 @@
+//! Operational analysis (Buzen & Denning, 1978) of the stations sampled during a run.
+//!
+//! Each station keeps cumulative counters — arrivals A(t), completions C(t), busy time B(t) —
+//! and its length n(t) = A(t) − C(t). Over a station's observation window T (first to last
+//! sample), with the left-rectangle rule W = Σ_j n_j · (t_{j+1} − t_j):
+//! λ = A/T, X = C/T, U = B/T, S = B/C, N = W/T, R = W/C; Little's law N = X·R and the
+//! utilisation law U = X·S hold by construction of these estimators and are reported as checks.
 
+use std::collections::BTreeMap;
+use std::io::BufRead;
+use std::path::Path;
+
+use serde::Serialize;
+
+/// One row of `samples.csv`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    pub t_ms: f64,
+    pub station: String,
+    pub queue_len: u64,
+    pub arrivals: u64,
+    pub completions: u64,
+    pub busy_ms: f64,
+}
+
+/// The header every samples file starts with.
+pub const SAMPLES_HEADER: &str = "t_ms,station,queue_len,arrivals,completions,busy_ms";
+
+/// Why a samples file could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum SamplesError {
+    #[error("cannot read samples: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the samples file does not start with the header {SAMPLES_HEADER:?}")]
+    Header,
+    #[error("line {line}: {detail}")]
+    Row { line: usize, detail: String },
+}
+
+fn parse_row(line_number: usize, line: &str) -> Result<Sample, SamplesError> {
+    let error = |detail: &str| SamplesError::Row {
+        line: line_number,
+        detail: detail.to_owned(),
+    };
+    let columns: Vec<&str> = line.split(',').collect();
+    if columns.len() != 6 {
+        return Err(error("expected 6 columns"));
+    }
+    Ok(Sample {
+        t_ms: columns[0].parse().map_err(|_| error("bad t_ms"))?,
+        station: columns[1].to_owned(),
+        queue_len: columns[2].parse().map_err(|_| error("bad queue_len"))?,
+        arrivals: columns[3].parse().map_err(|_| error("bad arrivals"))?,
+        completions: columns[4].parse().map_err(|_| error("bad completions"))?,
+        busy_ms: columns[5].parse().map_err(|_| error("bad busy_ms"))?,
+    })
+}
+
+/// Reads a samples file.
+pub fn read_samples(path: &Path) -> Result<Vec<Sample>, SamplesError> {
+    let file = std::fs::File::open(path)?;
+    let mut samples = Vec::new();
+    for (index, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line?;
+        if index == 0 {
+            if line.trim() != SAMPLES_HEADER {
+                return Err(SamplesError::Header);
+            }
+            continue;
+        }
+        if line.trim().is_empty() {
+            continue;
+        }
+        samples.push(parse_row(index + 1, line.trim())?);
+    }
+    Ok(samples)
+}
+
+/// The operational metrics of one station. Times in seconds.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[allow(non_snake_case)]
+pub struct StationMetrics {
+    pub station: String,
+    pub T_s: f64,
+    pub A: u64,
+    pub C: u64,
+    pub B_s: f64,
+    /// Accumulated station time Σ n·Δt, in item-seconds.
+    pub W: f64,
+    pub lambda: f64,
+    pub X: f64,
+    pub U: f64,
+    pub S_s: f64,
+    pub N: f64,
+    pub R_s: f64,
+}
+
+fn ratio(numerator: f64, denominator: f64) -> f64 {
+    if denominator > 0.0 {
+        numerator / denominator
+    } else {
+        0.0
+    }
+}
+
+/// Computes the metrics of every station, in order of first appearance.
+pub fn analyze(samples: &[Sample]) -> Vec<StationMetrics> {
+    let mut order: Vec<&str> = Vec::new();
+    let mut by_station: BTreeMap<&str, Vec<&Sample>> = BTreeMap::new();
+    for sample in samples {
+        let entry = by_station.entry(sample.station.as_str()).or_default();
+        if entry.is_empty() {
+            order.push(sample.station.as_str());
+        }
+        entry.push(sample);
+    }
+    order
+        .into_iter()
+        .map(|name| {
+            let mut rows = by_station.remove(name).unwrap_or_default();
+            rows.sort_by(|a, b| a.t_ms.total_cmp(&b.t_ms));
+            station_metrics(name, &rows)
+        })
+        .collect()
+}
+
+fn station_metrics(name: &str, rows: &[&Sample]) -> StationMetrics {
+    let (Some(first), Some(last)) = (rows.first(), rows.last()) else {
+        return StationMetrics {
+            station: name.to_owned(),
+            T_s: 0.0,
+            A: 0,
+            C: 0,
+            B_s: 0.0,
+            W: 0.0,
+            lambda: 0.0,
+            X: 0.0,
+            U: 0.0,
+            S_s: 0.0,
+            N: 0.0,
+            R_s: 0.0,
+        };
+    };
+    let t_s = (last.t_ms - first.t_ms) / 1000.0;
+    let arrivals = last.arrivals.saturating_sub(first.arrivals);
+    let completions = last.completions.saturating_sub(first.completions);
+    let busy_s = (last.busy_ms - first.busy_ms).max(0.0) / 1000.0;
+    let w: f64 = rows
+        .windows(2)
+        .map(|pair| pair[0].queue_len as f64 * (pair[1].t_ms - pair[0].t_ms) / 1000.0)
+        .sum();
+    let c = completions as f64;
+    StationMetrics {
+        station: name.to_owned(),
+        T_s: t_s,
+        A: arrivals,
+        C: completions,
+        B_s: busy_s,
+        W: w,
+        lambda: ratio(arrivals as f64, t_s),
+        X: ratio(c, t_s),
+        U: ratio(busy_s, t_s),
+        S_s: ratio(busy_s, c),
+        N: ratio(w, t_s),
+        R_s: ratio(w, c),
+    }
+}
+
+/// The bottleneck: the station with the largest service demand (busy time).
+pub fn bottleneck(metrics: &[StationMetrics]) -> Option<&StationMetrics> {
+    metrics.iter().max_by(|a, b| a.B_s.total_cmp(&b.B_s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(t_ms: f64, queue_len: u64, arrivals: u64, completions: u64, busy_ms: f64) -> Sample {
+        Sample {
+            t_ms,
+            station: "s".to_owned(),
+            queue_len,
+            arrivals,
+            completions,
+            busy_ms,
+        }
+    }
+
+    #[test]
+    fn hand_computed_station() {
+        // Four samples 1 s apart: lengths 0, 2, 1, 0; 4 arrivals, 4 completions, 3 s busy.
+        let samples = vec![
+            sample(0.0, 0, 0, 0, 0.0),
+            sample(1000.0, 2, 3, 1, 1000.0),
+            sample(2000.0, 1, 4, 3, 2000.0),
+            sample(3000.0, 0, 4, 4, 3000.0),
+        ];
+        let metrics = &analyze(&samples)[0];
+        assert_eq!(metrics.T_s, 3.0);
+        assert_eq!((metrics.A, metrics.C), (4, 4));
+        // W = 0·1 + 2·1 + 1·1 = 3 item-seconds.
+        assert!((metrics.W - 3.0).abs() < 1e-9);
+        assert!((metrics.X - 4.0 / 3.0).abs() < 1e-9);
+        assert!((metrics.U - 1.0).abs() < 1e-9);
+        assert!((metrics.S_s - 0.75).abs() < 1e-9);
+        assert!((metrics.N - 1.0).abs() < 1e-9);
+        assert!((metrics.R_s - 0.75).abs() < 1e-9);
+        assert!((metrics.N - metrics.X * metrics.R_s).abs() < 1e-9);
+        assert!((metrics.U - metrics.X * metrics.S_s).abs() < 1e-9);
+    }
+
+    #[test]
+    fn reads_a_samples_file() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        let path = dir.path().join("samples.csv");
+        std::fs::write(
+            &path,
+            format!("{SAMPLES_HEADER}\n0.000,a,0,0,0,0.000\n10.000,a,1,1,0,0.000\n"),
+        )
+        .expect("writes");
+        let samples = read_samples(&path).expect("reads");
+        assert_eq!(samples.len(), 2);
+        std::fs::write(&path, "bad header\n").expect("writes");
+        assert!(matches!(read_samples(&path), Err(SamplesError::Header)));
+    }
+}

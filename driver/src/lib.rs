@@ -1,0 +1,563 @@
+//! The driver: injects a generated or replayed message set into an in-process pipeline, tallies
+//! every ACK and NAK, times CLS emission through the sink, and summarises the run with the
+//! operational metrics of every station.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufRead, BufReader, BufWriter, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde::Serialize;
+use ste_engine::generator::{Expected, Generator, GeneratorConfig};
+use ste_engine::pipeline::{AckResult, Pipeline, PipelineConfig, StoreConfig, Submitter};
+use ste_engine::profile::Tolerances;
+use ste_engine::refdata::RefData;
+use ste_engine::validate::MESSAGE_SIZE_MAX_BYTES;
+use ste_sink::Sink;
+
+/// The first line of a message-set file.
+pub const MESSAGE_SET_OPEN: &str = "<MessageSet xmlns=\"urn:ste:trade:1\">";
+/// The last line of a message-set file.
+pub const MESSAGE_SET_CLOSE: &str = "</MessageSet>";
+/// Longest line read from a message-set file; a longer one is cut here (and rejected with
+/// E_SIZE), so a hostile file cannot make the driver hold an unbounded line.
+const LINE_READ_MAX_BYTES: usize = MESSAGE_SIZE_MAX_BYTES + 1;
+
+/// The storage a run uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreChoice {
+    Memory,
+    Embedded,
+    Postgres,
+}
+
+impl StoreChoice {
+    /// The name used on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Memory => "memory",
+            Self::Embedded => "embedded",
+            Self::Postgres => "postgres",
+        }
+    }
+}
+
+/// Where the messages come from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    Generated(GeneratorConfig),
+    File(PathBuf),
+}
+
+/// Everything a run needs.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    pub source: Source,
+    pub store: StoreChoice,
+    pub db_urls: Vec<String>,
+    pub shards: u32,
+    pub validators: u32,
+    pub batch_max_messages: usize,
+    pub queue_capacity_messages: usize,
+    /// Open-loop injection rate; `None` injects as fast as backpressure allows.
+    pub rate_msgs_per_s: Option<f64>,
+    pub cls_out: Option<PathBuf>,
+    pub run_dir: PathBuf,
+    pub sample_interval: Duration,
+    pub progress: bool,
+    pub tolerances: Tolerances,
+}
+
+/// Latency percentiles in milliseconds.
+#[derive(Debug, Clone, Serialize)]
+pub struct LatencySummary {
+    pub p50: f64,
+    pub p99: f64,
+    pub p999: f64,
+    pub max: f64,
+    pub mean: f64,
+}
+
+/// One station's operational metrics, in the summary's units.
+#[derive(Debug, Clone, Serialize)]
+#[allow(non_snake_case)]
+pub struct StationSummary {
+    pub name: String,
+    pub A: u64,
+    pub C: u64,
+    pub B_s: f64,
+    pub T_s: f64,
+    pub X: f64,
+    pub U: f64,
+    pub S_ms: f64,
+    pub N: f64,
+    pub R_ms: f64,
+    /// R measured directly from per-message timestamps.
+    pub R_direct_ms: f64,
+}
+
+/// One shard's share of the run.
+#[derive(Debug, Clone, Serialize)]
+pub struct ShardSummary {
+    /// Distinct trades with an accepted message on this shard.
+    pub trades: u64,
+    /// Accepted messages on this shard.
+    pub messages: u64,
+    /// Rows the shard's store holds at the end.
+    pub stored_messages: u64,
+    pub stored_cls: u64,
+    pub stored_exceptions: u64,
+}
+
+/// The summary of a run; `--json` prints it as one object.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub trades: u64,
+    pub messages_in: u64,
+    pub accepted: u64,
+    pub duplicates: u64,
+    pub exceptions: BTreeMap<String, u64>,
+    pub cls: u64,
+    pub cls_repeats: u64,
+    pub mismatched_trades: u64,
+    pub pending_trades: u64,
+    pub cancelled_trades: u64,
+    pub mismatched_advices: u64,
+    pub elapsed_s: f64,
+    pub throughput_msg_s: f64,
+    pub latency_ms: LatencySummary,
+    pub stations: Vec<StationSummary>,
+    pub bottleneck: Option<String>,
+    pub shards: Vec<ShardSummary>,
+    pub store: String,
+    pub validators: u32,
+    pub peak_rss_mb: f64,
+    /// messages_in = accepted + duplicates + exceptions.
+    pub conserved: bool,
+    /// What the generator expected, for a generated set.
+    pub expected: Option<Expected>,
+    /// Whether the outcome equals the expectation, code by code.
+    pub matches_expected: Option<bool>,
+    pub run_dir: String,
+}
+
+impl Summary {
+    /// Total rejected messages.
+    pub fn exceptions_total(&self) -> u64 {
+        self.exceptions.values().sum()
+    }
+
+    /// The outcome in the generator's shape, for comparison with [`Expected`].
+    pub fn outcome(&self) -> Expected {
+        Expected {
+            trades: self.trades,
+            messages_in: self.messages_in,
+            accepted: self.accepted,
+            duplicates: self.duplicates,
+            exceptions: self.exceptions.clone(),
+            cls: self.cls,
+            mismatched_trades: self.mismatched_trades,
+            pending_trades: self.pending_trades,
+            cancelled_trades: self.cancelled_trades,
+        }
+    }
+}
+
+/// Peak resident set size of this process in MiB (VmHWM), where the system reports it.
+pub fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|line| line.starts_with("VmHWM:"))
+                .and_then(|line| line.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
+}
+
+#[derive(Default)]
+struct Tally {
+    acked: AtomicU64,
+    accepted: AtomicU64,
+    duplicates: AtomicU64,
+}
+
+/// Reads one line of at most `max` bytes (without its newline); the rest of a longer line is
+/// skipped. Returns `None` at end of file.
+fn read_bounded_line(reader: &mut impl BufRead, max: usize) -> std::io::Result<Option<Vec<u8>>> {
+    let mut line = Vec::new();
+    let mut read_any = false;
+    loop {
+        let available = reader.fill_buf()?;
+        if available.is_empty() {
+            return Ok(read_any.then_some(line));
+        }
+        read_any = true;
+        let (chunk, found_newline) = match available.iter().position(|b| *b == b'\n') {
+            Some(position) => (&available[..position], Some(position)),
+            None => (available, None),
+        };
+        let room = max.saturating_sub(line.len());
+        line.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        match found_newline {
+            Some(position) => {
+                reader.consume(position + 1);
+                return Ok(Some(line));
+            }
+            None => {
+                let consumed = available.len();
+                reader.consume(consumed);
+            }
+        }
+    }
+}
+
+/// Streams the message lines of a message-set file (everything between the opening and closing
+/// `MessageSet` lines).
+pub struct MessageSetReader<R: BufRead> {
+    reader: R,
+    started: bool,
+    done: bool,
+}
+
+impl<R: BufRead> MessageSetReader<R> {
+    /// Wraps a reader positioned at the start of a message-set file.
+    pub fn new(reader: R) -> Self {
+        Self {
+            reader,
+            started: false,
+            done: false,
+        }
+    }
+}
+
+impl<R: BufRead> Iterator for MessageSetReader<R> {
+    type Item = std::io::Result<Vec<u8>>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        while !self.done {
+            let line = match read_bounded_line(&mut self.reader, LINE_READ_MAX_BYTES) {
+                Ok(Some(line)) => line,
+                Ok(None) => return None,
+                Err(error) => return Some(Err(error)),
+            };
+            let trimmed = String::from_utf8_lossy(&line);
+            let trimmed = trimmed.trim();
+            if !self.started {
+                if trimmed.starts_with("<MessageSet") {
+                    self.started = true;
+                }
+                continue;
+            }
+            if trimmed == MESSAGE_SET_CLOSE {
+                self.done = true;
+                return None;
+            }
+            return Some(Ok(line));
+        }
+        None
+    }
+}
+
+/// Writes a generated message set and returns what it must produce.
+pub fn write_message_set(
+    refdata: &RefData,
+    config: GeneratorConfig,
+    out: &Path,
+) -> anyhow::Result<Expected> {
+    let file = File::create(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut writer = BufWriter::new(file);
+    writeln!(writer, "{MESSAGE_SET_OPEN}")?;
+    let mut generator = Generator::new(refdata, config);
+    for line in generator.by_ref() {
+        writer.write_all(&line)?;
+        writer.write_all(b"\n")?;
+    }
+    writeln!(writer, "{MESSAGE_SET_CLOSE}")?;
+    writer.flush()?;
+    Ok(generator.expected().clone())
+}
+
+/// Shows progress on stderr: a bar on a terminal, a status line every few seconds otherwise.
+fn spawn_progress(
+    tally: Arc<Tally>,
+    submitted: Arc<AtomicU64>,
+    total_estimate: u64,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let started = Instant::now();
+        if std::io::stderr().is_terminal() {
+            let bar = indicatif::ProgressBar::new(total_estimate);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{spinner} [{elapsed_precise}] {wide_bar} {pos}/{len} msgs acked ({per_sec}) {msg}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            while !stop.load(Ordering::Relaxed) {
+                let acked = tally.acked.load(Ordering::Relaxed);
+                if acked > bar.length().unwrap_or(0) {
+                    bar.set_length(acked);
+                }
+                bar.set_position(acked);
+                bar.set_message(format!(
+                    "in flight {}",
+                    submitted.load(Ordering::Relaxed).saturating_sub(acked)
+                ));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            bar.finish_and_clear();
+        } else {
+            let mut last_report = Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(100));
+                if last_report.elapsed() >= Duration::from_secs(5) {
+                    last_report = Instant::now();
+                    let acked = tally.acked.load(Ordering::Relaxed);
+                    eprintln!(
+                        "[{:>6.1}s] {acked} messages acknowledged of ~{total_estimate} ({:.0} msg/s)",
+                        started.elapsed().as_secs_f64(),
+                        acked as f64 / started.elapsed().as_secs_f64().max(1e-9)
+                    );
+                }
+            }
+        }
+    })
+}
+
+fn inject(
+    submitter: &Submitter,
+    refdata: &RefData,
+    lines: impl Iterator<Item = std::io::Result<Vec<u8>>>,
+    rate: Option<f64>,
+    submitted: &AtomicU64,
+) -> anyhow::Result<u64> {
+    let started = Instant::now();
+    let mut count: u64 = 0;
+    for line in lines {
+        let line = line.context("reading the message set")?;
+        if let Some(rate) = rate {
+            let due = Duration::from_secs_f64(count as f64 / rate);
+            let elapsed = started.elapsed();
+            if due > elapsed {
+                std::thread::sleep(due - elapsed);
+            }
+        }
+        submitter
+            .submit_line(refdata, line, count)
+            .context("submitting to the pipeline")?;
+        count += 1;
+        submitted.store(count, Ordering::Relaxed);
+    }
+    Ok(count)
+}
+
+/// Runs the whole pipeline in process over the configured source and summarises it.
+pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary> {
+    let store = match config.store {
+        StoreChoice::Memory => StoreConfig::Memory,
+        StoreChoice::Embedded => StoreConfig::Embedded {
+            dir: config.run_dir.join("store"),
+        },
+        StoreChoice::Postgres => bail!(
+            "the postgres store is not available in this build; use --store embedded or memory"
+        ),
+    };
+    std::fs::create_dir_all(&config.run_dir)
+        .with_context(|| format!("creating {}", config.run_dir.display()))?;
+    let samples_path = config.run_dir.join("samples.csv");
+    let pipeline_config = PipelineConfig {
+        shards: config.shards,
+        validators: config.validators,
+        queue_capacity_messages: config.queue_capacity_messages,
+        batch_max_messages: config.batch_max_messages,
+        store,
+        sample_interval: config.sample_interval,
+        samples_path: Some(samples_path.clone()),
+        ..PipelineConfig::default()
+    };
+    let started = Instant::now();
+    let pipeline = Pipeline::start(&pipeline_config, refdata.clone(), config.tolerances.clone())
+        .context("starting the pipeline")?;
+    let clock = pipeline.clock();
+
+    let tally = Arc::new(Tally::default());
+    let exceptions: Arc<std::sync::Mutex<BTreeMap<String, u64>>> = Arc::default();
+    let ack_thread = {
+        let acks = pipeline.acks();
+        let tally = tally.clone();
+        let exceptions = exceptions.clone();
+        std::thread::spawn(move || {
+            let mut codes: BTreeMap<String, u64> = BTreeMap::new();
+            for batch in acks {
+                for ack in &batch {
+                    match ack.result {
+                        AckResult::Accepted => {
+                            tally.accepted.fetch_add(1, Ordering::Relaxed);
+                        }
+                        AckResult::Duplicate => {
+                            tally.duplicates.fetch_add(1, Ordering::Relaxed);
+                        }
+                        AckResult::Rejected(code) => {
+                            *codes.entry(code.as_str().to_owned()).or_default() += 1;
+                        }
+                    }
+                }
+                tally.acked.fetch_add(batch.len() as u64, Ordering::Relaxed);
+            }
+            if let Ok(mut shared) = exceptions.lock() {
+                *shared = codes;
+            }
+        })
+    };
+    let sink = Sink::new(config.cls_out.as_deref()).context("opening the CLS output")?;
+    let outbound_station = pipeline
+        .station("outbound")
+        .context("the pipeline has an outbound station")?;
+    let sink_thread = {
+        let events = pipeline.outbound();
+        std::thread::spawn(move || ste_sink::run(events, sink, outbound_station, clock))
+    };
+
+    let submitted = Arc::new(AtomicU64::new(0));
+    let total_estimate = match &config.source {
+        Source::Generated(generator) => {
+            generator.trades * ste_engine::generator::MESSAGES_PER_TRADE as u64
+        }
+        Source::File(_) => 0,
+    };
+    let stop_progress = Arc::new(AtomicBool::new(false));
+    let progress = config.progress.then(|| {
+        spawn_progress(
+            tally.clone(),
+            submitted.clone(),
+            total_estimate,
+            stop_progress.clone(),
+        )
+    });
+
+    let submitter = pipeline.submitter();
+    let (injected, expected) = match &config.source {
+        Source::Generated(generator_config) => {
+            let mut generator = Generator::new(&refdata, generator_config.clone());
+            let lines = generator.by_ref().map(Ok);
+            let count = inject(&submitter, &refdata, lines, config.rate_msgs_per_s, &submitted);
+            (count, Some(generator.expected().clone()))
+        }
+        Source::File(path) => {
+            let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+            let lines = MessageSetReader::new(BufReader::new(file));
+            let count = inject(&submitter, &refdata, lines, config.rate_msgs_per_s, &submitted);
+            (count, None)
+        }
+    };
+    drop(submitter);
+    let station_handles = pipeline.stations().to_vec();
+    let report = pipeline.finish();
+    let elapsed_s = started.elapsed().as_secs_f64();
+    stop_progress.store(true, Ordering::Relaxed);
+    if let Some(progress) = progress {
+        let _ = progress.join();
+    }
+    let _ = ack_thread.join();
+    let sink_report = sink_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("the sink thread panicked"))?
+        .context("writing CLS")?;
+    let messages_in = injected?;
+    let report = report.context("the pipeline failed")?;
+
+    let samples = ste_monitor::read_samples(&samples_path).context("reading samples")?;
+    let metrics = ste_monitor::analyze(&samples);
+    let bottleneck = ste_monitor::bottleneck(&metrics).map(|m| m.station.clone());
+    let stations: Vec<StationSummary> = metrics
+        .iter()
+        .map(|m| StationSummary {
+            name: m.station.clone(),
+            A: m.A,
+            C: m.C,
+            B_s: m.B_s,
+            T_s: m.T_s,
+            X: m.X,
+            U: m.U,
+            S_ms: m.S_s * 1e3,
+            N: m.N,
+            R_ms: m.R_s * 1e3,
+            R_direct_ms: station_handles
+                .iter()
+                .find(|s| s.name() == m.station)
+                .map(|s| {
+                    let reading = s.read();
+                    reading.response_ns as f64 / 1e6 / (reading.completions.max(1) as f64)
+                })
+                .unwrap_or_default(),
+        })
+        .collect();
+
+    let exceptions = exceptions.lock().map(|e| e.clone()).unwrap_or_default();
+    let accepted = tally.accepted.load(Ordering::Relaxed);
+    let duplicates = tally.duplicates.load(Ordering::Relaxed);
+    let exceptions_total: u64 = exceptions.values().sum();
+    let latency = sink_report.latency_ms();
+    let shards: Vec<ShardSummary> = report
+        .shards
+        .iter()
+        .zip(&report.shard_rows)
+        .map(|(counts, rows)| ShardSummary {
+            trades: counts.trades,
+            messages: counts.messages,
+            stored_messages: rows.messages,
+            stored_cls: rows.cls,
+            stored_exceptions: rows.exceptions,
+        })
+        .collect();
+    let sum = |f: fn(&ste_engine::matcher::ShardCounts) -> u64| report.shards.iter().map(f).sum::<u64>();
+    let trades = match &config.source {
+        Source::Generated(generator) => generator.trades,
+        Source::File(_) => sum(|c| c.trades),
+    };
+    let mut summary = Summary {
+        trades,
+        messages_in,
+        accepted,
+        duplicates,
+        exceptions,
+        cls: sink_report.cls,
+        cls_repeats: sink_report.cls_repeats,
+        mismatched_trades: sum(|c| c.mismatched),
+        pending_trades: sum(|c| c.pending),
+        cancelled_trades: sum(|c| c.cancelled),
+        mismatched_advices: sink_report.mismatched_advices,
+        elapsed_s,
+        throughput_msg_s: messages_in as f64 / elapsed_s.max(1e-9),
+        latency_ms: LatencySummary {
+            p50: latency.p50,
+            p99: latency.p99,
+            p999: latency.p999,
+            max: latency.max,
+            mean: latency.mean,
+        },
+        stations,
+        bottleneck,
+        shards,
+        store: config.store.as_str().to_owned(),
+        validators: config.validators,
+        peak_rss_mb: peak_rss_mb(),
+        conserved: messages_in == accepted + duplicates + exceptions_total,
+        expected: expected.clone(),
+        matches_expected: None,
+        run_dir: config.run_dir.display().to_string(),
+    };
+    summary.matches_expected = expected.map(|expected| expected == summary.outcome());
+    let summary_path = config.run_dir.join("summary.json");
+    std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
+        .with_context(|| format!("writing {}", summary_path.display()))?;
+    Ok(summary)
+}

@@ -1,0 +1,838 @@
+//! The queue network of DESIGN.md section 1, in process:
+//!
+//! ```text
+//! inbound[i] → validator i ─ok→ match[k] → matcher k → store[k] → writer k ─after commit→ acks, outbound
+//!                          └rejected→ exceptions → exception writer ─after commit→ acks
+//! ```
+//!
+//! Every queue is a bounded crossbeam channel (a full queue blocks its producer; nothing is
+//! dropped) and every station counts arrivals, completions and busy time. Inbound queues are
+//! sharded by trade key, so the messages of one trade keep their order from injection to the
+//! matcher. Nothing leaves the engine before the transaction that holds it has committed.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ahash::AHashMap;
+use crossbeam_channel::{bounded, Receiver, Sender};
+use time::format_description::well_known::Rfc3339;
+use time::OffsetDateTime;
+
+use crate::codec::encode_cls;
+use crate::matcher::{Advice, Disposition, Matcher, Outcome, ShardCounts};
+use crate::model::Msg;
+use crate::profile::Tolerances;
+use crate::reason::{ReasonCode, Rejection};
+use crate::refdata::RefData;
+use crate::routing::{fnv1a_64, shard_of};
+use crate::sign::{self, SIGNATURE_LEN};
+use crate::station::{RunClock, Station};
+use crate::store::{
+    Batch, ClsRow, ExceptionRow, MemoryStore, MessageRow, RowCounts, SqliteStore, Store,
+    StoreError, TradeRow,
+};
+use crate::validate::validate;
+
+/// One inbound message as it enters the engine.
+#[derive(Debug, Clone)]
+pub struct Envelope {
+    pub bytes: Vec<u8>,
+    /// The participant whose key signed the bytes.
+    pub sender: Option<String>,
+    pub signature: Option<[u8; SIGNATURE_LEN]>,
+    /// Chosen by the sender of the envelope; returned in its ACK or NAK.
+    pub correlation: u64,
+    /// When the message entered the engine, on the run clock.
+    pub injected_ns: u64,
+}
+
+/// The result of one inbound message, sent after the commit that holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AckResult {
+    Accepted,
+    Duplicate,
+    Rejected(ReasonCode),
+}
+
+/// An ACK (accepted or duplicate) or NAK (rejected with a code).
+#[derive(Debug, Clone, Copy)]
+pub struct Ack {
+    pub correlation: u64,
+    pub result: AckResult,
+}
+
+/// What the engine sends outbound after commit.
+#[derive(Debug, Clone)]
+pub enum OutboundEvent {
+    Cls {
+        cls_id: String,
+        body: String,
+        /// Injection time of the trade's first message, on the run clock.
+        trade_first_injected_ns: u64,
+    },
+    Mismatched(Advice),
+}
+
+/// Where the shards keep their rows.
+#[derive(Debug, Clone)]
+pub enum StoreConfig {
+    Memory,
+    /// One SQLite file per shard (and one for validation exceptions) in this folder.
+    Embedded { dir: PathBuf },
+}
+
+/// Sizes and counts of the network; every queue and batch is bounded by one of these.
+#[derive(Debug, Clone)]
+pub struct PipelineConfig {
+    pub shards: u32,
+    pub validators: u32,
+    /// Capacity of every inbound, match and store queue, in messages.
+    pub queue_capacity_messages: usize,
+    /// Capacity of the ack and outbound queues.
+    pub outbound_capacity: usize,
+    /// Largest number of messages committed in one transaction.
+    pub batch_max_messages: usize,
+    pub store: StoreConfig,
+    /// Interval between two samples of every station.
+    pub sample_interval: Duration,
+    /// Where `samples.csv` goes; `None` disables sampling.
+    pub samples_path: Option<PathBuf>,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        Self {
+            shards: 2,
+            validators: 2,
+            queue_capacity_messages: 8192,
+            outbound_capacity: 1024,
+            batch_max_messages: 4096,
+            store: StoreConfig::Memory,
+            sample_interval: Duration::from_millis(10),
+            samples_path: None,
+        }
+    }
+}
+
+/// Why the pipeline stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("cannot write samples: {0}")]
+    Samples(std::io::Error),
+    #[error("the pipeline has stopped: {0}")]
+    Stopped(String),
+    #[error("a pipeline thread panicked: {0}")]
+    Panicked(String),
+}
+
+struct Validated {
+    msg: Msg,
+    bytes: Vec<u8>,
+    correlation: u64,
+    injected_ns: u64,
+    enqueued_ns: u64,
+}
+
+/// The few fields of a message that its store row needs once the matcher owns the message.
+struct MessageMeta {
+    trade_key: String,
+    sender: String,
+    msg_id: String,
+    msg_type: &'static str,
+    function: &'static str,
+    related_id: Option<String>,
+}
+
+impl MessageMeta {
+    fn of(msg: &Msg) -> Self {
+        Self {
+            trade_key: msg.trade_key(),
+            sender: msg.sender.clone(),
+            msg_id: msg.msg_id.clone(),
+            msg_type: msg.msg_type.as_str(),
+            function: msg.function.as_str(),
+            related_id: msg.related_id.clone(),
+        }
+    }
+}
+
+struct Processed {
+    outcome: Outcome,
+    meta: MessageMeta,
+    bytes: Vec<u8>,
+    correlation: u64,
+    injected_ns: u64,
+    enqueued_ns: u64,
+}
+
+struct RejectedItem {
+    rejection: Rejection,
+    sender: Option<String>,
+    bytes: Vec<u8>,
+    correlation: u64,
+    enqueued_ns: u64,
+}
+
+/// Sends envelopes into the sharded inbound queues. Cloneable: several producers may submit.
+#[derive(Clone)]
+pub struct Submitter {
+    inbound: Vec<Sender<(Envelope, u64)>>,
+    stations: Vec<Arc<Station>>,
+    clock: RunClock,
+}
+
+impl Submitter {
+    /// The run clock, for stamping `injected_ns`.
+    pub fn clock(&self) -> RunClock {
+        self.clock
+    }
+
+    /// Enqueues one envelope on the inbound queue of its trade; blocks while that queue is full.
+    pub fn submit(&self, envelope: Envelope) -> Result<(), PipelineError> {
+        let index = inbound_index(&envelope.bytes, self.inbound.len());
+        self.stations[index].arrive(1);
+        let now = self.clock.now_ns();
+        self.inbound[index]
+            .send((envelope, now))
+            .map_err(|_| PipelineError::Stopped("inbound queue closed".to_owned()))
+    }
+
+    /// Signs a line with its claimed sender's key (unsigned if there is none) and submits it.
+    pub fn submit_line(
+        &self,
+        refdata: &RefData,
+        bytes: Vec<u8>,
+        correlation: u64,
+    ) -> Result<(), PipelineError> {
+        let envelope = sign_line(refdata, bytes, correlation, self.clock.now_ns());
+        self.submit(envelope)
+    }
+}
+
+/// Builds the envelope a participant would send: signed with the key of the line's first
+/// `<Sender>`, or unsigned when there is none or it has no key.
+pub fn sign_line(refdata: &RefData, bytes: Vec<u8>, correlation: u64, injected_ns: u64) -> Envelope {
+    let sender = sign::claimed_sender(&bytes).map(str::to_owned);
+    let signature = sender
+        .as_deref()
+        .and_then(|sender| refdata.participant(sender))
+        .map(|participant| sign::sign(&participant.key, &bytes));
+    Envelope {
+        bytes,
+        sender,
+        signature,
+        correlation,
+        injected_ns,
+    }
+}
+
+/// The inbound queue of a message: by trade key when the bytes name one, so that a trade's
+/// messages stay in order; queue 0 otherwise.
+fn inbound_index(bytes: &[u8], queues: usize) -> usize {
+    let text_of = |tag_open: &[u8], tag_close: &[u8]| -> Option<&[u8]> {
+        let start = sign::find(bytes, tag_open)? + tag_open.len();
+        let end = start + sign::find(&bytes[start..], tag_close)?;
+        Some(&bytes[start..end])
+    };
+    match (
+        text_of(b"<Broker>", b"</Broker>"),
+        text_of(b"<TradeRef>", b"</TradeRef>"),
+    ) {
+        (Some(broker), Some(trade_ref)) => {
+            let mut key = Vec::with_capacity(broker.len() + 1 + trade_ref.len());
+            key.extend_from_slice(broker);
+            key.push(b'/');
+            key.extend_from_slice(trade_ref);
+            (fnv1a_64(&key) % queues as u64) as usize
+        }
+        _ => 0,
+    }
+}
+
+/// What a finished pipeline reports.
+#[derive(Debug, Clone)]
+pub struct PipelineReport {
+    /// Per shard, in order: the matcher's final counts.
+    pub shards: Vec<ShardCounts>,
+    /// Per shard, in order: the rows its store holds.
+    pub shard_rows: Vec<RowCounts>,
+    /// Rows of the validation-exception store.
+    pub exception_rows: RowCounts,
+}
+
+type Joined<T> = JoinHandle<Result<T, PipelineError>>;
+
+/// A running pipeline.
+pub struct Pipeline {
+    submitter: Option<Submitter>,
+    acks: Receiver<Vec<Ack>>,
+    outbound: Receiver<(OutboundEvent, u64)>,
+    stations: Vec<Arc<Station>>,
+    validators: Vec<Joined<()>>,
+    matchers: Vec<Joined<ShardCounts>>,
+    writers: Vec<Joined<RowCounts>>,
+    exception_writer: Option<Joined<RowCounts>>,
+    sampler: Option<(Arc<AtomicBool>, Joined<()>)>,
+}
+
+fn open_store(config: &StoreConfig, file_name: &str) -> Result<Box<dyn Store>, StoreError> {
+    Ok(match config {
+        StoreConfig::Memory => Box::new(MemoryStore::default()),
+        StoreConfig::Embedded { dir } => {
+            std::fs::create_dir_all(dir).map_err(StoreError::Runtime)?;
+            Box::new(SqliteStore::open(&dir.join(file_name))?)
+        }
+    })
+}
+
+fn spawn<T: Send + 'static>(
+    name: String,
+    body: impl FnOnce() -> Result<T, PipelineError> + Send + 'static,
+) -> Joined<T> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(body)
+        .expect("the operating system can start a thread")
+}
+
+impl Pipeline {
+    /// Opens the stores and starts every station.
+    pub fn start(
+        config: &PipelineConfig,
+        refdata: Arc<RefData>,
+        tolerances: Tolerances,
+    ) -> Result<Self, PipelineError> {
+        let clock = RunClock::start();
+        let shards = config.shards.max(1);
+        let validators = config.validators.max(1);
+        let capacity = config.queue_capacity_messages.max(1);
+
+        let mut stores = Vec::with_capacity(shards as usize);
+        for shard in 0..shards {
+            stores.push(open_store(&config.store, &format!("shard-{shard}.sqlite"))?);
+        }
+        let exception_store = open_store(&config.store, "exceptions.sqlite")?;
+
+        let mut stations = Vec::new();
+        let (ack_tx, ack_rx) = bounded::<Vec<Ack>>(config.outbound_capacity);
+        let (out_tx, out_rx) = bounded::<(OutboundEvent, u64)>(config.outbound_capacity);
+        let outbound_station = Station::new("outbound");
+
+        // Writers and their store queues.
+        let mut store_txs = Vec::new();
+        let mut store_stations = Vec::new();
+        let mut writers = Vec::new();
+        for (shard, store) in stores.into_iter().enumerate() {
+            let (tx, rx) = bounded::<Processed>(capacity);
+            let station = Station::new(format!("store.{shard}"));
+            store_txs.push(tx);
+            store_stations.push(station.clone());
+            let acks = ack_tx.clone();
+            let outbound = out_tx.clone();
+            let outbound_station = outbound_station.clone();
+            let batch_max = config.batch_max_messages.max(1);
+            writers.push(spawn(format!("writer-{shard}"), move || {
+                run_writer(rx, store, station, acks, outbound, outbound_station, clock, batch_max)
+            }));
+        }
+
+        let (exception_tx, exception_rx) = bounded::<RejectedItem>(capacity);
+        let exception_station = Station::new("exceptions");
+        let exception_writer = {
+            let station = exception_station.clone();
+            let acks = ack_tx.clone();
+            let batch_max = config.batch_max_messages.max(1);
+            spawn("exception-writer".to_owned(), move || {
+                run_exception_writer(exception_rx, exception_store, station, acks, clock, batch_max)
+            })
+        };
+        drop(ack_tx);
+        drop(out_tx);
+
+        // Matchers and their match queues.
+        let mut match_txs = Vec::new();
+        let mut match_stations = Vec::new();
+        let mut matchers = Vec::new();
+        for shard in 0..shards as usize {
+            let (tx, rx) = bounded::<Validated>(capacity);
+            let station = Station::new(format!("match.{shard}"));
+            match_txs.push(tx);
+            match_stations.push(station.clone());
+            let store_tx = store_txs[shard].clone();
+            let store_station = store_stations[shard].clone();
+            let matcher = Matcher::new(refdata.clone(), tolerances.clone());
+            matchers.push(spawn(format!("matcher-{shard}"), move || {
+                run_matcher(rx, matcher, station, store_tx, store_station, clock)
+            }));
+        }
+        drop(store_txs);
+
+        // Validators and the sharded inbound queues.
+        let mut inbound = Vec::new();
+        let mut inbound_stations = Vec::new();
+        let mut validator_handles = Vec::new();
+        for index in 0..validators as usize {
+            let (tx, rx) = bounded::<(Envelope, u64)>(capacity);
+            let station = Station::new(format!("inbound.{index}"));
+            inbound.push(tx);
+            inbound_stations.push(station.clone());
+            let refdata = refdata.clone();
+            let match_txs = match_txs.clone();
+            let match_stations = match_stations.clone();
+            let exception_tx = exception_tx.clone();
+            let exception_station = exception_station.clone();
+            validator_handles.push(spawn(format!("validator-{index}"), move || {
+                run_validator(
+                    rx,
+                    &refdata,
+                    station,
+                    &match_txs,
+                    &match_stations,
+                    &exception_tx,
+                    &exception_station,
+                    clock,
+                )
+            }));
+        }
+        drop(match_txs);
+        drop(exception_tx);
+
+        stations.extend(inbound_stations.iter().cloned());
+        stations.extend(match_stations);
+        stations.extend(store_stations);
+        stations.push(exception_station);
+        stations.push(outbound_station);
+
+        let sampler = match &config.samples_path {
+            Some(path) => {
+                let file = File::create(path).map_err(PipelineError::Samples)?;
+                let stop = Arc::new(AtomicBool::new(false));
+                let flag = stop.clone();
+                let sampled = stations.clone();
+                let interval = config.sample_interval;
+                let handle = spawn("sampler".to_owned(), move || {
+                    run_sampler(BufWriter::new(file), &sampled, &flag, interval, clock)
+                });
+                Some((stop, handle))
+            }
+            None => None,
+        };
+
+        Ok(Self {
+            submitter: Some(Submitter {
+                inbound,
+                stations: inbound_stations,
+                clock,
+            }),
+            acks: ack_rx,
+            outbound: out_rx,
+            stations,
+            validators: validator_handles,
+            matchers,
+            writers,
+            exception_writer: Some(exception_writer),
+            sampler,
+        })
+    }
+
+    /// A handle to submit messages; the pipeline drains and stops once every handle is dropped
+    /// and [`Pipeline::finish`] is called.
+    pub fn submitter(&self) -> Submitter {
+        self.submitter
+            .clone()
+            .expect("the submitter lives until finish")
+    }
+
+    /// ACK/NAK batches, one per commit.
+    pub fn acks(&self) -> Receiver<Vec<Ack>> {
+        self.acks.clone()
+    }
+
+    /// CLS and status advices after commit, each with the run-clock time it was enqueued.
+    pub fn outbound(&self) -> Receiver<(OutboundEvent, u64)> {
+        self.outbound.clone()
+    }
+
+    /// Every station, in network order.
+    pub fn stations(&self) -> &[Arc<Station>] {
+        &self.stations
+    }
+
+    /// The station with this name.
+    pub fn station(&self, name: &str) -> Option<Arc<Station>> {
+        self.stations.iter().find(|s| s.name() == name).cloned()
+    }
+
+    /// The run clock every timestamp of this pipeline is taken on.
+    pub fn clock(&self) -> RunClock {
+        self.submitter().clock()
+    }
+
+    /// Closes the inbound queues, drains every station, and reports.
+    pub fn finish(mut self) -> Result<PipelineReport, PipelineError> {
+        self.submitter = None;
+        let mut first_error: Option<PipelineError> = None;
+        let mut keep = |result: Result<(), PipelineError>| {
+            if let Err(error) = result {
+                first_error.get_or_insert(error);
+            }
+        };
+        for handle in self.validators.drain(..) {
+            keep(join(handle));
+        }
+        let mut shards = Vec::new();
+        for handle in self.matchers.drain(..) {
+            match join(handle) {
+                Ok(counts) => shards.push(counts),
+                Err(error) => keep(Err(error)),
+            }
+        }
+        let mut shard_rows = Vec::new();
+        for handle in self.writers.drain(..) {
+            match join(handle) {
+                Ok(rows) => shard_rows.push(rows),
+                Err(error) => keep(Err(error)),
+            }
+        }
+        let mut exception_rows = RowCounts::default();
+        if let Some(handle) = self.exception_writer.take() {
+            match join(handle) {
+                Ok(rows) => exception_rows = rows,
+                Err(error) => keep(Err(error)),
+            }
+        }
+        if let Some((stop, handle)) = self.sampler.take() {
+            stop.store(true, Ordering::Relaxed);
+            keep(join(handle));
+        }
+        match first_error {
+            Some(error) => Err(error),
+            None => Ok(PipelineReport {
+                shards,
+                shard_rows,
+                exception_rows,
+            }),
+        }
+    }
+}
+
+fn join<T>(handle: Joined<T>) -> Result<T, PipelineError> {
+    let name = handle.thread().name().unwrap_or("unnamed").to_owned();
+    handle
+        .join()
+        .map_err(|_| PipelineError::Panicked(name))?
+}
+
+fn stopped(queue: &str) -> PipelineError {
+    PipelineError::Stopped(format!("{queue} queue closed"))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_validator(
+    rx: Receiver<(Envelope, u64)>,
+    refdata: &RefData,
+    station: Arc<Station>,
+    match_txs: &[Sender<Validated>],
+    match_stations: &[Arc<Station>],
+    exception_tx: &Sender<RejectedItem>,
+    exception_station: &Station,
+    clock: RunClock,
+) -> Result<(), PipelineError> {
+    let shards = match_txs.len() as u32;
+    for (envelope, enqueued_ns) in rx {
+        let started = Instant::now();
+        let result = validate(
+            refdata,
+            &envelope.bytes,
+            envelope.sender.as_deref(),
+            envelope.signature.as_ref().map(|s| s.as_slice()),
+        );
+        let busy_ns = started.elapsed().as_nanos() as u64;
+        match result {
+            Ok(msg) => {
+                let shard = shard_of(&msg.trade_key(), shards) as usize;
+                match_stations[shard].arrive(1);
+                let item = Validated {
+                    msg,
+                    bytes: envelope.bytes,
+                    correlation: envelope.correlation,
+                    injected_ns: envelope.injected_ns,
+                    enqueued_ns: clock.now_ns(),
+                };
+                match_txs[shard].send(item).map_err(|_| stopped("match"))?;
+            }
+            Err(rejection) => {
+                exception_station.arrive(1);
+                let item = RejectedItem {
+                    rejection,
+                    sender: envelope.sender,
+                    bytes: envelope.bytes,
+                    correlation: envelope.correlation,
+                    enqueued_ns: clock.now_ns(),
+                };
+                exception_tx.send(item).map_err(|_| stopped("exceptions"))?;
+            }
+        }
+        station.complete(1, busy_ns, clock.now_ns().saturating_sub(enqueued_ns));
+    }
+    Ok(())
+}
+
+/// Formats wall-clock time for CLS `MatchedAt`, at most once per millisecond.
+struct MatchedAtClock {
+    last_ms: i128,
+    text: String,
+}
+
+impl MatchedAtClock {
+    fn now(&mut self) -> &str {
+        let now = OffsetDateTime::now_utc();
+        let ms = now.unix_timestamp_nanos() / 1_000_000;
+        if ms != self.last_ms {
+            self.last_ms = ms;
+            let truncated = now
+                .replace_nanosecond((now.nanosecond() / 1_000_000) * 1_000_000)
+                .unwrap_or(now);
+            self.text = truncated
+                .format(&Rfc3339)
+                .unwrap_or_else(|_| "1970-01-01T00:00:00.000Z".to_owned());
+        }
+        &self.text
+    }
+}
+
+fn run_matcher(
+    rx: Receiver<Validated>,
+    mut matcher: Matcher,
+    station: Arc<Station>,
+    store_tx: Sender<Processed>,
+    store_station: Arc<Station>,
+    clock: RunClock,
+) -> Result<ShardCounts, PipelineError> {
+    let mut wall = MatchedAtClock {
+        last_ms: -1,
+        text: String::new(),
+    };
+    for item in rx {
+        let started = Instant::now();
+        let meta = MessageMeta::of(&item.msg);
+        let outcome = matcher.process(item.msg, &item.bytes, item.injected_ns, wall.now());
+        let busy_ns = started.elapsed().as_nanos() as u64;
+        store_station.arrive(1);
+        let processed = Processed {
+            outcome,
+            meta,
+            bytes: item.bytes,
+            correlation: item.correlation,
+            injected_ns: item.injected_ns,
+            enqueued_ns: clock.now_ns(),
+        };
+        store_tx.send(processed).map_err(|_| stopped("store"))?;
+        station.complete(1, busy_ns, clock.now_ns().saturating_sub(item.enqueued_ns));
+    }
+    Ok(matcher.counts())
+}
+
+/// Takes the first item (blocking) and then whatever is already queued, up to `batch_max`.
+fn next_batch<T>(rx: &Receiver<T>, batch_max: usize) -> Option<Vec<T>> {
+    let first = rx.recv().ok()?;
+    let mut items = Vec::with_capacity(batch_max.min(rx.len() + 1));
+    items.push(first);
+    while items.len() < batch_max {
+        match rx.try_recv() {
+            Ok(item) => items.push(item),
+            Err(_) => break,
+        }
+    }
+    Some(items)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_writer(
+    rx: Receiver<Processed>,
+    mut store: Box<dyn Store>,
+    station: Arc<Station>,
+    ack_tx: Sender<Vec<Ack>>,
+    out_tx: Sender<(OutboundEvent, u64)>,
+    outbound_station: Arc<Station>,
+    clock: RunClock,
+    batch_max: usize,
+) -> Result<RowCounts, PipelineError> {
+    while let Some(items) = next_batch(&rx, batch_max) {
+        let started = Instant::now();
+        let mut batch = Batch::default();
+        let mut acks = Vec::with_capacity(items.len());
+        let mut events = Vec::new();
+        // Only the last status of a trade in this batch needs writing.
+        let mut trade_rows: AHashMap<String, usize> = AHashMap::new();
+        let count = items.len() as u64;
+        let mut response_ns = 0_u64;
+        for item in items {
+            response_ns += clock.now_ns().saturating_sub(item.enqueued_ns);
+            let meta = item.meta;
+            let trade_key = meta.trade_key;
+            let result = match item.outcome.disposition {
+                Disposition::Accepted => {
+                    batch.messages.push(MessageRow {
+                        trade_key: trade_key.clone(),
+                        sender: meta.sender,
+                        msg_id: meta.msg_id,
+                        msg_type: meta.msg_type,
+                        function: meta.function,
+                        related_id: meta.related_id,
+                        injected_ns: item.injected_ns,
+                        raw: item.bytes,
+                    });
+                    AckResult::Accepted
+                }
+                Disposition::Duplicate => AckResult::Duplicate,
+                Disposition::Rejected(rejection) => {
+                    let code = rejection.code;
+                    batch.exceptions.push(ExceptionRow {
+                        trade_key: Some(trade_key.clone()),
+                        sender: Some(meta.sender),
+                        msg_id: Some(meta.msg_id),
+                        code,
+                        detail: rejection.detail,
+                        raw: item.bytes,
+                    });
+                    AckResult::Rejected(code)
+                }
+            };
+            acks.push(Ack {
+                correlation: item.correlation,
+                result,
+            });
+            if let Some(status) = item.outcome.trade_status {
+                match trade_rows.get(&trade_key) {
+                    Some(index) => batch.trades[*index].status = status,
+                    None => {
+                        trade_rows.insert(trade_key.clone(), batch.trades.len());
+                        batch.trades.push(TradeRow {
+                            trade_key: trade_key.clone(),
+                            status,
+                        });
+                    }
+                }
+            }
+            if let Some(cls) = item.outcome.cls {
+                let body = encode_cls(&cls);
+                batch.cls.push(ClsRow {
+                    cls_id: cls.cls_id.clone(),
+                    trade_key,
+                    body: body.clone(),
+                });
+                events.push(OutboundEvent::Cls {
+                    cls_id: cls.cls_id,
+                    body,
+                    trade_first_injected_ns: item.outcome.trade_first_injected_ns,
+                });
+            }
+            if let Some(advice) = item.outcome.advice {
+                events.push(OutboundEvent::Mismatched(advice));
+            }
+        }
+        store.commit(batch)?;
+        station.complete(count, started.elapsed().as_nanos() as u64, response_ns);
+        ack_tx.send(acks).map_err(|_| stopped("acks"))?;
+        for event in events {
+            outbound_station.arrive(1);
+            out_tx
+                .send((event, clock.now_ns()))
+                .map_err(|_| stopped("outbound"))?;
+        }
+    }
+    Ok(store.row_counts()?)
+}
+
+fn run_exception_writer(
+    rx: Receiver<RejectedItem>,
+    mut store: Box<dyn Store>,
+    station: Arc<Station>,
+    ack_tx: Sender<Vec<Ack>>,
+    clock: RunClock,
+    batch_max: usize,
+) -> Result<RowCounts, PipelineError> {
+    while let Some(items) = next_batch(&rx, batch_max) {
+        let started = Instant::now();
+        let count = items.len() as u64;
+        let mut batch = Batch::default();
+        let mut acks = Vec::with_capacity(items.len());
+        let mut response_ns = 0_u64;
+        for item in items {
+            response_ns += clock.now_ns().saturating_sub(item.enqueued_ns);
+            acks.push(Ack {
+                correlation: item.correlation,
+                result: AckResult::Rejected(item.rejection.code),
+            });
+            batch.exceptions.push(ExceptionRow {
+                trade_key: None,
+                sender: item.sender,
+                msg_id: None,
+                code: item.rejection.code,
+                detail: item.rejection.detail,
+                raw: item.bytes,
+            });
+        }
+        store.commit(batch)?;
+        station.complete(count, started.elapsed().as_nanos() as u64, response_ns);
+        ack_tx.send(acks).map_err(|_| stopped("acks"))?;
+    }
+    Ok(store.row_counts()?)
+}
+
+/// The header of `samples.csv`.
+pub const SAMPLES_HEADER: &str = "t_ms,station,queue_len,arrivals,completions,busy_ms";
+
+fn write_samples(
+    out: &mut impl Write,
+    stations: &[Arc<Station>],
+    clock: RunClock,
+) -> std::io::Result<()> {
+    let t_ms = clock.now_ns() as f64 / 1e6;
+    for station in stations {
+        let reading = station.read();
+        writeln!(
+            out,
+            "{t_ms:.3},{},{},{},{},{:.3}",
+            station.name(),
+            reading.queue_len(),
+            reading.arrivals,
+            reading.completions,
+            reading.busy_ns as f64 / 1e6
+        )?;
+    }
+    Ok(())
+}
+
+fn run_sampler(
+    mut out: BufWriter<File>,
+    stations: &[Arc<Station>],
+    stop: &AtomicBool,
+    interval: Duration,
+    clock: RunClock,
+) -> Result<(), PipelineError> {
+    writeln!(out, "{SAMPLES_HEADER}").map_err(PipelineError::Samples)?;
+    let mut next = Instant::now();
+    loop {
+        write_samples(&mut out, stations, clock).map_err(PipelineError::Samples)?;
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        next += interval;
+        let now = Instant::now();
+        if next > now {
+            std::thread::sleep(next - now);
+        } else {
+            next = now;
+        }
+    }
+    out.flush().map_err(PipelineError::Samples)
+}

@@ -1,0 +1,367 @@
+//! Storage behind one interface: a batch of rows commits in one transaction or not at all.
+//!
+//! Two implementations here: [`MemoryStore`] keeps the rows in process memory, and
+//! [`SqliteStore`] is the embedded default, one SQLite file per shard through sqlx.
+
+use std::path::Path;
+
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
+use sqlx::{ConnectOptions, Connection, QueryBuilder, Sqlite, SqliteConnection};
+
+use crate::matcher::TradeStatus;
+use crate::reason::ReasonCode;
+
+/// An accepted message, with its raw bytes.
+#[derive(Debug, Clone)]
+pub struct MessageRow {
+    pub trade_key: String,
+    pub sender: String,
+    pub msg_id: String,
+    pub msg_type: &'static str,
+    pub function: &'static str,
+    pub related_id: Option<String>,
+    pub injected_ns: u64,
+    pub raw: Vec<u8>,
+}
+
+/// A trade's new status.
+#[derive(Debug, Clone)]
+pub struct TradeRow {
+    pub trade_key: String,
+    pub status: TradeStatus,
+}
+
+/// A CLS in the outbox, written in the transaction of the message that completed the match.
+#[derive(Debug, Clone)]
+pub struct ClsRow {
+    pub cls_id: String,
+    pub trade_key: String,
+    pub body: String,
+}
+
+/// A rejected message with its raw bytes, code and a human detail.
+#[derive(Debug, Clone)]
+pub struct ExceptionRow {
+    pub trade_key: Option<String>,
+    pub sender: Option<String>,
+    pub msg_id: Option<String>,
+    pub code: ReasonCode,
+    pub detail: String,
+    pub raw: Vec<u8>,
+}
+
+/// Everything one transaction writes.
+#[derive(Debug, Default)]
+pub struct Batch {
+    pub messages: Vec<MessageRow>,
+    pub trades: Vec<TradeRow>,
+    pub cls: Vec<ClsRow>,
+    pub exceptions: Vec<ExceptionRow>,
+}
+
+impl Batch {
+    /// Rows in the batch.
+    pub fn len(&self) -> usize {
+        self.messages.len() + self.trades.len() + self.cls.len() + self.exceptions.len()
+    }
+
+    /// Whether the batch writes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Rows held by a store, for summaries and checks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RowCounts {
+    pub messages: u64,
+    pub trades: u64,
+    pub cls: u64,
+    pub exceptions: u64,
+}
+
+/// Why a store failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database error on {store}: {source}")]
+    Database {
+        store: String,
+        source: sqlx::Error,
+    },
+    #[error("migration failed on {store}: {source}")]
+    Migrate {
+        store: String,
+        source: sqlx::migrate::MigrateError,
+    },
+    #[error("cannot start the i/o runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// A shard's durable storage.
+pub trait Store: Send {
+    /// Writes the whole batch in one transaction.
+    fn commit(&mut self, batch: Batch) -> Result<(), StoreError>;
+    /// Counts the rows held.
+    fn row_counts(&mut self) -> Result<RowCounts, StoreError>;
+}
+
+/// Rows kept in process memory: the store for tests and for measuring the engine without
+/// storage cost. It keeps every row, so its memory grows with the run.
+#[derive(Debug, Default)]
+pub struct MemoryStore {
+    pub messages: Vec<MessageRow>,
+    pub trades: ahash::AHashMap<String, TradeStatus>,
+    pub cls: Vec<ClsRow>,
+    pub exceptions: Vec<ExceptionRow>,
+}
+
+impl Store for MemoryStore {
+    fn commit(&mut self, batch: Batch) -> Result<(), StoreError> {
+        self.messages.extend(batch.messages);
+        for row in batch.trades {
+            self.trades.insert(row.trade_key, row.status);
+        }
+        self.cls.extend(batch.cls);
+        self.exceptions.extend(batch.exceptions);
+        Ok(())
+    }
+
+    fn row_counts(&mut self) -> Result<RowCounts, StoreError> {
+        Ok(RowCounts {
+            messages: self.messages.len() as u64,
+            trades: self.trades.len() as u64,
+            cls: self.cls.len() as u64,
+            exceptions: self.exceptions.len() as u64,
+        })
+    }
+}
+
+static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
+
+/// Rows per multi-row INSERT: keeps every statement under SQLite's bound-parameter limit and
+/// lets sqlx reuse one prepared statement for every full chunk.
+const SQLITE_ROWS_PER_STATEMENT: usize = 500;
+/// SQLite page cache per shard, in KiB.
+const SQLITE_CACHE_KIB: u32 = 65_536;
+
+/// The embedded default: one SQLite file per shard, written through sqlx.
+pub struct SqliteStore {
+    name: String,
+    runtime: tokio::runtime::Runtime,
+    connection: SqliteConnection,
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the file and applies the migrations.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let name = path.display().to_string();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(StoreError::Runtime)?;
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .pragma("cache_size", format!("-{SQLITE_CACHE_KIB}"))
+            .pragma("temp_store", "memory");
+        let connection = runtime.block_on(async {
+            let mut connection =
+                options
+                    .connect()
+                    .await
+                    .map_err(|source| StoreError::Database {
+                        store: name.clone(),
+                        source,
+                    })?;
+            SQLITE_MIGRATOR
+                .run(&mut connection)
+                .await
+                .map_err(|source| StoreError::Migrate {
+                    store: name.clone(),
+                    source,
+                })?;
+            Ok::<_, StoreError>(connection)
+        })?;
+        Ok(Self {
+            name,
+            runtime,
+            connection,
+        })
+    }
+
+    fn database_error(&self, source: sqlx::Error) -> StoreError {
+        StoreError::Database {
+            store: self.name.clone(),
+            source,
+        }
+    }
+}
+
+async fn write_batch(connection: &mut SqliteConnection, batch: &Batch) -> Result<(), sqlx::Error> {
+    let mut transaction = connection.begin().await?;
+    for chunk in batch.messages.chunks(SQLITE_ROWS_PER_STATEMENT) {
+        let mut query = QueryBuilder::<Sqlite>::new(
+            "INSERT INTO messages (trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw) ",
+        );
+        query.push_values(chunk, |mut row, message| {
+            row.push_bind(message.trade_key.as_str())
+                .push_bind(message.sender.as_str())
+                .push_bind(message.msg_id.as_str())
+                .push_bind(message.msg_type)
+                .push_bind(message.function)
+                .push_bind(message.related_id.as_deref())
+                .push_bind(message.injected_ns as i64)
+                .push_bind(message.raw.as_slice());
+        });
+        query.build().execute(&mut *transaction).await?;
+    }
+    for chunk in batch.trades.chunks(SQLITE_ROWS_PER_STATEMENT) {
+        let mut query = QueryBuilder::<Sqlite>::new("INSERT INTO trades (trade_key, status) ");
+        query.push_values(chunk, |mut row, trade| {
+            row.push_bind(trade.trade_key.as_str())
+                .push_bind(trade.status.as_str());
+        });
+        query.push(" ON CONFLICT (trade_key) DO UPDATE SET status = excluded.status");
+        query.build().execute(&mut *transaction).await?;
+    }
+    for chunk in batch.cls.chunks(SQLITE_ROWS_PER_STATEMENT) {
+        let mut query =
+            QueryBuilder::<Sqlite>::new("INSERT INTO cls_outbox (cls_id, trade_key, body) ");
+        query.push_values(chunk, |mut row, cls| {
+            row.push_bind(cls.cls_id.as_str())
+                .push_bind(cls.trade_key.as_str())
+                .push_bind(cls.body.as_str());
+        });
+        query.build().execute(&mut *transaction).await?;
+    }
+    for chunk in batch.exceptions.chunks(SQLITE_ROWS_PER_STATEMENT) {
+        let mut query = QueryBuilder::<Sqlite>::new(
+            "INSERT INTO exceptions (trade_key, sender, msg_id, code, detail, raw) ",
+        );
+        query.push_values(chunk, |mut row, exception| {
+            row.push_bind(exception.trade_key.as_deref())
+                .push_bind(exception.sender.as_deref())
+                .push_bind(exception.msg_id.as_deref())
+                .push_bind(exception.code.as_str())
+                .push_bind(exception.detail.as_str())
+                .push_bind(exception.raw.as_slice());
+        });
+        query.build().execute(&mut *transaction).await?;
+    }
+    transaction.commit().await
+}
+
+impl Store for SqliteStore {
+    fn commit(&mut self, batch: Batch) -> Result<(), StoreError> {
+        let result = self
+            .runtime
+            .block_on(write_batch(&mut self.connection, &batch));
+        result.map_err(|source| self.database_error(source))
+    }
+
+    fn row_counts(&mut self) -> Result<RowCounts, StoreError> {
+        let result = self.runtime.block_on(async {
+            let count = |table: &'static str| format!("SELECT COUNT(*) FROM {table}");
+            let mut counts = [0_i64; 4];
+            for (slot, table) in counts
+                .iter_mut()
+                .zip(["messages", "trades", "cls_outbox", "exceptions"])
+            {
+                *slot = sqlx::query_scalar(&count(table))
+                    .fetch_one(&mut self.connection)
+                    .await?;
+            }
+            Ok::<_, sqlx::Error>(counts)
+        });
+        let counts = result.map_err(|source| self.database_error(source))?;
+        Ok(RowCounts {
+            messages: counts[0] as u64,
+            trades: counts[1] as u64,
+            cls: counts[2] as u64,
+            exceptions: counts[3] as u64,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample_batch() -> Batch {
+        Batch {
+            messages: vec![MessageRow {
+                trade_key: "B/T1".to_owned(),
+                sender: "B".to_owned(),
+                msg_id: "B-1".to_owned(),
+                msg_type: "NOE",
+                function: "NEW",
+                related_id: None,
+                injected_ns: 7,
+                raw: b"<Msg/>".to_vec(),
+            }],
+            trades: vec![
+                TradeRow {
+                    trade_key: "B/T1".to_owned(),
+                    status: TradeStatus::Pending,
+                },
+                TradeRow {
+                    trade_key: "B/T1".to_owned(),
+                    status: TradeStatus::Matched,
+                },
+            ],
+            cls: vec![ClsRow {
+                cls_id: "CLS-B-T1".to_owned(),
+                trade_key: "B/T1".to_owned(),
+                body: "<Cls/>".to_owned(),
+            }],
+            exceptions: vec![ExceptionRow {
+                trade_key: None,
+                sender: None,
+                msg_id: None,
+                code: ReasonCode::Parse,
+                detail: "garbage".to_owned(),
+                raw: vec![0, 159, 255],
+            }],
+        }
+    }
+
+    #[test]
+    fn sqlite_store_commits_a_batch() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        let path = dir.path().join("shard-0.sqlite");
+        let mut store = SqliteStore::open(&path).expect("opens");
+        store.commit(sample_batch()).expect("commits");
+        let expected = RowCounts {
+            messages: 1,
+            trades: 1,
+            cls: 1,
+            exceptions: 1,
+        };
+        assert_eq!(store.row_counts().expect("counts"), expected);
+        drop(store);
+        // Reopening applies no migration twice and keeps the rows.
+        let mut reopened = SqliteStore::open(&path).expect("reopens");
+        assert_eq!(reopened.row_counts().expect("counts"), expected);
+    }
+
+    #[test]
+    fn a_failing_batch_writes_nothing() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        let mut store = SqliteStore::open(&dir.path().join("s.sqlite")).expect("opens");
+        store.commit(sample_batch()).expect("commits");
+        // The same CLS again violates the outbox key: the whole batch must roll back.
+        let error = store.commit(sample_batch());
+        assert!(error.is_err());
+        assert_eq!(store.row_counts().expect("counts").messages, 1);
+    }
+
+    #[test]
+    fn memory_store_keeps_the_last_trade_status() {
+        let mut store = MemoryStore::default();
+        store.commit(sample_batch()).expect("commits");
+        assert_eq!(store.trades.get("B/T1"), Some(&TradeStatus::Matched));
+        assert_eq!(store.row_counts().expect("counts").messages, 1);
+    }
+}
