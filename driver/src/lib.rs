@@ -133,6 +133,8 @@ pub struct Summary {
     pub stations: Vec<StationSummary>,
     pub bottleneck: Option<String>,
     pub shards: Vec<ShardSummary>,
+    /// Rows of the store of messages rejected by validation.
+    pub stored_validation_exceptions: u64,
     pub store: String,
     pub validators: u32,
     pub peak_rss_mb: f64,
@@ -448,13 +450,25 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         Source::Generated(generator_config) => {
             let mut generator = Generator::new(&refdata, generator_config.clone());
             let lines = generator.by_ref().map(Ok);
-            let count = inject(&submitter, &refdata, lines, config.rate_msgs_per_s, &submitted);
+            let count = inject(
+                &submitter,
+                &refdata,
+                lines,
+                config.rate_msgs_per_s,
+                &submitted,
+            );
             (count, Some(generator.expected().clone()))
         }
         Source::File(path) => {
             let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
             let lines = MessageSetReader::new(BufReader::new(file));
-            let count = inject(&submitter, &refdata, lines, config.rate_msgs_per_s, &submitted);
+            let count = inject(
+                &submitter,
+                &refdata,
+                lines,
+                config.rate_msgs_per_s,
+                &submitted,
+            );
             (count, None)
         }
     };
@@ -518,7 +532,8 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
             stored_exceptions: rows.exceptions,
         })
         .collect();
-    let sum = |f: fn(&ste_engine::matcher::ShardCounts) -> u64| report.shards.iter().map(f).sum::<u64>();
+    let sum =
+        |f: fn(&ste_engine::matcher::ShardCounts) -> u64| report.shards.iter().map(f).sum::<u64>();
     let trades = match &config.source {
         Source::Generated(generator) => generator.trades,
         Source::File(_) => sum(|c| c.trades),
@@ -547,6 +562,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         stations,
         bottleneck,
         shards,
+        stored_validation_exceptions: report.exception_rows.exceptions,
         store: config.store.as_str().to_owned(),
         validators: config.validators,
         peak_rss_mb: peak_rss_mb(),

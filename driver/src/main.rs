@@ -165,7 +165,12 @@ fn print_summary(summary: &Summary) {
         .iter()
         .map(|(code, count)| format!("{code}={count}"))
         .collect();
-    println!("STE run ({} store, {} shards, {} validators)", summary.store, summary.shards.len(), summary.validators);
+    println!(
+        "STE run ({} store, {} shards, {} validators)",
+        summary.store,
+        summary.shards.len(),
+        summary.validators
+    );
     println!("  trades            {}", summary.trades);
     println!(
         "  messages in       {}  = accepted {} + duplicates {} + exceptions {}  [{}]",
@@ -173,7 +178,11 @@ fn print_summary(summary: &Summary) {
         summary.accepted,
         summary.duplicates,
         summary.exceptions_total(),
-        if summary.conserved { "conserved" } else { "NOT CONSERVED" }
+        if summary.conserved {
+            "conserved"
+        } else {
+            "NOT CONSERVED"
+        }
     );
     if !exceptions.is_empty() {
         println!("  exceptions        {}", exceptions.join(" "));
@@ -188,7 +197,10 @@ fn print_summary(summary: &Summary) {
     );
     println!(
         "  CLS latency ms    p50 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
-        summary.latency_ms.p50, summary.latency_ms.p99, summary.latency_ms.p999, summary.latency_ms.max
+        summary.latency_ms.p50,
+        summary.latency_ms.p99,
+        summary.latency_ms.p999,
+        summary.latency_ms.max
     );
     println!(
         "  {:<12} {:>10} {:>10} {:>7} {:>9} {:>9} {:>10} {:>12}",
@@ -197,19 +209,33 @@ fn print_summary(summary: &Summary) {
     for station in &summary.stations {
         println!(
             "  {:<12} {:>10} {:>10.0} {:>7.3} {:>9.4} {:>9.2} {:>10.3} {:>12.3}",
-            station.name, station.C, station.X, station.U, station.S_ms, station.N, station.R_ms, station.R_direct_ms
+            station.name,
+            station.C,
+            station.X,
+            station.U,
+            station.S_ms,
+            station.N,
+            station.R_ms,
+            station.R_direct_ms
         );
     }
     if let Some(bottleneck) = &summary.bottleneck {
         println!("  bottleneck        {bottleneck}");
     }
     for (index, shard) in summary.shards.iter().enumerate() {
-        println!("  shard {index}           {} trades, {} messages", shard.trades, shard.messages);
+        println!(
+            "  shard {index}           {} trades, {} messages",
+            shard.trades, shard.messages
+        );
     }
     if let Some(matches) = summary.matches_expected {
         println!(
             "  expected outcome  {}",
-            if matches { "matched exactly" } else { "DIFFERS" }
+            if matches {
+                "matched exactly"
+            } else {
+                "DIFFERS"
+            }
         );
     }
     println!("  run directory     {}", summary.run_dir);
@@ -237,7 +263,8 @@ fn main() -> anyhow::Result<()> {
             refdata,
         }) => {
             let refdata = load_refdata(refdata.as_ref())?;
-            let expected = ste_driver::write_message_set(&refdata, generator_config(&generation)?, &out)?;
+            let expected =
+                ste_driver::write_message_set(&refdata, generator_config(&generation)?, &out)?;
             let expected_path = PathBuf::from(format!("{}.expected.json", out.display()));
             std::fs::write(&expected_path, serde_json::to_string_pretty(&expected)?)
                 .with_context(|| format!("writing {}", expected_path.display()))?;

@@ -315,7 +315,11 @@ pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
                         name()
                     )));
                 }
-                if start.attributes_raw().iter().any(|b| !b.is_ascii_whitespace()) {
+                if start
+                    .attributes_raw()
+                    .iter()
+                    .any(|b| !b.is_ascii_whitespace())
+                {
                     return Err(field_error(format!(
                         "element {} may not carry attributes",
                         name()
@@ -445,7 +449,10 @@ pub fn fields_of(msg: &Msg) -> RawFields<'static> {
         (Field::Net, msg.net.map(|v| v.to_string())),
         (Field::Custodian, msg.custodian.clone()),
         (Field::SafekeepingAccount, msg.safekeeping_account.clone()),
-        (Field::SettleAmount, msg.settle_amount.map(|v| v.to_string())),
+        (
+            Field::SettleAmount,
+            msg.settle_amount.map(|v| v.to_string()),
+        ),
     ];
     for (field, value) in optional_texts {
         if let Some(value) = value {

@@ -14,7 +14,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use time::{Date, Duration, Month};
 
-use crate::codec::{encode_msg, fields_of, encode_fields, Field};
+use crate::codec::{encode_fields, encode_msg, fields_of, Field};
 use crate::model::{format_date, Decimal, Function, Msg, MsgType, PaymentType, Side};
 use crate::reason::ReasonCode;
 use crate::refdata::generate::csd_of_market;
@@ -187,7 +187,9 @@ impl<'r> Generator<'r> {
         let securities = refdata
             .securities()
             .iter()
-            .filter(|s| csd_of_market(&s.market).is_some() && refdata.currency(&s.currency).is_some())
+            .filter(|s| {
+                csd_of_market(&s.market).is_some() && refdata.currency(&s.currency).is_some()
+            })
             .collect();
         Self {
             refdata,
@@ -215,19 +217,22 @@ impl<'r> Generator<'r> {
         }
         let index = self.next_trade;
         self.next_trade += 1;
-        let fault = if self.config.fault_rate > 0.0 && self.rng.gen_bool(self.config.fault_rate.min(1.0)) {
-            let choice = self.rng.gen_range(0..INVALID_CODES.len() + OTHER_FAULTS.len());
-            Some(if choice < INVALID_CODES.len() {
-                Fault::Invalid {
-                    code: INVALID_CODES[choice],
-                    corrected: self.rng.gen_bool(0.5),
-                }
+        let fault =
+            if self.config.fault_rate > 0.0 && self.rng.gen_bool(self.config.fault_rate.min(1.0)) {
+                let choice = self
+                    .rng
+                    .gen_range(0..INVALID_CODES.len() + OTHER_FAULTS.len());
+                Some(if choice < INVALID_CODES.len() {
+                    Fault::Invalid {
+                        code: INVALID_CODES[choice],
+                        corrected: self.rng.gen_bool(0.5),
+                    }
+                } else {
+                    OTHER_FAULTS[choice - INVALID_CODES.len()]
+                })
             } else {
-                OTHER_FAULTS[choice - INVALID_CODES.len()]
-            })
-        } else {
-            None
-        };
+                None
+            };
         let case = self.build_trade(index, fault);
         self.expected.add(&case.expected);
         Some(case)
@@ -244,8 +249,9 @@ impl<'r> Generator<'r> {
         date
     }
 
-    /// The seven messages of a clean standard trade.
-    fn base_messages(&mut self, index: u64) -> Vec<Msg> {
+    /// The seven messages of clean standard trade `index`, in the order NOE, then ALC, NPR and
+    /// SET for each allocation.
+    pub fn standard_trade(&mut self, index: u64) -> Vec<Msg> {
         let rng = &mut self.rng;
         let broker = Self::pick(rng, &self.brokers).bic.clone();
         let inv_mgr = Self::pick(rng, &self.inv_mgrs).bic.clone();
@@ -259,7 +265,11 @@ impl<'r> Generator<'r> {
             .map_or(2, |currency| currency.minor_units);
         let pset = csd_of_market(&market).unwrap_or_default().to_owned();
         let day_of_year = rng.gen_range(5..340);
-        let side = if rng.gen_bool(0.5) { Side::Buy } else { Side::Sell };
+        let side = if rng.gen_bool(0.5) {
+            Side::Buy
+        } else {
+            Side::Sell
+        };
         let price = Decimal::from_minor(rng.gen_range(10_000..5_000_000), 4);
         let qty: u64 = rng.gen_range(1_000..100_000);
         let first_qty = rng.gen_range(1..qty);
@@ -324,7 +334,9 @@ impl<'r> Generator<'r> {
             let account = format!("ACC{account_number:09}");
             let gross = price.times_quantity(alloc_qty).round_to(minor_units);
             let commission = Decimal(gross.0 / 1000).round_to(minor_units);
-            let fees = Decimal::parse("3.50").unwrap_or_default().round_to(minor_units);
+            let fees = Decimal::parse("3.50")
+                .unwrap_or_default()
+                .round_to(minor_units);
             let net = match side {
                 Side::Buy => gross + commission + fees,
                 Side::Sell => gross - commission - fees,
@@ -373,7 +385,7 @@ impl<'r> Generator<'r> {
 
     /// Builds trade `index` with an optional fault.
     pub fn build_trade(&mut self, index: u64, fault: Option<Fault>) -> TradeCase {
-        let messages = self.base_messages(index);
+        let messages = self.standard_trade(index);
         let trade_key = messages[0].trade_key();
         let line = |msg: &Msg| encode_msg(msg).into_bytes();
         let mut lines: Vec<Vec<u8>> = messages.iter().map(line).collect();
@@ -398,7 +410,10 @@ impl<'r> Generator<'r> {
                     _ => self.rng.gen_range(0..MESSAGES_PER_TRADE),
                 };
                 let bad = self.invalid_line(&messages[victim], code);
-                *expected.exceptions.entry(code.as_str().to_owned()).or_default() += 1;
+                *expected
+                    .exceptions
+                    .entry(code.as_str().to_owned())
+                    .or_default() += 1;
                 expected.messages_in += 1;
                 if corrected {
                     lines.insert(victim, bad);
@@ -409,7 +424,9 @@ impl<'r> Generator<'r> {
                     final_state = FinalState::Pending;
                 }
             }
-            Some(Fault::MismatchAmended) | Some(Fault::MismatchLeft) | Some(Fault::WithinTolerance) => {
+            Some(Fault::MismatchAmended)
+            | Some(Fault::MismatchLeft)
+            | Some(Fault::WithinTolerance) => {
                 let good = messages[npr_index].clone();
                 let net = good.net.unwrap_or_default();
                 let error = if fault == Some(Fault::WithinTolerance) {
@@ -450,7 +467,10 @@ impl<'r> Generator<'r> {
                 };
                 lines.insert(victim + 1, line(&other));
                 expected.messages_in += 1;
-                *expected.exceptions.entry(ReasonCode::DupId.as_str().to_owned()).or_default() += 1;
+                *expected
+                    .exceptions
+                    .entry(ReasonCode::DupId.as_str().to_owned())
+                    .or_default() += 1;
             }
             Some(Fault::CancelAll) => {
                 let good = &messages[npr_index];
@@ -473,7 +493,10 @@ impl<'r> Generator<'r> {
                 };
                 tail.push(line(&late));
                 expected.messages_in += 1;
-                *expected.exceptions.entry(ReasonCode::Closed.as_str().to_owned()).or_default() += 1;
+                *expected
+                    .exceptions
+                    .entry(ReasonCode::Closed.as_str().to_owned())
+                    .or_default() += 1;
             }
             Some(Fault::Conflict) => {
                 let competing = Msg {
@@ -482,7 +505,10 @@ impl<'r> Generator<'r> {
                 };
                 lines.insert(2, line(&competing));
                 expected.messages_in += 1;
-                *expected.exceptions.entry(ReasonCode::Conflict.as_str().to_owned()).or_default() += 1;
+                *expected
+                    .exceptions
+                    .entry(ReasonCode::Conflict.as_str().to_owned())
+                    .or_default() += 1;
                 order_independent = false;
             }
             Some(Fault::Missing) => {

@@ -241,7 +241,11 @@ impl Matcher {
             .collect();
         let mut failed = Vec::new();
         let status = if live.is_empty() {
-            if trade.messages.iter().any(|h| h.msg.function == Function::Can) {
+            if trade
+                .messages
+                .iter()
+                .any(|h| h.msg.function == Function::Can)
+            {
                 TradeStatus::Cancelled
             } else {
                 TradeStatus::Pending
@@ -263,12 +267,11 @@ impl Matcher {
         };
         let first_injected_ns = trade.first_injected_ns;
         let changed = status != trade.status;
-        let advice = (status == TradeStatus::Mismatched && failed != trade.last_failed).then(|| {
-            Advice {
+        let advice =
+            (status == TradeStatus::Mismatched && failed != trade.last_failed).then(|| Advice {
                 trade_key: trade_key.clone(),
                 failed: failed.clone(),
-            }
-        });
+            });
         if status == TradeStatus::Matched {
             self.open.remove(trade_key.as_str());
             self.closed.insert(hash_key(&[&trade_key]));
@@ -313,6 +316,16 @@ impl Matcher {
     }
 }
 
+/// Evaluates a set of live messages: `None` while the trade is incomplete, otherwise the
+/// criteria that fail (empty when the trade matches).
+pub fn evaluate_trade(
+    live: &[&Msg],
+    refdata: &RefData,
+    tolerances: &Tolerances,
+) -> Option<Vec<Criterion>> {
+    Group::complete(live).map(|group| group.failed_criteria(refdata, tolerances))
+}
+
 /// The slot a NEW message takes in its trade: the NOE, or one (Type, Account).
 fn slot_of(msg: &Msg) -> (MsgType, Option<&str>) {
     match msg.msg_type {
@@ -335,7 +348,10 @@ impl<'a> Group<'a> {
     /// is the AllocCount of at least one ALC.
     fn complete(live: &'a [&'a Msg]) -> Option<Self> {
         let of = |msg_type: MsgType| -> Vec<&'a Msg> {
-            live.iter().copied().filter(|m| m.msg_type == msg_type).collect()
+            live.iter()
+                .copied()
+                .filter(|m| m.msg_type == msg_type)
+                .collect()
         };
         let noes = of(MsgType::Noe);
         let alcs = of(MsgType::Alc);
@@ -429,13 +445,16 @@ impl<'a> Group<'a> {
                 .all(|(alc, npr, set)| alc.qty == npr.qty && npr.qty == set.qty),
         );
         let minor_units = self.minor_units(refdata);
-        let gross_holds = self.nprs.iter().all(|npr| match (npr.qty, npr.price, npr.gross) {
-            (Some(qty), Some(price), Some(gross)) => {
-                let expected = price.times_quantity(qty).round_to(minor_units);
-                tolerances.within(expected, gross)
-            }
-            _ => false,
-        });
+        let gross_holds = self
+            .nprs
+            .iter()
+            .all(|npr| match (npr.qty, npr.price, npr.gross) {
+                (Some(qty), Some(price), Some(gross)) => {
+                    let expected = price.times_quantity(qty).round_to(minor_units);
+                    tolerances.within(expected, gross)
+                }
+                _ => false,
+            });
         check(Criterion::C14, gross_holds);
         let net_holds = self.nprs.iter().all(|npr| {
             match (npr.gross, npr.commission, npr.fees, npr.net, npr.side) {

@@ -198,7 +198,10 @@ impl Decimal {
             return format!("{sign}{integer}");
         }
         let fraction = (magnitude % DECIMAL_ONE) / 10_i128.pow(DECIMAL_SCALE_DIGITS - digits);
-        format!("{sign}{integer}.{fraction:0width$}", width = digits as usize)
+        format!(
+            "{sign}{integer}.{fraction:0width$}",
+            width = digits as usize
+        )
     }
 }
 
@@ -236,7 +239,11 @@ pub fn parse_date(text: &str) -> Option<Date> {
         if !slice.iter().all(u8::is_ascii_digit) {
             return None;
         }
-        Some(slice.iter().fold(0, |acc, b| acc * 10 + u32::from(b - b'0')))
+        Some(
+            slice
+                .iter()
+                .fold(0, |acc, b| acc * 10 + u32::from(b - b'0')),
+        )
     };
     let year = i32::try_from(number(0..4)?).ok()?;
     let month = Month::try_from(u8::try_from(number(5..7)?).ok()?).ok()?;

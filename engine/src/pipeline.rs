@@ -83,7 +83,9 @@ pub enum OutboundEvent {
 pub enum StoreConfig {
     Memory,
     /// One SQLite file per shard (and one for validation exceptions) in this folder.
-    Embedded { dir: PathBuf },
+    Embedded {
+        dir: PathBuf,
+    },
 }
 
 /// Sizes and counts of the network; every queue and batch is bounded by one of these.
@@ -218,7 +220,12 @@ impl Submitter {
 
 /// Builds the envelope a participant would send: signed with the key of the line's first
 /// `<Sender>`, or unsigned when there is none or it has no key.
-pub fn sign_line(refdata: &RefData, bytes: Vec<u8>, correlation: u64, injected_ns: u64) -> Envelope {
+pub fn sign_line(
+    refdata: &RefData,
+    bytes: Vec<u8>,
+    correlation: u64,
+    injected_ns: u64,
+) -> Envelope {
     let sender = sign::claimed_sender(&bytes).map(str::to_owned);
     let signature = sender
         .as_deref()
@@ -339,7 +346,16 @@ impl Pipeline {
             let outbound_station = outbound_station.clone();
             let batch_max = config.batch_max_messages.max(1);
             writers.push(spawn(format!("writer-{shard}"), move || {
-                run_writer(rx, store, station, acks, outbound, outbound_station, clock, batch_max)
+                run_writer(
+                    rx,
+                    store,
+                    station,
+                    acks,
+                    outbound,
+                    outbound_station,
+                    clock,
+                    batch_max,
+                )
             }));
         }
 
@@ -350,7 +366,14 @@ impl Pipeline {
             let acks = ack_tx.clone();
             let batch_max = config.batch_max_messages.max(1);
             spawn("exception-writer".to_owned(), move || {
-                run_exception_writer(exception_rx, exception_store, station, acks, clock, batch_max)
+                run_exception_writer(
+                    exception_rx,
+                    exception_store,
+                    station,
+                    acks,
+                    clock,
+                    batch_max,
+                )
             })
         };
         drop(ack_tx);
@@ -525,9 +548,7 @@ impl Pipeline {
 
 fn join<T>(handle: Joined<T>) -> Result<T, PipelineError> {
     let name = handle.thread().name().unwrap_or("unnamed").to_owned();
-    handle
-        .join()
-        .map_err(|_| PipelineError::Panicked(name))?
+    handle.join().map_err(|_| PipelineError::Panicked(name))?
 }
 
 fn stopped(queue: &str) -> PipelineError {

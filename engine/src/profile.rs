@@ -55,7 +55,8 @@ pub struct Tolerances {
 impl Tolerances {
     /// Parses a profile's bands.
     pub fn from_profile(profile: &MatchingProfile) -> Result<Self, ProfileError> {
-        let parse = |text: &str| Decimal::parse(text).ok_or_else(|| ProfileError::Decimal(text.to_owned()));
+        let parse =
+            |text: &str| Decimal::parse(text).ok_or_else(|| ProfileError::Decimal(text.to_owned()));
         let mut bands = Vec::with_capacity(profile.tolerance_bands.len());
         for band in &profile.tolerance_bands {
             let amount_max = band.amount_max.as_deref().map(parse).transpose()?;

@@ -50,7 +50,10 @@ mod tests {
         // Values from the reference implementation of the paper.
         assert_eq!(jump_consistent_hash(1, 1), 0);
         assert_eq!(jump_consistent_hash(0, 10), 0);
-        assert_eq!(jump_consistent_hash(0xdead_beef, 10), jump_consistent_hash(0xdead_beef, 10));
+        assert_eq!(
+            jump_consistent_hash(0xdead_beef, 10),
+            jump_consistent_hash(0xdead_beef, 10)
+        );
         for key in 0..1000_u64 {
             let before = jump_consistent_hash(key, 7);
             let after = jump_consistent_hash(key, 8);

@@ -84,10 +84,7 @@ pub struct RowCounts {
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("database error on {store}: {source}")]
-    Database {
-        store: String,
-        source: sqlx::Error,
-    },
+    Database { store: String, source: sqlx::Error },
     #[error("migration failed on {store}: {source}")]
     Migrate {
         store: String,
@@ -265,9 +262,10 @@ impl Store for SqliteStore {
         let result = self.runtime.block_on(async {
             let count = |table: &'static str| format!("SELECT COUNT(*) FROM {table}");
             let mut counts = [0_i64; 4];
-            for (slot, table) in counts
-                .iter_mut()
-                .zip(["messages", "trades", "cls_outbox", "exceptions"])
+            for (slot, table) in
+                counts
+                    .iter_mut()
+                    .zip(["messages", "trades", "cls_outbox", "exceptions"])
             {
                 *slot = sqlx::query_scalar(&count(table))
                     .fetch_one(&mut self.connection)

@@ -186,9 +186,10 @@ pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
     match function {
         Function::Can => {
             require(Field::RelatedId)?;
-            if let Some((field, _)) = fields.present().find(|(field, _)| {
-                !COMMON.contains(field) && *field != Field::RelatedId
-            }) {
+            if let Some((field, _)) = fields
+                .present()
+                .find(|(field, _)| !COMMON.contains(field) && *field != Field::RelatedId)
+            {
                 return Err(field_error(format!(
                     "field {} is not allowed in a CAN",
                     field.name()
@@ -231,7 +232,10 @@ pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
         match fields.get(field) {
             None => Ok(None),
             Some(text) if is_bic(text) => Ok(Some(text.to_owned())),
-            Some(text) => Err(field_error(format!("{} {text:?} is not a BIC", field.name()))),
+            Some(text) => Err(field_error(format!(
+                "{} {text:?} is not a BIC",
+                field.name()
+            ))),
         }
     };
     let decimal = |field: Field| -> Result<Option<Decimal>, Rejection> {
@@ -252,25 +256,32 @@ pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
             .get(field)
             .map(|text| {
                 parse_date(text).ok_or_else(|| {
-                    field_error(format!("{} {text:?} is not a YYYY-MM-DD date", field.name()))
+                    field_error(format!(
+                        "{} {text:?} is not a YYYY-MM-DD date",
+                        field.name()
+                    ))
                 })
             })
             .transpose()
     };
-    let code = |field: Field, len: usize, digits_allowed: bool| -> Result<Option<String>, Rejection> {
-        match fields.get(field) {
-            None => Ok(None),
-            Some(text)
-                if text.len() == len
-                    && text.bytes().all(|b| {
-                        b.is_ascii_uppercase() || (digits_allowed && b.is_ascii_digit())
-                    }) =>
-            {
-                Ok(Some(text.to_owned()))
+    let code =
+        |field: Field, len: usize, digits_allowed: bool| -> Result<Option<String>, Rejection> {
+            match fields.get(field) {
+                None => Ok(None),
+                Some(text)
+                    if text.len() == len
+                        && text.bytes().all(|b| {
+                            b.is_ascii_uppercase() || (digits_allowed && b.is_ascii_digit())
+                        }) =>
+                {
+                    Ok(Some(text.to_owned()))
+                }
+                Some(text) => Err(field_error(format!(
+                    "{} {text:?} is malformed",
+                    field.name()
+                ))),
             }
-            Some(text) => Err(field_error(format!("{} {text:?} is malformed", field.name()))),
-        }
-    };
+        };
 
     let sent_at = require(Field::SentAt)?;
     match OffsetDateTime::parse(sent_at, &Rfc3339) {
@@ -283,7 +294,10 @@ pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
     }
     let side = fields
         .get(Field::Side)
-        .map(|text| Side::parse(text).ok_or_else(|| field_error(format!("Side {text:?} is not BUY or SELL"))))
+        .map(|text| {
+            Side::parse(text)
+                .ok_or_else(|| field_error(format!("Side {text:?} is not BUY or SELL")))
+        })
         .transpose()?;
     let payment_type = fields
         .get(Field::PaymentType)
@@ -295,14 +309,26 @@ pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
     let qty = fields
         .get(Field::Qty)
         .map(|text| match text.parse::<u64>() {
-            Ok(value) if value > 0 && value <= QTY_MAX && text.bytes().all(|b| b.is_ascii_digit()) => Ok(value),
-            _ => Err(field_error(format!("Qty {text:?} is not a positive integer up to {QTY_MAX}"))),
+            Ok(value)
+                if value > 0 && value <= QTY_MAX && text.bytes().all(|b| b.is_ascii_digit()) =>
+            {
+                Ok(value)
+            }
+            _ => Err(field_error(format!(
+                "Qty {text:?} is not a positive integer up to {QTY_MAX}"
+            ))),
         })
         .transpose()?;
     let alloc_count = fields
         .get(Field::AllocCount)
         .map(|text| match text.parse::<u32>() {
-            Ok(value) if value > 0 && value <= ALLOC_COUNT_MAX && text.bytes().all(|b| b.is_ascii_digit()) => Ok(value),
+            Ok(value)
+                if value > 0
+                    && value <= ALLOC_COUNT_MAX
+                    && text.bytes().all(|b| b.is_ascii_digit()) =>
+            {
+                Ok(value)
+            }
             _ => Err(field_error(format!(
                 "AllocCount {text:?} is not a positive integer up to {ALLOC_COUNT_MAX}"
             ))),
@@ -318,7 +344,9 @@ pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
                 .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit())
             && bytes[11].is_ascii_digit();
         if !well_formed {
-            return Err(field_error(format!("Isin {text:?} is not 12 ISIN characters")));
+            return Err(field_error(format!(
+                "Isin {text:?} is not 12 ISIN characters"
+            )));
         }
     }
 

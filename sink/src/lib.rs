@@ -162,7 +162,8 @@ mod tests {
         let mut sink = Sink::new(Some(&path)).expect("sink");
         sink.accept(cls("CLS-A-1", 0), 2_000_000).expect("accepts");
         sink.accept(cls("CLS-A-1", 0), 3_000_000).expect("accepts");
-        sink.accept(cls("CLS-A-2", 1_000_000), 5_000_000).expect("accepts");
+        sink.accept(cls("CLS-A-2", 1_000_000), 5_000_000)
+            .expect("accepts");
         let report = sink.finish().expect("finishes");
         assert_eq!(report.cls, 2);
         assert_eq!(report.cls_repeats, 1);

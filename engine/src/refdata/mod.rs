@@ -158,7 +158,10 @@ struct HolidayRow {
     date: String,
 }
 
-fn read_rows<T: serde::de::DeserializeOwned>(file: &str, text: &str) -> Result<Vec<T>, RefDataError> {
+fn read_rows<T: serde::de::DeserializeOwned>(
+    file: &str,
+    text: &str,
+) -> Result<Vec<T>, RefDataError> {
     let mut reader = csv::Reader::from_reader(text.as_bytes());
     reader
         .deserialize()
@@ -395,7 +398,12 @@ mod tests {
 
     #[test]
     fn isin_check_digits_of_known_securities() {
-        for isin in ["US0378331005", "GB0002634946", "AU0000XVGZA3", "DE000BAY0017"] {
+        for isin in [
+            "US0378331005",
+            "GB0002634946",
+            "AU0000XVGZA3",
+            "DE000BAY0017",
+        ] {
             assert!(isin_check_digit_ok(isin), "{isin}");
         }
         for isin in ["US0378331006", "GB000263494", "us0378331005"] {
@@ -414,7 +422,10 @@ mod tests {
         assert_eq!(refdata.currency("JPY").map(|c| c.minor_units), Some(0));
         assert_eq!(refdata.currency("KWD").map(|c| c.minor_units), Some(3));
         assert!(refdata.currency("ZZZ").is_none());
-        assert_eq!(refdata.market("XSES").map(|m| m.currency.as_str()), Some("SGD"));
+        assert_eq!(
+            refdata.market("XSES").map(|m| m.currency.as_str()),
+            Some("SGD")
+        );
         for security in refdata.securities() {
             assert!(isin_check_digit_ok(&security.isin), "{}", security.isin);
             assert!(refdata.market(&security.market).is_some());

@@ -1,0 +1,269 @@
+//! End-to-end runs of the whole pipeline: generated fault mixes, replayed files and hostile input.
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ste_driver::{RunConfig, Source, StoreChoice, Summary};
+use ste_engine::generator::{GeneratorConfig, INVALID_CODES};
+use ste_engine::profile::Tolerances;
+use ste_engine::refdata::RefData;
+
+fn config(source: Source, store: StoreChoice, run_dir: &Path) -> RunConfig {
+    RunConfig {
+        source,
+        store,
+        db_urls: Vec::new(),
+        shards: 3,
+        validators: 2,
+        batch_max_messages: 512,
+        queue_capacity_messages: 1024,
+        rate_msgs_per_s: None,
+        cls_out: None,
+        run_dir: run_dir.to_path_buf(),
+        sample_interval: Duration::from_millis(5),
+        progress: false,
+        tolerances: Tolerances::default(),
+    }
+}
+
+fn fault_mix(trades: u64) -> Source {
+    Source::Generated(GeneratorConfig {
+        trades,
+        seed: 7,
+        fault_rate: 0.4,
+        shuffle: true,
+    })
+}
+
+fn refdata() -> Arc<RefData> {
+    Arc::new(RefData::embedded().expect("reference data loads"))
+}
+
+fn assert_outcome_is_expected(summary: &Summary) {
+    let expected = summary
+        .expected
+        .clone()
+        .expect("a generated run knows its outcome");
+    assert_eq!(summary.outcome(), expected);
+    assert_eq!(summary.matches_expected, Some(true));
+    assert!(summary.conserved);
+    // The mix provokes every code the generator knows.
+    for code in INVALID_CODES {
+        assert!(
+            summary.exceptions.get(code.as_str()).copied().unwrap_or(0) > 0,
+            "{code} missing"
+        );
+    }
+    for code in ["E_DUPID", "E_CONFLICT", "E_CLOSED"] {
+        assert!(
+            summary.exceptions.get(code).copied().unwrap_or(0) > 0,
+            "{code} missing"
+        );
+    }
+    assert!(summary.duplicates > 0 && summary.mismatched_trades > 0);
+    assert!(summary.pending_trades > 0 && summary.cancelled_trades > 0);
+}
+
+#[test]
+fn a_fault_mix_gives_exactly_the_expected_outcome_in_memory() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let summary = ste_driver::run(
+        &config(fault_mix(3000), StoreChoice::Memory, dir.path()),
+        refdata(),
+    )
+    .expect("the run completes");
+    assert_outcome_is_expected(&summary);
+    assert!(dir.path().join("summary.json").exists());
+    assert!(dir.path().join("samples.csv").exists());
+}
+
+#[test]
+fn a_fault_mix_gives_exactly_the_expected_outcome_on_the_embedded_store() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let summary = ste_driver::run(
+        &config(fault_mix(2000), StoreChoice::Embedded, dir.path()),
+        refdata(),
+    )
+    .expect("the run completes");
+    assert_outcome_is_expected(&summary);
+    // Every accepted message, CLS and exception is in a store, once.
+    let stored: u64 = summary.shards.iter().map(|s| s.stored_messages).sum();
+    assert_eq!(stored, summary.accepted);
+    for shard in &summary.shards {
+        assert_eq!(shard.stored_messages, shard.messages);
+    }
+    let stored_cls: u64 = summary.shards.iter().map(|s| s.stored_cls).sum();
+    assert_eq!(stored_cls, summary.cls);
+    let stored_exceptions: u64 = summary
+        .shards
+        .iter()
+        .map(|s| s.stored_exceptions)
+        .sum::<u64>()
+        + summary.stored_validation_exceptions;
+    assert_eq!(stored_exceptions, summary.exceptions_total());
+    for shard in 0..3 {
+        assert!(dir
+            .path()
+            .join(format!("store/shard-{shard}.sqlite"))
+            .exists());
+    }
+}
+
+fn driver() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_driver"))
+}
+
+fn run_json(args: &[&str]) -> serde_json::Value {
+    let output = driver().args(args).output().expect("driver runs");
+    assert!(
+        output.status.success(),
+        "driver failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("one JSON object")
+}
+
+#[test]
+fn a_generated_file_replays_to_its_expected_outcome() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let set = dir.path().join("set.xml");
+    let status = driver()
+        .args([
+            "generate",
+            "--trades",
+            "800",
+            "--fault-rate",
+            "0.3",
+            "--shuffle",
+            "--out",
+        ])
+        .arg(&set)
+        .status()
+        .expect("driver runs");
+    assert!(status.success());
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("set.xml.expected.json")).expect("expected file"),
+    )
+    .expect("json");
+    let run_dir = dir.path().join("run");
+    let cls_out = dir.path().join("cls.xml");
+    let summary = run_json(&[
+        "--input",
+        set.to_str().expect("utf-8 path"),
+        "--store",
+        "memory",
+        "--json",
+        "--quiet",
+        "--run-dir",
+        run_dir.to_str().expect("utf-8 path"),
+        "--cls-out",
+        cls_out.to_str().expect("utf-8 path"),
+    ]);
+    for key in [
+        "trades",
+        "messages_in",
+        "accepted",
+        "duplicates",
+        "exceptions",
+        "cls",
+        "mismatched_trades",
+        "pending_trades",
+        "cancelled_trades",
+    ] {
+        assert_eq!(summary[key], expected[key], "{key}");
+    }
+    let cls_lines = std::fs::read_to_string(&cls_out).expect("cls file");
+    assert_eq!(
+        cls_lines.lines().count() as u64,
+        expected["cls"].as_u64().expect("count")
+    );
+    assert!(cls_lines
+        .lines()
+        .all(|line| line.starts_with("<Cls xmlns=\"urn:ste:trade:1\"><ClsId>CLS-")));
+    for key in [
+        "elapsed_s",
+        "throughput_msg_s",
+        "latency_ms",
+        "stations",
+        "shards",
+        "run_dir",
+    ] {
+        assert!(!summary[key].is_null(), "{key} missing");
+    }
+    assert!(summary["latency_ms"]["p999"].is_number());
+    let station = &summary["stations"][0];
+    for key in [
+        "name", "A", "C", "B_s", "T_s", "X", "U", "S_ms", "N", "R_ms",
+    ] {
+        assert!(!station[key].is_null(), "station {key} missing");
+    }
+}
+
+#[test]
+fn hostile_lines_become_exceptions_and_the_run_goes_on() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let set = dir.path().join("clean.xml");
+    let status = driver()
+        .args(["generate", "--trades", "50", "--out"])
+        .arg(&set)
+        .status()
+        .expect("driver runs");
+    assert!(status.success());
+    let clean = std::fs::read(&set).expect("set");
+    let clean = String::from_utf8(clean).expect("utf-8");
+    let mut lines: Vec<Vec<u8>> = clean.lines().map(|l| l.as_bytes().to_vec()).collect();
+    let close = lines.pop().expect("closing line");
+    let a_message = String::from_utf8(lines[1].clone()).expect("utf-8");
+    let sender = "<Sender>BRKAAU21XXX</Sender>";
+    let hostile: Vec<(Vec<u8>, &str)> = vec![
+        (a_message.as_bytes()[..a_message.len() / 2].to_vec(), "E_PARSE"),
+        (
+            format!(
+                "<!DOCTYPE lolz [<!ENTITY lol \"lol\"><!ENTITY lol2 \"&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;\"><!ENTITY lol3 \"&lol2;&lol2;&lol2;&lol2;&lol2;&lol2;&lol2;&lol2;&lol2;&lol2;\">]><Msg xmlns=\"urn:ste:trade:1\">{sender}<Account>&lol3;</Account></Msg>"
+            )
+            .into_bytes(),
+            "E_PARSE",
+        ),
+        (
+            a_message
+                .replace("</Msg>", &format!("<!--{}--></Msg>", "x".repeat(10 * 1024 * 1024)))
+                .into_bytes(),
+            "E_SIZE",
+        ),
+        ((0..600_u32).map(|i| (i * 7919 % 251) as u8).filter(|b| *b != b'\n').collect(), "E_SIG"),
+        (
+            [b"\x00\xff\xfe garbage ".as_slice(), sender.as_bytes(), b" \x01\x02"].concat(),
+            "E_PARSE",
+        ),
+        (a_message.replace("urn:ste:trade:1", "urn:not:ste").into_bytes(), "E_PARSE"),
+        (Vec::new(), "E_SIG"),
+    ];
+    let mut expected_exceptions = std::collections::BTreeMap::<String, u64>::new();
+    for (line, code) in &hostile {
+        *expected_exceptions.entry((*code).to_owned()).or_default() += 1;
+        // Hostile lines go in among the clean ones.
+        let at = 1 + (line.len() % (lines.len() - 1));
+        lines.insert(at, line.clone());
+    }
+    lines.push(close);
+    let hostile_set = dir.path().join("hostile.xml");
+    std::fs::write(&hostile_set, lines.join(&b'\n')).expect("writes");
+    let run_dir = dir.path().join("run");
+    let summary = run_json(&[
+        "--input",
+        hostile_set.to_str().expect("utf-8 path"),
+        "--json",
+        "--quiet",
+        "--run-dir",
+        run_dir.to_str().expect("utf-8 path"),
+    ]);
+    assert_eq!(summary["cls"], 50);
+    assert_eq!(summary["accepted"], 350);
+    assert_eq!(summary["messages_in"], 357);
+    assert_eq!(
+        summary["exceptions"],
+        serde_json::to_value(&expected_exceptions).expect("json")
+    );
+}

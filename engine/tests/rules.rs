@@ -1,0 +1,778 @@
+//! Data-driven tables: every reason code of DESIGN.md section 3 and every matching criterion
+//! C01–C17, each with passing and failing cases, including the tolerance edges.
+
+use std::sync::{Arc, OnceLock};
+
+use ste_engine::codec::encode_msg;
+use ste_engine::generator::{Generator, GeneratorConfig};
+use ste_engine::matcher::{evaluate_trade, Disposition, Matcher, TradeStatus};
+use ste_engine::model::{Decimal, Function, Msg, MsgType, PaymentType, Side};
+use ste_engine::pipeline::sign_line;
+use ste_engine::profile::Tolerances;
+use ste_engine::reason::{Criterion, ReasonCode};
+use ste_engine::refdata::generate::csd_of_market;
+use ste_engine::refdata::{RefData, Role};
+use ste_engine::sign;
+use ste_engine::validate::validate;
+use time::Duration;
+
+fn refdata() -> Arc<RefData> {
+    static REFDATA: OnceLock<Arc<RefData>> = OnceLock::new();
+    REFDATA
+        .get_or_init(|| Arc::new(RefData::embedded().expect("reference data loads")))
+        .clone()
+}
+
+fn d(text: &str) -> Decimal {
+    Decimal::parse(text).expect("valid decimal")
+}
+
+/// A clean standard trade on a London security, with known amounts: price 50, allocations of
+/// `first` and `second` shares (so gross = 50 × quantity).
+fn london_trade(first: u64, second: u64) -> Vec<Msg> {
+    let refdata = refdata();
+    let security = refdata
+        .securities()
+        .iter()
+        .find(|s| s.market == "XLON")
+        .expect("a London security")
+        .clone();
+    let mut messages = Generator::new(&refdata, GeneratorConfig::clean(1)).standard_trade(0);
+    let trade_date = ste_engine::model::parse_date("2026-08-04").expect("date");
+    let settle_date = ste_engine::model::parse_date("2026-08-06").expect("date");
+    let price = d("50");
+    for msg in &mut messages {
+        msg.isin = Some(security.isin.clone());
+        msg.ccy = Some("GBP".to_owned());
+        msg.side = Some(Side::Buy);
+        msg.trade_date = Some(trade_date);
+        msg.settle_date = Some(settle_date);
+        if msg.market.is_some() {
+            msg.market = Some("XLON".to_owned());
+        }
+        if msg.pset.is_some() {
+            msg.pset = csd_of_market("XLON").map(str::to_owned);
+        }
+        if msg.price.is_some() {
+            msg.price = Some(price);
+        }
+    }
+    messages[0].qty = Some(first + second);
+    for (allocation, qty) in [(0, first), (1, second)] {
+        let base = 1 + 3 * allocation;
+        let gross = price.times_quantity(qty);
+        let commission = d("10.00");
+        let fees = d("3.50");
+        let net = gross + commission + fees;
+        messages[base].qty = Some(qty);
+        let npr = &mut messages[base + 1];
+        npr.qty = Some(qty);
+        npr.gross = Some(gross);
+        npr.commission = Some(commission);
+        npr.fees = Some(fees);
+        npr.net = Some(net);
+        let set = &mut messages[base + 2];
+        set.qty = Some(qty);
+        set.settle_amount = Some(net);
+    }
+    messages
+}
+
+fn failed(messages: &[Msg]) -> Option<Vec<Criterion>> {
+    let live: Vec<&Msg> = messages.iter().collect();
+    evaluate_trade(&live, &refdata(), &Tolerances::default())
+}
+
+type Mutation = fn(&mut Vec<Msg>);
+/// (name, allocation quantities, mutation, failed criteria); an empty list is a passing case.
+type CriterionCase = (&'static str, (u64, u64), Mutation, Vec<Criterion>);
+
+#[test]
+fn the_clean_trade_matches() {
+    assert_eq!(failed(&london_trade(600, 400)), Some(vec![]));
+}
+
+#[test]
+fn every_criterion_passes_and_fails() {
+    use Criterion::*;
+    let cases: Vec<CriterionCase> = vec![
+        ("C01 pass", (600, 400), |_| {}, vec![]),
+        (
+            "C01 fail: a TradeRef differs",
+            (600, 400),
+            |m| m[3].trade_ref.push('X'),
+            vec![C01],
+        ),
+        (
+            "C02 fail: a Broker differs",
+            (600, 400),
+            |m| m[3].broker = "BAAAFR25XXX".to_owned(),
+            vec![C02],
+        ),
+        (
+            "C03 fail: an InvMgr differs",
+            (600, 400),
+            |m| m[3].inv_mgr = Some("IMGBSG22XXX".to_owned()),
+            vec![C03],
+        ),
+        (
+            "C04 fail: a Side differs",
+            (600, 400),
+            |m| m[3].side = Some(Side::Sell),
+            vec![C04],
+        ),
+        (
+            "C05 fail: an Isin differs",
+            (600, 400),
+            |m| m[3].isin = Some("US0378331005".to_owned()),
+            vec![C05],
+        ),
+        (
+            "C06 fail: a TradeDate differs",
+            (600, 400),
+            |m| m[3].trade_date = m[3].trade_date.map(|t| t + Duration::days(1)),
+            vec![C06],
+        ),
+        (
+            "C07 fail: a SettleDate differs",
+            (600, 400),
+            |m| m[3].settle_date = m[3].settle_date.map(|t| t + Duration::days(1)),
+            vec![C07],
+        ),
+        (
+            "C08 fail: an ALC Market differs",
+            (600, 400),
+            |m| m[1].market = Some("XPAR".to_owned()),
+            vec![C08],
+        ),
+        (
+            "C09 fail: an ALC Price differs in the 6th digit",
+            (600, 400),
+            |m| m[1].price = Some(d("50.000001")),
+            vec![C09],
+        ),
+        (
+            "C10 fail: a SET Ccy differs",
+            (600, 400),
+            |m| m[3].ccy = Some("EUR".to_owned()),
+            vec![C10],
+        ),
+        (
+            "C11 fail: AllocCounts differ",
+            (600, 400),
+            |m| m[1].alloc_count = Some(3),
+            vec![C11],
+        ),
+        (
+            "C11 fail: allocations do not add up to the block",
+            (600, 400),
+            |m| m[0].qty = Some(1001),
+            vec![C11],
+        ),
+        (
+            "C12 fail: a SET names another account",
+            (600, 400),
+            |m| m[3].account = Some("ACC999".to_owned()),
+            vec![C12],
+        ),
+        (
+            "C13 fail: a SET quantity differs",
+            (600, 400),
+            |m| m[3].qty = Some(601),
+            vec![C13],
+        ),
+        (
+            "C14 pass: gross off by exactly 2.00",
+            (600, 400),
+            |m| shift_gross(m, "2.00"),
+            vec![],
+        ),
+        (
+            "C14 fail: gross off by 2.01",
+            (600, 400),
+            |m| shift_gross(m, "2.01"),
+            vec![C14],
+        ),
+        (
+            "C14 pass above 100,000: off by 25.00",
+            (3000, 400),
+            |m| shift_gross(m, "25.00"),
+            vec![],
+        ),
+        (
+            "C14 fail above 100,000: off by 25.01",
+            (3000, 400),
+            |m| shift_gross(m, "25.01"),
+            vec![C14],
+        ),
+        (
+            "C15 pass: net off by exactly 2.00",
+            (600, 400),
+            |m| shift_net(m, "2.00"),
+            vec![],
+        ),
+        (
+            "C15 fail: net off by 2.01",
+            (600, 400),
+            |m| shift_net(m, "2.01"),
+            vec![C15],
+        ),
+        (
+            "C15 fail: a SELL adds commission instead of subtracting",
+            (600, 400),
+            |m| sell_with_buy_net(m),
+            vec![C15],
+        ),
+        (
+            "C16 fail: Pset differs",
+            (600, 400),
+            |m| m[3].pset = Some("DTCYUS33XXX".to_owned()),
+            vec![C16],
+        ),
+        (
+            "C16 fail: PaymentType differs",
+            (600, 400),
+            |m| m[3].payment_type = Some(PaymentType::Fop),
+            vec![C16],
+        ),
+        (
+            "C17 pass: settlement amount off by 2.00",
+            (600, 400),
+            |m| shift_settle(m, "2.00"),
+            vec![],
+        ),
+        (
+            "C17 fail: settlement amount off by 2.01",
+            (600, 400),
+            |m| shift_settle(m, "2.01"),
+            vec![C17],
+        ),
+        (
+            "C17 pass above 100,000: off by 25.00",
+            (3000, 400),
+            |m| shift_settle(m, "25.00"),
+            vec![],
+        ),
+        (
+            "C17 fail above 100,000: off by 25.01",
+            (3000, 400),
+            |m| shift_settle(m, "25.01"),
+            vec![C17],
+        ),
+    ];
+    for (name, (first, second), mutate, expected) in cases {
+        let mut messages = london_trade(first, second);
+        mutate(&mut messages);
+        assert_eq!(failed(&messages), Some(expected), "{name}");
+    }
+}
+
+/// Moves NPR 1's gross by `delta`, keeping net and settlement amount consistent with it so that
+/// only C14 can notice.
+fn shift_gross(messages: &mut [Msg], delta: &str) {
+    let delta = d(delta);
+    let npr = &mut messages[2];
+    npr.gross = npr.gross.map(|v| v + delta);
+    npr.net = npr.net.map(|v| v + delta);
+    messages[3].settle_amount = messages[3].settle_amount.map(|v| v + delta);
+}
+
+/// Moves NPR 1's net (and the matching SET amount) by `delta`: only C15 can notice.
+fn shift_net(messages: &mut [Msg], delta: &str) {
+    let delta = d(delta);
+    messages[2].net = messages[2].net.map(|v| v + delta);
+    messages[3].settle_amount = messages[3].settle_amount.map(|v| v + delta);
+}
+
+/// Moves SET 1's amount by `delta`: only C17 can notice.
+fn shift_settle(messages: &mut [Msg], delta: &str) {
+    messages[3].settle_amount = messages[3].settle_amount.map(|v| v + d(delta));
+}
+
+/// Makes the trade a SELL everywhere but leaves the NPR nets computed as for a BUY.
+fn sell_with_buy_net(messages: &mut [Msg]) {
+    for msg in messages.iter_mut() {
+        msg.side = Some(Side::Sell);
+    }
+}
+
+#[test]
+fn an_incomplete_trade_is_not_evaluated() {
+    let messages = london_trade(600, 400);
+    let live: Vec<&Msg> = messages[..6].iter().collect();
+    assert_eq!(
+        evaluate_trade(&live, &refdata(), &Tolerances::default()),
+        None
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation: every reason code from E_SIZE to E_DATE, passing and failing.
+
+/// Signs `text` as its claimed sender would, and validates it.
+fn validate_text(text: &str) -> Result<Msg, ReasonCode> {
+    let refdata = refdata();
+    let envelope = sign_line(&refdata, text.as_bytes().to_vec(), 0, 0);
+    validate(
+        &refdata,
+        &envelope.bytes,
+        envelope.sender.as_deref(),
+        envelope.signature.as_ref().map(|s| s.as_slice()),
+    )
+    .map_err(|rejection| rejection.code)
+}
+
+fn line_of(messages: &[Msg], index: usize) -> String {
+    encode_msg(&messages[index])
+}
+
+type TextMutation = Box<dyn Fn(&[Msg]) -> String>;
+
+fn with(index: usize, change: impl Fn(&mut Msg) + 'static) -> TextMutation {
+    Box::new(move |messages: &[Msg]| {
+        let mut msg = messages[index].clone();
+        change(&mut msg);
+        encode_msg(&msg)
+    })
+}
+
+fn text(index: usize, change: impl Fn(String) -> String + 'static) -> TextMutation {
+    Box::new(move |messages: &[Msg]| change(line_of(messages, index)))
+}
+
+#[test]
+fn every_validation_code_passes_and_fails() {
+    let refdata = refdata();
+    let a_broker = refdata
+        .participants()
+        .iter()
+        .find(|p| p.role == Role::Broker)
+        .map(|p| p.bic.clone())
+        .expect("a broker");
+    let a_custodian = refdata
+        .participants()
+        .iter()
+        .filter(|p| p.role == Role::Custodian)
+        .nth(7)
+        .map(|p| p.bic.clone())
+        .expect("a custodian");
+    let broker_for_party = a_broker.clone();
+    let custodian_for_auth = a_custodian.clone();
+    let custodian_for_pass = a_custodian.clone();
+    let ok: Result<(), ReasonCode> = Ok(());
+    use ReasonCode::*;
+    let cases: Vec<(&str, TextMutation, Result<(), ReasonCode>)> = vec![
+        ("clean NOE", text(0, |t| t), ok),
+        ("clean ALC", text(1, |t| t), ok),
+        ("clean NPR", text(2, |t| t), ok),
+        ("clean SET", text(3, |t| t), ok),
+        (
+            "E_SIZE pass: 60 KiB with a comment",
+            text(0, |t| {
+                t.replace("</Msg>", &format!("<!--{}--></Msg>", "x".repeat(60 * 1024)))
+            }),
+            ok,
+        ),
+        (
+            "E_SIZE fail: 64 KiB + 1",
+            text(0, |t| {
+                t.replace("</Msg>", &format!("<!--{}--></Msg>", "x".repeat(64 * 1024)))
+            }),
+            Err(Size),
+        ),
+        (
+            "E_SIG fail: unknown sender",
+            with(0, |m| m.sender = "ZZZZSG21XXX".to_owned()),
+            Err(Sig),
+        ),
+        (
+            "E_SIG fail: no Sender element",
+            text(0, |t| remove_element(&t, "Sender")),
+            Err(Sig),
+        ),
+        (
+            "E_PARSE fail: truncated",
+            text(0, |t| t[..t.len() - 3].to_owned()),
+            Err(Parse),
+        ),
+        (
+            "E_PARSE fail: DOCTYPE",
+            text(0, |t| format!("<!DOCTYPE Msg [<!ENTITY x \"y\">]>{t}")),
+            Err(Parse),
+        ),
+        (
+            "E_PARSE fail: undeclared entity",
+            text(0, |t| t.replace("<Qty>", "<Qty>&x;")),
+            Err(Parse),
+        ),
+        (
+            "E_PARSE fail: wrong namespace",
+            text(0, |t| t.replace("urn:ste:trade:1", "urn:ste:trade:2")),
+            Err(Parse),
+        ),
+        (
+            "E_FIELD fail: signed quantity",
+            text(0, |t| t.replace("<Qty>", "<Qty>+")),
+            Err(Field),
+        ),
+        (
+            "E_FIELD fail: missing Isin",
+            text(0, |t| remove_element(&t, "Isin")),
+            Err(Field),
+        ),
+        (
+            "E_FIELD fail: unknown element",
+            text(0, |t| t.replace("</Msg>", "<Colour>red</Colour></Msg>")),
+            Err(Field),
+        ),
+        (
+            "E_FIELD fail: price with 7 fraction digits",
+            text(0, |t| replace_element(&t, "Price", "1.0000001")),
+            Err(Field),
+        ),
+        (
+            "E_FIELD pass: price with 6 fraction digits",
+            text(0, |t| replace_element(&t, "Price", "1.000001")),
+            ok,
+        ),
+        (
+            "E_FIELD fail: date format",
+            text(0, |t| replace_element(&t, "TradeDate", "04/08/2026")),
+            Err(Field),
+        ),
+        (
+            "E_FIELD fail: Side",
+            text(0, |t| replace_element(&t, "Side", "HOLD")),
+            Err(Field),
+        ),
+        (
+            "E_FIELD fail: RelatedId in a NEW",
+            with(0, |m| m.related_id = Some("X".to_owned())),
+            Err(Field),
+        ),
+        (
+            "E_CCY fail",
+            with(0, |m| m.ccy = Some("ZZZ".to_owned())),
+            Err(Ccy),
+        ),
+        (
+            "E_CCY fail wins over E_MARKET",
+            with(0, |m| {
+                m.ccy = Some("ZZZ".to_owned());
+                m.market = Some("XXXX".to_owned());
+            }),
+            Err(Ccy),
+        ),
+        (
+            "E_COUNTRY fail",
+            with(0, |m| m.inv_mgr = Some("IMGBQQ22XXX".to_owned())),
+            Err(Country),
+        ),
+        (
+            "E_MARKET fail",
+            with(0, |m| m.market = Some("XXXX".to_owned())),
+            Err(Market),
+        ),
+        (
+            "E_MARKET pass: another listed market",
+            with(0, |m| m.market = Some("XPAR".to_owned())),
+            ok,
+        ),
+        (
+            "E_ISIN fail: check digit",
+            with(0, |m| m.isin = m.isin.as_ref().map(|i| flip_check_digit(i))),
+            Err(Isin),
+        ),
+        (
+            "E_ISIN fail: valid but not listed",
+            with(0, |m| m.isin = Some("US0378331005".to_owned())),
+            Err(Isin),
+        ),
+        (
+            "E_PARTY fail: InvMgr is a broker",
+            with(0, move |m| m.inv_mgr = Some(broker_for_party.clone())),
+            Err(Party),
+        ),
+        (
+            "E_PARTY fail: unknown custodian",
+            with(3, |m| m.custodian = Some("NOPESG21XXX".to_owned())),
+            Err(Party),
+        ),
+        (
+            "E_AUTH fail: NOE sent by the investment manager",
+            with(0, |m| m.sender = m.inv_mgr.clone().unwrap_or_default()),
+            Err(Auth),
+        ),
+        (
+            "E_AUTH fail: SET sent by a custodian it does not name",
+            with(3, move |m| m.sender = custodian_for_auth.clone()),
+            Err(Auth),
+        ),
+        (
+            "E_AUTH pass: SET sent by the custodian it names",
+            with(3, move |m| {
+                m.custodian = Some(custodian_for_pass.clone());
+                m.sender = custodian_for_pass.clone();
+            }),
+            ok,
+        ),
+        (
+            "E_DATE fail: Saturday",
+            with(0, |m| {
+                m.trade_date = ste_engine::model::parse_date("2026-08-01")
+            }),
+            Err(Date),
+        ),
+        (
+            "E_DATE fail: Christmas in London",
+            with(0, |m| {
+                m.trade_date = ste_engine::model::parse_date("2026-12-24");
+                m.settle_date = ste_engine::model::parse_date("2026-12-25");
+            }),
+            Err(Date),
+        ),
+        (
+            "E_DATE fail: settles before trading",
+            with(0, |m| {
+                m.settle_date = ste_engine::model::parse_date("2026-08-03")
+            }),
+            Err(Date),
+        ),
+    ];
+    let messages = london_trade(600, 400);
+    for (name, mutate, expected) in cases {
+        let result = validate_text(&mutate(&messages)).map(|_| ());
+        assert_eq!(result, expected, "{name}");
+    }
+}
+
+#[test]
+fn a_signature_by_another_key_is_rejected() {
+    let refdata = refdata();
+    let messages = london_trade(600, 400);
+    let line = line_of(&messages, 0).into_bytes();
+    let forged = sign::sign(b"not the broker's key", &line);
+    let result = validate(&refdata, &line, Some(&messages[0].sender), Some(&forged));
+    assert_eq!(result.map(|_| ()).map_err(|r| r.code), Err(ReasonCode::Sig));
+    let unsigned = validate(&refdata, &line, Some(&messages[0].sender), None);
+    assert_eq!(
+        unsigned.map(|_| ()).map_err(|r| r.code),
+        Err(ReasonCode::Sig)
+    );
+    // Signed by a real participant, but the message names another sender.
+    let other = &refdata.participants()[0];
+    let signed_by_other = sign::sign(&other.key, &line);
+    let result = validate(&refdata, &line, Some(&other.bic), Some(&signed_by_other));
+    assert_eq!(result.map(|_| ()).map_err(|r| r.code), Err(ReasonCode::Sig));
+}
+
+#[test]
+fn a_prefixed_namespace_is_the_same_message() {
+    let refdata = refdata();
+    let messages = london_trade(600, 400);
+    let prefixed = line_of(&messages, 0)
+        .replace("<Msg xmlns=", "<s:Msg xmlns:s=")
+        .replace('<', "<s:")
+        .replace("<s:/", "</s:")
+        .replace("<s:s:", "<s:");
+    let sender = &messages[0].sender;
+    let key = &refdata.participant(sender).expect("known sender").key;
+    let signature = sign::sign(key, prefixed.as_bytes());
+    let msg = validate(
+        &refdata,
+        prefixed.as_bytes(),
+        Some(sender),
+        Some(&signature),
+    )
+    .expect("a prefixed message is valid");
+    assert_eq!(msg, messages[0]);
+}
+
+fn remove_element(text: &str, name: &str) -> String {
+    let open = format!("<{name}>");
+    let close = format!("</{name}>");
+    let start = text.find(&open).expect("element present");
+    let end = text.find(&close).expect("element closed") + close.len();
+    format!("{}{}", &text[..start], &text[end..])
+}
+
+fn replace_element(text: &str, name: &str, value: &str) -> String {
+    let open = format!("<{name}>");
+    let close = format!("</{name}>");
+    let start = text.find(&open).expect("element present") + open.len();
+    let end = text.find(&close).expect("element closed");
+    format!("{}{value}{}", &text[..start], &text[end..])
+}
+
+fn flip_check_digit(isin: &str) -> String {
+    let mut bytes = isin.as_bytes().to_vec();
+    let last = bytes.len() - 1;
+    bytes[last] = b'0' + (bytes[last] - b'0' + 1) % 10;
+    String::from_utf8(bytes).expect("ascii")
+}
+
+// ---------------------------------------------------------------------------------------------
+// The matcher's codes: E_DUPID, E_CONFLICT and E_CLOSED, passing and failing.
+
+fn process_all(matcher: &mut Matcher, messages: &[Msg]) -> Vec<Disposition> {
+    messages
+        .iter()
+        .map(|msg| {
+            let raw = encode_msg(msg);
+            matcher
+                .process(msg.clone(), raw.as_bytes(), 0, "2026-08-04T10:00:00.000Z")
+                .disposition
+        })
+        .collect()
+}
+
+fn code(disposition: &Disposition) -> Option<ReasonCode> {
+    match disposition {
+        Disposition::Rejected(rejection) => Some(rejection.code),
+        _ => None,
+    }
+}
+
+fn matcher() -> Matcher {
+    Matcher::new(refdata(), Tolerances::default())
+}
+
+#[test]
+fn duplicates_and_dupid() {
+    let messages = london_trade(600, 400);
+    let mut matcher = matcher();
+    process_all(&mut matcher, &messages[..3]);
+    // Exact re-send: a duplicate, not an exception.
+    let again = process_all(&mut matcher, &messages[1..2]);
+    assert_eq!(again, vec![Disposition::Duplicate]);
+    // Same MsgId, other content.
+    let mut changed = messages[1].clone();
+    changed.sent_at = "2026-08-04T09:31:00.000Z".to_owned();
+    let result = process_all(&mut matcher, &[changed]);
+    assert_eq!(code(&result[0]), Some(ReasonCode::DupId));
+    // The same MsgId from another sender is a different message.
+    let mut other_sender = messages[2].clone();
+    other_sender.msg_id = messages[1].msg_id.clone();
+    let result = process_all(&mut matcher, &[other_sender]);
+    assert_eq!(code(&result[0]), Some(ReasonCode::Conflict));
+}
+
+#[test]
+fn conflicts() {
+    let messages = london_trade(600, 400);
+    let mut matcher = matcher();
+    process_all(&mut matcher, &messages[..2]);
+    let mut competing = messages[1].clone();
+    competing.msg_id.push_str("-B");
+    let result = process_all(&mut matcher, &[competing.clone()]);
+    assert_eq!(code(&result[0]), Some(ReasonCode::Conflict));
+    // A second NOE competes too.
+    let mut second_noe = messages[0].clone();
+    second_noe.msg_id.push_str("-B");
+    assert_eq!(
+        code(&process_all(&mut matcher, &[second_noe])[0]),
+        Some(ReasonCode::Conflict)
+    );
+    // Once the first ALC is cancelled, its slot is free.
+    let cancel = cancel_of(&messages[1]);
+    assert_eq!(
+        process_all(&mut matcher, &[cancel]),
+        vec![Disposition::Accepted]
+    );
+    assert_eq!(
+        process_all(&mut matcher, &[competing]),
+        vec![Disposition::Accepted]
+    );
+    process_all(&mut matcher, &messages[2..]);
+    let key = messages[0].trade_key();
+    assert_eq!(matcher.status_of(&key), Some(TradeStatus::Matched));
+}
+
+fn cancel_of(msg: &Msg) -> Msg {
+    Msg {
+        msg_id: format!("{}-X", msg.msg_id),
+        function: Function::Can,
+        related_id: Some(msg.msg_id.clone()),
+        ..msg.clone()
+    }
+}
+
+#[test]
+fn closed_trades() {
+    let messages = london_trade(600, 400);
+    let mut matcher = matcher();
+    process_all(&mut matcher, &messages);
+    let key = messages[0].trade_key();
+    assert_eq!(matcher.status_of(&key), Some(TradeStatus::Matched));
+    // A new message for the matched trade.
+    let mut late = messages[3].clone();
+    late.msg_id.push_str("-L");
+    assert_eq!(
+        code(&process_all(&mut matcher, &[late])[0]),
+        Some(ReasonCode::Closed)
+    );
+    // An exact duplicate is still a duplicate.
+    assert_eq!(
+        process_all(&mut matcher, &messages[3..4]),
+        vec![Disposition::Duplicate]
+    );
+    // A CAN after the match is too late.
+    assert_eq!(
+        code(&process_all(&mut matcher, &[cancel_of(&messages[2])])[0]),
+        Some(ReasonCode::Closed)
+    );
+}
+
+#[test]
+fn a_message_named_before_the_match_is_accepted_after_it() {
+    let messages = london_trade(600, 400);
+    let mut matcher = matcher();
+    // The AMD of NPR 1 comes first and takes its slot; the trade matches without the original.
+    let amend = Msg {
+        msg_id: format!("{}-A", messages[2].msg_id),
+        function: Function::Amd,
+        related_id: Some(messages[2].msg_id.clone()),
+        ..messages[2].clone()
+    };
+    let mut order: Vec<Msg> = vec![amend];
+    order.extend(
+        messages
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 2)
+            .map(|(_, m)| m.clone()),
+    );
+    let dispositions = process_all(&mut matcher, &order);
+    assert!(dispositions.iter().all(|d| *d == Disposition::Accepted));
+    assert_eq!(
+        matcher.status_of(&messages[0].trade_key()),
+        Some(TradeStatus::Matched)
+    );
+    // The original arrives late: stored and superseded at once, not an exception.
+    assert_eq!(
+        process_all(&mut matcher, &messages[2..3]),
+        vec![Disposition::Accepted]
+    );
+    assert_eq!(matcher.counts().messages, 8);
+}
+
+#[test]
+fn a_trade_cancelled_completely_is_cancelled_and_reopens() {
+    let mut messages = london_trade(600, 400);
+    messages[2].net = messages[2].net.map(|n| n + d("50"));
+    let mut matcher = matcher();
+    process_all(&mut matcher, &messages);
+    let key = messages[0].trade_key();
+    assert_eq!(matcher.status_of(&key), Some(TradeStatus::Mismatched));
+    let cancels: Vec<Msg> = messages.iter().map(cancel_of).collect();
+    process_all(&mut matcher, &cancels);
+    assert_eq!(matcher.status_of(&key), Some(TradeStatus::Cancelled));
+    // A later NEW reopens it.
+    let mut again = london_trade(600, 400);
+    for msg in &mut again {
+        msg.msg_id.push_str("-R");
+    }
+    process_all(&mut matcher, &again);
+    assert_eq!(matcher.status_of(&key), Some(TradeStatus::Matched));
+    let _ = MsgType::Noe;
+}
