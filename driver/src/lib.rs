@@ -335,7 +335,7 @@ fn spawn_progress(
 }
 
 fn inject(
-    submitter: &Submitter,
+    submitter: &mut Submitter,
     refdata: &RefData,
     lines: impl Iterator<Item = std::io::Result<Vec<u8>>>,
     rate: Option<f64>,
@@ -349,6 +349,8 @@ fn inject(
             let due = Duration::from_secs_f64(count as f64 / rate);
             let elapsed = started.elapsed();
             if due > elapsed {
+                // Ahead of schedule: what is batched goes now rather than after the pause.
+                submitter.flush().context("submitting to the pipeline")?;
                 std::thread::sleep(due - elapsed);
             }
         }
@@ -358,6 +360,7 @@ fn inject(
         count += 1;
         submitted.store(count, Ordering::Relaxed);
     }
+    submitter.flush().context("submitting to the pipeline")?;
     Ok(count)
 }
 
@@ -445,13 +448,13 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         )
     });
 
-    let submitter = pipeline.submitter();
+    let mut submitter = pipeline.submitter();
     let (injected, expected) = match &config.source {
         Source::Generated(generator_config) => {
             let mut generator = Generator::new(&refdata, generator_config.clone());
             let lines = generator.by_ref().map(Ok);
             let count = inject(
-                &submitter,
+                &mut submitter,
                 &refdata,
                 lines,
                 config.rate_msgs_per_s,
@@ -463,7 +466,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
             let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
             let lines = MessageSetReader::new(BufReader::new(file));
             let count = inject(
-                &submitter,
+                &mut submitter,
                 &refdata,
                 lines,
                 config.rate_msgs_per_s,

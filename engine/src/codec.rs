@@ -382,6 +382,10 @@ pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
 
 /// Escapes text for an element body.
 fn push_escaped(out: &mut String, text: &str) {
+    if memchr::memchr3(b'&', b'<', b'>', text.as_bytes()).is_none() {
+        out.push_str(text);
+        return;
+    }
     for ch in text.chars() {
         match ch {
             '&' => out.push_str("&amp;"),
@@ -462,9 +466,86 @@ pub fn fields_of(msg: &Msg) -> RawFields<'static> {
     fields
 }
 
-/// Encodes a typed message as one canonical `Msg` line.
+/// Encodes a typed message as one canonical `Msg` line, writing each present field directly.
 pub fn encode_msg(msg: &Msg) -> String {
-    encode_fields(&fields_of(msg))
+    let mut out = String::with_capacity(640);
+    out.push_str("<Msg xmlns=\"");
+    out.push_str(NAMESPACE);
+    out.push_str("\">");
+    let text = |out: &mut String, field: Field, value: Option<&str>| {
+        if let Some(value) = value {
+            push_element(out, field.name(), value);
+        }
+    };
+    let shown = |out: &mut String, field: Field, value: Option<&dyn std::fmt::Display>| {
+        if let Some(value) = value {
+            let _ = write!(out, "<{0}>{value}</{0}>", field.name());
+        }
+    };
+    text(&mut out, Field::MsgId, Some(&msg.msg_id));
+    text(&mut out, Field::Type, Some(msg.msg_type.as_str()));
+    text(&mut out, Field::Function, Some(msg.function.as_str()));
+    text(&mut out, Field::Sender, Some(&msg.sender));
+    text(&mut out, Field::SentAt, Some(&msg.sent_at));
+    text(&mut out, Field::RelatedId, msg.related_id.as_deref());
+    text(&mut out, Field::TradeRef, Some(&msg.trade_ref));
+    text(&mut out, Field::Broker, Some(&msg.broker));
+    text(&mut out, Field::InvMgr, msg.inv_mgr.as_deref());
+    text(&mut out, Field::Side, msg.side.map(|v| v.as_str()));
+    text(&mut out, Field::Isin, msg.isin.as_deref());
+    let dates = [
+        (Field::TradeDate, msg.trade_date),
+        (Field::SettleDate, msg.settle_date),
+    ];
+    for (field, date) in dates {
+        if let Some(date) = date {
+            let _ = write!(
+                out,
+                "<{0}>{1:04}-{2:02}-{3:02}</{0}>",
+                field.name(),
+                date.year(),
+                u8::from(date.month()),
+                date.day()
+            );
+        }
+    }
+    text(&mut out, Field::Market, msg.market.as_deref());
+    shown(&mut out, Field::Price, msg.price.as_ref().map(|v| v as _));
+    text(&mut out, Field::Ccy, msg.ccy.as_deref());
+    shown(&mut out, Field::Qty, msg.qty.as_ref().map(|v| v as _));
+    shown(
+        &mut out,
+        Field::AllocCount,
+        msg.alloc_count.as_ref().map(|v| v as _),
+    );
+    text(&mut out, Field::Account, msg.account.as_deref());
+    text(&mut out, Field::Pset, msg.pset.as_deref());
+    text(
+        &mut out,
+        Field::PaymentType,
+        msg.payment_type.map(|v| v.as_str()),
+    );
+    shown(&mut out, Field::Gross, msg.gross.as_ref().map(|v| v as _));
+    shown(
+        &mut out,
+        Field::Commission,
+        msg.commission.as_ref().map(|v| v as _),
+    );
+    shown(&mut out, Field::Fees, msg.fees.as_ref().map(|v| v as _));
+    shown(&mut out, Field::Net, msg.net.as_ref().map(|v| v as _));
+    text(&mut out, Field::Custodian, msg.custodian.as_deref());
+    text(
+        &mut out,
+        Field::SafekeepingAccount,
+        msg.safekeeping_account.as_deref(),
+    );
+    shown(
+        &mut out,
+        Field::SettleAmount,
+        msg.settle_amount.as_ref().map(|v| v as _),
+    );
+    out.push_str("</Msg>");
+    out
 }
 
 /// Encodes a CLS as one line. Amounts carry the currency's minor units.
@@ -587,6 +668,16 @@ mod tests {
                 "input {:?}",
                 String::from_utf8_lossy(input)
             );
+        }
+    }
+
+    #[test]
+    fn direct_encoding_equals_field_encoding() {
+        let refdata = crate::refdata::RefData::embedded().expect("reference data");
+        let mut generator =
+            crate::generator::Generator::new(&refdata, crate::generator::GeneratorConfig::clean(1));
+        for msg in generator.standard_trade(3) {
+            assert_eq!(encode_msg(&msg), encode_fields(&fields_of(&msg)));
         }
     }
 

@@ -222,9 +222,19 @@ impl std::ops::Sub for Decimal {
 impl fmt::Display for Decimal {
     /// The shortest exact form: trailing zero fraction digits are dropped.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let full = self.format_fixed(6);
-        let trimmed = full.trim_end_matches('0').trim_end_matches('.');
-        f.write_str(trimmed)
+        let sign = if self.0 < 0 { "-" } else { "" };
+        let magnitude = self.0.abs();
+        let integer = magnitude / DECIMAL_ONE;
+        let mut fraction = magnitude % DECIMAL_ONE;
+        if fraction == 0 {
+            return write!(f, "{sign}{integer}");
+        }
+        let mut digits = DECIMAL_SCALE_DIGITS as usize;
+        while fraction % 10 == 0 {
+            fraction /= 10;
+            digits -= 1;
+        }
+        write!(f, "{sign}{integer}.{fraction:0digits$}")
     }
 }
 

@@ -139,7 +139,6 @@ struct Validated {
     bytes: Vec<u8>,
     correlation: u64,
     injected_ns: u64,
-    enqueued_ns: u64,
 }
 
 /// The few fields of a message that its store row needs once the matcher owns the message.
@@ -171,7 +170,6 @@ struct Processed {
     bytes: Vec<u8>,
     correlation: u64,
     injected_ns: u64,
-    enqueued_ns: u64,
 }
 
 struct RejectedItem {
@@ -179,15 +177,34 @@ struct RejectedItem {
     sender: Option<String>,
     bytes: Vec<u8>,
     correlation: u64,
-    enqueued_ns: u64,
 }
 
-/// Sends envelopes into the sharded inbound queues. Cloneable: several producers may submit.
-#[derive(Clone)]
+/// Messages per batch on the inbound queues: one channel operation (and at most one wake-up of a
+/// validator) per batch instead of per message.
+pub const INBOUND_BATCH_MESSAGES: usize = 64;
+
+/// A batch on a queue, stamped with the time it was enqueued.
+type Stamped<T> = (Vec<T>, u64);
+
+/// Sends envelopes into the sharded inbound queues, in batches of up to
+/// [`INBOUND_BATCH_MESSAGES`]. Cloneable: several producers may submit; each must
+/// [`flush`](Submitter::flush) what it holds before it is dropped or waits.
 pub struct Submitter {
-    inbound: Vec<Sender<(Envelope, u64)>>,
+    inbound: Vec<Sender<Stamped<Envelope>>>,
     stations: Vec<Arc<Station>>,
+    pending: Vec<Vec<Envelope>>,
     clock: RunClock,
+}
+
+impl Clone for Submitter {
+    fn clone(&self) -> Self {
+        Self {
+            inbound: self.inbound.clone(),
+            stations: self.stations.clone(),
+            pending: vec![Vec::new(); self.inbound.len()],
+            clock: self.clock,
+        }
+    }
 }
 
 impl Submitter {
@@ -196,25 +213,47 @@ impl Submitter {
         self.clock
     }
 
-    /// Enqueues one envelope on the inbound queue of its trade; blocks while that queue is full.
-    pub fn submit(&self, envelope: Envelope) -> Result<(), PipelineError> {
+    /// Adds one envelope to the batch of its trade's inbound queue, sending the batch when full
+    /// (blocking while that queue is full).
+    pub fn submit(&mut self, envelope: Envelope) -> Result<(), PipelineError> {
         let index = inbound_index(&envelope.bytes, self.inbound.len());
-        self.stations[index].arrive(1);
-        let now = self.clock.now_ns();
-        self.inbound[index]
-            .send((envelope, now))
-            .map_err(|_| PipelineError::Stopped("inbound queue closed".to_owned()))
+        self.pending[index].push(envelope);
+        if self.pending[index].len() >= INBOUND_BATCH_MESSAGES {
+            self.send(index)?;
+        }
+        Ok(())
     }
 
     /// Signs a line with its claimed sender's key (unsigned if there is none) and submits it.
     pub fn submit_line(
-        &self,
+        &mut self,
         refdata: &RefData,
         bytes: Vec<u8>,
         correlation: u64,
     ) -> Result<(), PipelineError> {
         let envelope = sign_line(refdata, bytes, correlation, self.clock.now_ns());
         self.submit(envelope)
+    }
+
+    /// Sends every partial batch.
+    pub fn flush(&mut self) -> Result<(), PipelineError> {
+        for index in 0..self.pending.len() {
+            if !self.pending[index].is_empty() {
+                self.send(index)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, index: usize) -> Result<(), PipelineError> {
+        let batch = std::mem::replace(
+            &mut self.pending[index],
+            Vec::with_capacity(INBOUND_BATCH_MESSAGES),
+        );
+        self.stations[index].arrive(batch.len() as u64);
+        self.inbound[index]
+            .send((batch, self.clock.now_ns()))
+            .map_err(|_| stopped("inbound"))
     }
 }
 
@@ -229,8 +268,8 @@ pub fn sign_line(
     let sender = sign::claimed_sender(&bytes).map(str::to_owned);
     let signature = sender
         .as_deref()
-        .and_then(|sender| refdata.participant(sender))
-        .map(|participant| sign::sign(&participant.key, &bytes));
+        .and_then(|sender| refdata.participant_mac(sender))
+        .map(|(_, mac)| sign::sign_keyed(mac, &bytes));
     Envelope {
         bytes,
         sender,
@@ -280,7 +319,7 @@ type Joined<T> = JoinHandle<Result<T, PipelineError>>;
 pub struct Pipeline {
     submitter: Option<Submitter>,
     acks: Receiver<Vec<Ack>>,
-    outbound: Receiver<(OutboundEvent, u64)>,
+    outbound: Receiver<Stamped<OutboundEvent>>,
     stations: Vec<Arc<Station>>,
     validators: Vec<Joined<()>>,
     matchers: Vec<Joined<ShardCounts>>,
@@ -319,7 +358,8 @@ impl Pipeline {
         let clock = RunClock::start();
         let shards = config.shards.max(1);
         let validators = config.validators.max(1);
-        let capacity = config.queue_capacity_messages.max(1);
+        // Queues hold batches: their capacity in batches keeps the bound in messages.
+        let capacity = (config.queue_capacity_messages / INBOUND_BATCH_MESSAGES).max(2);
 
         let mut stores = Vec::with_capacity(shards as usize);
         for shard in 0..shards {
@@ -329,7 +369,7 @@ impl Pipeline {
 
         let mut stations = Vec::new();
         let (ack_tx, ack_rx) = bounded::<Vec<Ack>>(config.outbound_capacity);
-        let (out_tx, out_rx) = bounded::<(OutboundEvent, u64)>(config.outbound_capacity);
+        let (out_tx, out_rx) = bounded::<Stamped<OutboundEvent>>(config.outbound_capacity);
         let outbound_station = Station::new("outbound");
 
         // Writers and their store queues.
@@ -337,7 +377,7 @@ impl Pipeline {
         let mut store_stations = Vec::new();
         let mut writers = Vec::new();
         for (shard, store) in stores.into_iter().enumerate() {
-            let (tx, rx) = bounded::<Processed>(capacity);
+            let (tx, rx) = bounded::<Stamped<Processed>>(capacity);
             let station = Station::new(format!("store.{shard}"));
             store_txs.push(tx);
             store_stations.push(station.clone());
@@ -359,7 +399,7 @@ impl Pipeline {
             }));
         }
 
-        let (exception_tx, exception_rx) = bounded::<RejectedItem>(capacity);
+        let (exception_tx, exception_rx) = bounded::<Stamped<RejectedItem>>(capacity);
         let exception_station = Station::new("exceptions");
         let exception_writer = {
             let station = exception_station.clone();
@@ -384,7 +424,7 @@ impl Pipeline {
         let mut match_stations = Vec::new();
         let mut matchers = Vec::new();
         for shard in 0..shards as usize {
-            let (tx, rx) = bounded::<Validated>(capacity);
+            let (tx, rx) = bounded::<Stamped<Validated>>(capacity);
             let station = Station::new(format!("match.{shard}"));
             match_txs.push(tx);
             match_stations.push(station.clone());
@@ -402,7 +442,7 @@ impl Pipeline {
         let mut inbound_stations = Vec::new();
         let mut validator_handles = Vec::new();
         for index in 0..validators as usize {
-            let (tx, rx) = bounded::<(Envelope, u64)>(capacity);
+            let (tx, rx) = bounded::<Stamped<Envelope>>(capacity);
             let station = Station::new(format!("inbound.{index}"));
             inbound.push(tx);
             inbound_stations.push(station.clone());
@@ -450,6 +490,7 @@ impl Pipeline {
 
         Ok(Self {
             submitter: Some(Submitter {
+                pending: vec![Vec::new(); inbound.len()],
                 inbound,
                 stations: inbound_stations,
                 clock,
@@ -478,8 +519,9 @@ impl Pipeline {
         self.acks.clone()
     }
 
-    /// CLS and status advices after commit, each with the run-clock time it was enqueued.
-    pub fn outbound(&self) -> Receiver<(OutboundEvent, u64)> {
+    /// CLS and status advices after commit, in batches stamped with the run-clock time they
+    /// were enqueued.
+    pub fn outbound(&self) -> Receiver<Stamped<OutboundEvent>> {
         self.outbound.clone()
     }
 
@@ -555,53 +597,85 @@ fn stopped(queue: &str) -> PipelineError {
     PipelineError::Stopped(format!("{queue} queue closed"))
 }
 
+/// Sends one batch to a station's queue, counting its arrivals first.
+fn send_batch<T>(
+    tx: &Sender<Stamped<T>>,
+    station: &Station,
+    batch: Vec<T>,
+    clock: RunClock,
+    queue: &str,
+) -> Result<(), PipelineError> {
+    if batch.is_empty() {
+        return Ok(());
+    }
+    station.arrive(batch.len() as u64);
+    tx.send((batch, clock.now_ns())).map_err(|_| stopped(queue))
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run_validator(
-    rx: Receiver<(Envelope, u64)>,
+    rx: Receiver<Stamped<Envelope>>,
     refdata: &RefData,
     station: Arc<Station>,
-    match_txs: &[Sender<Validated>],
+    match_txs: &[Sender<Stamped<Validated>>],
     match_stations: &[Arc<Station>],
-    exception_tx: &Sender<RejectedItem>,
+    exception_tx: &Sender<Stamped<RejectedItem>>,
     exception_station: &Station,
     clock: RunClock,
 ) -> Result<(), PipelineError> {
     let shards = match_txs.len() as u32;
-    for (envelope, enqueued_ns) in rx {
+    for (envelopes, enqueued_ns) in rx {
         let started = Instant::now();
-        let result = validate(
-            refdata,
-            &envelope.bytes,
-            envelope.sender.as_deref(),
-            envelope.signature.as_ref().map(|s| s.as_slice()),
-        );
-        let busy_ns = started.elapsed().as_nanos() as u64;
-        match result {
-            Ok(msg) => {
-                let shard = shard_of(&msg.trade_key(), shards) as usize;
-                match_stations[shard].arrive(1);
-                let item = Validated {
-                    msg,
-                    bytes: envelope.bytes,
-                    correlation: envelope.correlation,
-                    injected_ns: envelope.injected_ns,
-                    enqueued_ns: clock.now_ns(),
-                };
-                match_txs[shard].send(item).map_err(|_| stopped("match"))?;
-            }
-            Err(rejection) => {
-                exception_station.arrive(1);
-                let item = RejectedItem {
+        let count = envelopes.len() as u64;
+        let mut to_match: Vec<Vec<Validated>> = (0..match_txs.len()).map(|_| Vec::new()).collect();
+        let mut rejected = Vec::new();
+        for envelope in envelopes {
+            let result = validate(
+                refdata,
+                &envelope.bytes,
+                envelope.sender.as_deref(),
+                envelope.signature.as_ref().map(|s| s.as_slice()),
+            );
+            match result {
+                Ok(msg) => {
+                    let shard = shard_of(&msg.trade_key(), shards) as usize;
+                    to_match[shard].push(Validated {
+                        msg,
+                        bytes: envelope.bytes,
+                        correlation: envelope.correlation,
+                        injected_ns: envelope.injected_ns,
+                    });
+                }
+                Err(rejection) => rejected.push(RejectedItem {
                     rejection,
                     sender: envelope.sender,
                     bytes: envelope.bytes,
                     correlation: envelope.correlation,
-                    enqueued_ns: clock.now_ns(),
-                };
-                exception_tx.send(item).map_err(|_| stopped("exceptions"))?;
+                }),
             }
         }
-        station.complete(1, busy_ns, clock.now_ns().saturating_sub(enqueued_ns));
+        let busy_ns = started.elapsed().as_nanos() as u64;
+        for (shard, batch) in to_match.into_iter().enumerate() {
+            send_batch(
+                &match_txs[shard],
+                &match_stations[shard],
+                batch,
+                clock,
+                "match",
+            )?;
+        }
+        send_batch(
+            exception_tx,
+            exception_station,
+            rejected,
+            clock,
+            "exceptions",
+        )?;
+        station.complete(
+            count,
+            busy_ns,
+            count * clock.now_ns().saturating_sub(enqueued_ns),
+        );
     }
     Ok(())
 }
@@ -630,10 +704,10 @@ impl MatchedAtClock {
 }
 
 fn run_matcher(
-    rx: Receiver<Validated>,
+    rx: Receiver<Stamped<Validated>>,
     mut matcher: Matcher,
     station: Arc<Station>,
-    store_tx: Sender<Processed>,
+    store_tx: Sender<Stamped<Processed>>,
     store_station: Arc<Station>,
     clock: RunClock,
 ) -> Result<ShardCounts, PipelineError> {
@@ -641,62 +715,75 @@ fn run_matcher(
         last_ms: -1,
         text: String::new(),
     };
-    for item in rx {
+    for (items, enqueued_ns) in rx {
         let started = Instant::now();
-        let meta = MessageMeta::of(&item.msg);
-        let outcome = matcher.process(item.msg, &item.bytes, item.injected_ns, wall.now());
+        let count = items.len() as u64;
+        let mut processed = Vec::with_capacity(items.len());
+        for item in items {
+            let meta = MessageMeta::of(&item.msg);
+            let outcome = matcher.process(item.msg, &item.bytes, item.injected_ns, wall.now());
+            processed.push(Processed {
+                outcome,
+                meta,
+                bytes: item.bytes,
+                correlation: item.correlation,
+                injected_ns: item.injected_ns,
+            });
+        }
         let busy_ns = started.elapsed().as_nanos() as u64;
-        store_station.arrive(1);
-        let processed = Processed {
-            outcome,
-            meta,
-            bytes: item.bytes,
-            correlation: item.correlation,
-            injected_ns: item.injected_ns,
-            enqueued_ns: clock.now_ns(),
-        };
-        store_tx.send(processed).map_err(|_| stopped("store"))?;
-        station.complete(1, busy_ns, clock.now_ns().saturating_sub(item.enqueued_ns));
+        send_batch(&store_tx, &store_station, processed, clock, "store")?;
+        station.complete(
+            count,
+            busy_ns,
+            count * clock.now_ns().saturating_sub(enqueued_ns),
+        );
     }
     Ok(matcher.counts())
 }
 
-/// Takes the first item (blocking) and then whatever is already queued, up to `batch_max`.
-fn next_batch<T>(rx: &Receiver<T>, batch_max: usize) -> Option<Vec<T>> {
-    let first = rx.recv().ok()?;
-    let mut items = Vec::with_capacity(batch_max.min(rx.len() + 1));
-    items.push(first);
+/// Takes the first batch (blocking) and then whatever is already queued, until `batch_max`
+/// messages are held. Returns the items and the sum of their times in the queue.
+fn next_batch<T>(
+    rx: &Receiver<Stamped<T>>,
+    batch_max: usize,
+    clock: RunClock,
+) -> Option<(Vec<T>, u64)> {
+    let (mut items, enqueued_ns) = rx.recv().ok()?;
+    let now = clock.now_ns();
+    let mut waited_ns = items.len() as u64 * now.saturating_sub(enqueued_ns);
     while items.len() < batch_max {
         match rx.try_recv() {
-            Ok(item) => items.push(item),
+            Ok((more, enqueued_ns)) => {
+                waited_ns += more.len() as u64 * now.saturating_sub(enqueued_ns);
+                items.extend(more);
+            }
             Err(_) => break,
         }
     }
-    Some(items)
+    Some((items, waited_ns))
 }
 
 #[allow(clippy::too_many_arguments)]
 fn run_writer(
-    rx: Receiver<Processed>,
+    rx: Receiver<Stamped<Processed>>,
     mut store: Box<dyn Store>,
     station: Arc<Station>,
     ack_tx: Sender<Vec<Ack>>,
-    out_tx: Sender<(OutboundEvent, u64)>,
+    out_tx: Sender<Stamped<OutboundEvent>>,
     outbound_station: Arc<Station>,
     clock: RunClock,
     batch_max: usize,
 ) -> Result<RowCounts, PipelineError> {
-    while let Some(items) = next_batch(&rx, batch_max) {
+    while let Some((items, waited_ns)) = next_batch(&rx, batch_max, clock) {
         let started = Instant::now();
+        let dequeued_ns = clock.now_ns();
         let mut batch = Batch::default();
         let mut acks = Vec::with_capacity(items.len());
         let mut events = Vec::new();
         // Only the last status of a trade in this batch needs writing.
         let mut trade_rows: AHashMap<String, usize> = AHashMap::new();
         let count = items.len() as u64;
-        let mut response_ns = 0_u64;
         for item in items {
-            response_ns += clock.now_ns().saturating_sub(item.enqueued_ns);
             let meta = item.meta;
             let trade_key = meta.trade_key;
             let result = match item.outcome.disposition {
@@ -761,34 +848,33 @@ fn run_writer(
             }
         }
         store.commit(batch)?;
-        station.complete(count, started.elapsed().as_nanos() as u64, response_ns);
+        let finished_ns = clock.now_ns();
+        station.complete(
+            count,
+            started.elapsed().as_nanos() as u64,
+            waited_ns + count * finished_ns.saturating_sub(dequeued_ns),
+        );
         ack_tx.send(acks).map_err(|_| stopped("acks"))?;
-        for event in events {
-            outbound_station.arrive(1);
-            out_tx
-                .send((event, clock.now_ns()))
-                .map_err(|_| stopped("outbound"))?;
-        }
+        send_batch(&out_tx, &outbound_station, events, clock, "outbound")?;
     }
     Ok(store.row_counts()?)
 }
 
 fn run_exception_writer(
-    rx: Receiver<RejectedItem>,
+    rx: Receiver<Stamped<RejectedItem>>,
     mut store: Box<dyn Store>,
     station: Arc<Station>,
     ack_tx: Sender<Vec<Ack>>,
     clock: RunClock,
     batch_max: usize,
 ) -> Result<RowCounts, PipelineError> {
-    while let Some(items) = next_batch(&rx, batch_max) {
+    while let Some((items, waited_ns)) = next_batch(&rx, batch_max, clock) {
         let started = Instant::now();
+        let dequeued_ns = clock.now_ns();
         let count = items.len() as u64;
         let mut batch = Batch::default();
         let mut acks = Vec::with_capacity(items.len());
-        let mut response_ns = 0_u64;
         for item in items {
-            response_ns += clock.now_ns().saturating_sub(item.enqueued_ns);
             acks.push(Ack {
                 correlation: item.correlation,
                 result: AckResult::Rejected(item.rejection.code),
@@ -803,7 +889,12 @@ fn run_exception_writer(
             });
         }
         store.commit(batch)?;
-        station.complete(count, started.elapsed().as_nanos() as u64, response_ns);
+        let finished_ns = clock.now_ns();
+        station.complete(
+            count,
+            started.elapsed().as_nanos() as u64,
+            waited_ns + count * finished_ns.saturating_sub(dequeued_ns),
+        );
         ack_tx.send(acks).map_err(|_| stopped("acks"))?;
     }
     Ok(store.row_counts()?)

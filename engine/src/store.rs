@@ -104,9 +104,11 @@ pub trait Store: Send {
 
 /// Rows kept in process memory: the store for tests and for measuring the engine without
 /// storage cost. It keeps every row, so its memory grows with the run.
+/// Rows are kept as the committed batches themselves, so that growing the store never copies
+/// what it already holds.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
-    pub messages: Vec<MessageRow>,
+    pub messages: Vec<Vec<MessageRow>>,
     pub trades: ahash::AHashMap<String, TradeStatus>,
     pub cls: Vec<ClsRow>,
     pub exceptions: Vec<ExceptionRow>,
@@ -114,7 +116,9 @@ pub struct MemoryStore {
 
 impl Store for MemoryStore {
     fn commit(&mut self, batch: Batch) -> Result<(), StoreError> {
-        self.messages.extend(batch.messages);
+        if !batch.messages.is_empty() {
+            self.messages.push(batch.messages);
+        }
         for row in batch.trades {
             self.trades.insert(row.trade_key, row.status);
         }
@@ -125,7 +129,7 @@ impl Store for MemoryStore {
 
     fn row_counts(&mut self) -> Result<RowCounts, StoreError> {
         Ok(RowCounts {
-            messages: self.messages.len() as u64,
+            messages: self.messages.iter().map(Vec::len).sum::<usize>() as u64,
             trades: self.trades.len() as u64,
             cls: self.cls.len() as u64,
             exceptions: self.exceptions.len() as u64,
@@ -140,6 +144,8 @@ static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/
 const SQLITE_ROWS_PER_STATEMENT: usize = 500;
 /// SQLite page cache per shard, in KiB.
 const SQLITE_CACHE_KIB: u32 = 65_536;
+/// Larger pages: rows are appended and carry ~600-byte blobs, so fewer, fuller pages cost less.
+const SQLITE_PAGE_SIZE_BYTES: u32 = 16_384;
 
 /// The embedded default: one SQLite file per shard, written through sqlx.
 pub struct SqliteStore {
@@ -162,7 +168,9 @@ impl SqliteStore {
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
             .pragma("cache_size", format!("-{SQLITE_CACHE_KIB}"))
-            .pragma("temp_store", "memory");
+            .pragma("temp_store", "memory")
+            .page_size(SQLITE_PAGE_SIZE_BYTES)
+            .locking_mode(sqlx::sqlite::SqliteLockingMode::Exclusive);
         let connection = runtime.block_on(async {
             let mut connection =
                 options

@@ -124,13 +124,13 @@ pub fn validate(
     let (Some(sender), Some(signature)) = (claimed_sender, signature) else {
         return Err(Rejection::new(ReasonCode::Sig, "message is not signed"));
     };
-    let Some(participant) = refdata.participant(sender) else {
+    let Some((_, mac)) = refdata.participant_mac(sender) else {
         return Err(Rejection::new(
             ReasonCode::Sig,
             format!("no signing key for sender {sender}"),
         ));
     };
-    if !sign::verify(&participant.key, bytes, signature) {
+    if !sign::verify_keyed(mac, bytes, signature) {
         return Err(Rejection::new(
             ReasonCode::Sig,
             format!("signature does not match the key of {sender}"),

@@ -127,18 +127,21 @@ impl Sink {
 /// Consumes `events` until the engine closes the queue, counting each as a completion of the
 /// `outbound` station.
 pub fn run(
-    events: Receiver<(OutboundEvent, u64)>,
+    events: Receiver<(Vec<OutboundEvent>, u64)>,
     mut sink: Sink,
     station: Arc<Station>,
     clock: RunClock,
 ) -> std::io::Result<SinkReport> {
-    for (event, enqueued_ns) in events {
+    for (batch, enqueued_ns) in events {
         let started = Instant::now();
-        let now_ns = clock.now_ns();
-        let result = sink.accept(event, now_ns);
-        let busy_ns = started.elapsed().as_nanos() as u64;
-        station.complete(1, busy_ns, (now_ns + busy_ns).saturating_sub(enqueued_ns));
-        result?;
+        let count = batch.len() as u64;
+        let mut response_ns = 0;
+        for event in batch {
+            let now_ns = clock.now_ns();
+            response_ns += now_ns.saturating_sub(enqueued_ns);
+            sink.accept(event, now_ns)?;
+        }
+        station.complete(count, started.elapsed().as_nanos() as u64, response_ns);
     }
     sink.finish()
 }

@@ -86,14 +86,52 @@ pub enum RefDataError {
     Row { file: String, detail: String },
 }
 
+/// Packs a key of at most 16 bytes into a big-endian integer: integer order is the same as the
+/// byte order of the text, so a sorted array of packed keys is searched with register compares.
+fn pack(text: &str) -> Option<u128> {
+    let bytes = text.as_bytes();
+    if bytes.len() > 16 {
+        return None;
+    }
+    let mut padded = [0_u8; 16];
+    padded[..bytes.len()].copy_from_slice(bytes);
+    Some(u128::from_be_bytes(padded))
+}
+
+fn packed_keys<T>(rows: &[T], key: impl Fn(&T) -> &str) -> Vec<u128> {
+    rows.iter()
+        .map(|row| pack(key(row)).unwrap_or(u128::MAX))
+        .collect()
+}
+
+/// Binary search of `text` among packed keys.
+fn search(keys: &[u128], text: &str) -> Option<usize> {
+    keys.binary_search(&pack(text)?).ok()
+}
+
+/// The sorted packed keys of each table, parallel to the rows.
+#[derive(Debug, Clone, Default)]
+struct Keys {
+    currencies: Vec<u128>,
+    countries: Vec<u128>,
+    markets: Vec<u128>,
+    securities: Vec<u128>,
+    participants: Vec<u128>,
+    /// (market, date as Julian day) pairs.
+    holidays: Vec<(u128, i32)>,
+}
+
 /// The six reference-data tables, each sorted by its key.
 #[derive(Debug, Clone)]
 pub struct RefData {
+    keys: Keys,
     currencies: Vec<Currency>,
     countries: Vec<String>,
     markets: Vec<Market>,
     securities: Vec<Security>,
     participants: Vec<Participant>,
+    /// The prepared signing state of each participant, in the order of `participants`.
+    macs: Vec<crate::sign::KeyedMac>,
     /// (market, date) pairs, sorted.
     holidays: Vec<(String, Date)>,
 }
@@ -257,59 +295,71 @@ impl RefData {
             holidays.push((row.market, date));
         }
         holidays.sort();
+        let macs = participants
+            .iter()
+            .map(|p| crate::sign::keyed(&p.key))
+            .collect();
+        let keys = Keys {
+            currencies: packed_keys(&currencies, |c| &c.code),
+            countries: packed_keys(&countries, |c| c),
+            markets: packed_keys(&markets, |m| &m.mic),
+            securities: packed_keys(&securities, |s| &s.isin),
+            participants: packed_keys(&participants, |p| &p.bic),
+            holidays: holidays
+                .iter()
+                .map(|(market, date)| (pack(market).unwrap_or(u128::MAX), date.to_julian_day()))
+                .collect(),
+        };
         Ok(Self {
+            keys,
             currencies,
             countries,
             markets,
             securities,
             participants,
+            macs,
             holidays,
         })
     }
 
     /// The currency with this code.
     pub fn currency(&self, code: &str) -> Option<&Currency> {
-        self.currencies
-            .binary_search_by(|c| c.code.as_str().cmp(code))
-            .ok()
-            .map(|i| &self.currencies[i])
+        search(&self.keys.currencies, code).map(|i| &self.currencies[i])
     }
 
     /// Whether the ISO 3166 country code is known.
     pub fn has_country(&self, code: &str) -> bool {
-        self.countries
-            .binary_search_by(|c| c.as_str().cmp(code))
-            .is_ok()
+        search(&self.keys.countries, code).is_some()
     }
 
     /// The market with this MIC.
     pub fn market(&self, mic: &str) -> Option<&Market> {
-        self.markets
-            .binary_search_by(|m| m.mic.as_str().cmp(mic))
-            .ok()
-            .map(|i| &self.markets[i])
+        search(&self.keys.markets, mic).map(|i| &self.markets[i])
     }
 
     /// The security with this ISIN.
     pub fn security(&self, isin: &str) -> Option<&Security> {
-        self.securities
-            .binary_search_by(|s| s.isin.as_str().cmp(isin))
-            .ok()
-            .map(|i| &self.securities[i])
+        search(&self.keys.securities, isin).map(|i| &self.securities[i])
     }
 
     /// The participant with this BIC.
     pub fn participant(&self, bic: &str) -> Option<&Participant> {
-        self.participants
-            .binary_search_by(|p| p.bic.as_str().cmp(bic))
-            .ok()
-            .map(|i| &self.participants[i])
+        search(&self.keys.participants, bic).map(|i| &self.participants[i])
+    }
+
+    /// The participant with this BIC and its prepared signing state.
+    pub fn participant_mac(&self, bic: &str) -> Option<(&Participant, &crate::sign::KeyedMac)> {
+        search(&self.keys.participants, bic).map(|i| (&self.participants[i], &self.macs[i]))
     }
 
     /// Whether `date` is a holiday of `market` in holidays.csv.
     pub fn is_holiday(&self, market: &str, date: Date) -> bool {
-        self.holidays
-            .binary_search_by(|(m, d)| m.as_str().cmp(market).then(d.cmp(&date)))
+        let Some(market) = pack(market) else {
+            return false;
+        };
+        self.keys
+            .holidays
+            .binary_search(&(market, date.to_julian_day()))
             .is_ok()
     }
 
