@@ -371,10 +371,18 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         StoreChoice::Embedded => StoreConfig::Embedded {
             dir: config.run_dir.join("store"),
         },
+        // Checked before anything is created, so a refused run leaves nothing behind.
         StoreChoice::Postgres => bail!(
             "the postgres store is not available in this build; use --store embedded or memory"
         ),
     };
+    let store_dir = config.run_dir.join("store");
+    if store_dir.read_dir().is_ok_and(|mut entries| entries.next().is_some()) {
+        bail!(
+            "{} already holds a store from an earlier run; choose another --run-dir",
+            config.run_dir.display()
+        );
+    }
     std::fs::create_dir_all(&config.run_dir)
         .with_context(|| format!("creating {}", config.run_dir.display()))?;
     let samples_path = config.run_dir.join("samples.csv");

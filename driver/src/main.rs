@@ -246,7 +246,18 @@ fn print_summary(summary: &Summary) {
     println!("  run directory     {}", summary.run_dir);
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    // Errors are printed with their causes, without a backtrace: they are for users.
+    match run_cli() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_cli() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(

@@ -83,15 +83,15 @@ pub struct RowCounts {
 /// Why a store failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("database error on {store}: {source}")]
+    #[error("database error on {store}")]
     Database { store: String, source: sqlx::Error },
-    #[error("migration failed on {store}: {source}")]
+    #[error("migration failed on {store}")]
     Migrate {
         store: String,
         source: sqlx::migrate::MigrateError,
     },
-    #[error("cannot start the i/o runtime: {0}")]
-    Runtime(std::io::Error),
+    #[error("cannot start the i/o runtime")]
+    Runtime(#[source] std::io::Error),
 }
 
 /// A shard's durable storage.

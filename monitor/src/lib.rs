@@ -29,7 +29,7 @@ pub const SAMPLES_HEADER: &str = "t_ms,station,queue_len,arrivals,completions,bu
 /// Why a samples file could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum SamplesError {
-    #[error("cannot read samples: {0}")]
+    #[error("cannot read samples")]
     Io(#[from] std::io::Error),
     #[error("the samples file does not start with the header {SAMPLES_HEADER:?}")]
     Header,

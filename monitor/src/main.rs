@@ -24,7 +24,18 @@ enum Command {
     },
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    // Errors are printed with their causes, without a backtrace: they are for users.
+    match run_cli() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_cli() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Analyze { file, json } => {

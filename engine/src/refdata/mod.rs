@@ -77,7 +77,7 @@ pub struct Participant {
 /// Why reference data could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum RefDataError {
-    #[error("cannot read {file}: {source}")]
+    #[error("cannot read {file}")]
     Io {
         file: String,
         source: std::io::Error,
