@@ -15,7 +15,8 @@ const LENGTH_PREFIX_BYTES: usize = 4;
 const SENDER_LEN_MAX_BYTES: usize = 32;
 /// Largest frame body accepted: one maximal message and its header. A longer declared length is
 /// refused before any of it is buffered.
-pub const FRAME_BODY_MAX_BYTES: usize = 1 + SENDER_LEN_MAX_BYTES + SIGNATURE_LEN + MESSAGE_SIZE_MAX_BYTES;
+pub const FRAME_BODY_MAX_BYTES: usize =
+    1 + SENDER_LEN_MAX_BYTES + SIGNATURE_LEN + MESSAGE_SIZE_MAX_BYTES;
 
 /// One message as a participant sends it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,7 +117,9 @@ mod tests {
         }
         let (first, used) = Frame::decode(&bytes).expect("valid").expect("complete");
         assert_eq!(first, frame());
-        let (second, _) = Frame::decode(&bytes[used..]).expect("valid").expect("complete");
+        let (second, _) = Frame::decode(&bytes[used..])
+            .expect("valid")
+            .expect("complete");
         assert_eq!(second, frame());
     }
 

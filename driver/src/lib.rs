@@ -377,7 +377,10 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         ),
     };
     let store_dir = config.run_dir.join("store");
-    if store_dir.read_dir().is_ok_and(|mut entries| entries.next().is_some()) {
+    if store_dir
+        .read_dir()
+        .is_ok_and(|mut entries| entries.next().is_some())
+    {
         bail!(
             "{} already holds a store from an earlier run; choose another --run-dir",
             config.run_dir.display()

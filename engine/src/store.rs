@@ -196,6 +196,16 @@ impl SqliteStore {
         })
     }
 
+    /// Runs one statement outside any batch (for tests and maintenance).
+    pub fn execute(&mut self, sql: &str) -> Result<(), StoreError> {
+        let result = self
+            .runtime
+            .block_on(sqlx::raw_sql(sql).execute(&mut self.connection));
+        result
+            .map(|_| ())
+            .map_err(|source| self.database_error(source))
+    }
+
     fn database_error(&self, source: sqlx::Error) -> StoreError {
         StoreError::Database {
             store: self.name.clone(),
@@ -223,12 +233,12 @@ async fn write_batch(connection: &mut SqliteConnection, batch: &Batch) -> Result
         query.build().execute(&mut *transaction).await?;
     }
     for chunk in batch.trades.chunks(SQLITE_ROWS_PER_STATEMENT) {
-        let mut query = QueryBuilder::<Sqlite>::new("INSERT INTO trades (trade_key, status) ");
+        let mut query =
+            QueryBuilder::<Sqlite>::new("INSERT INTO trade_status (trade_key, status) ");
         query.push_values(chunk, |mut row, trade| {
             row.push_bind(trade.trade_key.as_str())
                 .push_bind(trade.status.as_str());
         });
-        query.push(" ON CONFLICT (trade_key) DO UPDATE SET status = excluded.status");
         query.build().execute(&mut *transaction).await?;
     }
     for chunk in batch.cls.chunks(SQLITE_ROWS_PER_STATEMENT) {
@@ -357,10 +367,29 @@ mod tests {
         let dir = tempfile::tempdir().expect("temporary folder");
         let mut store = SqliteStore::open(&dir.path().join("s.sqlite")).expect("opens");
         store.commit(sample_batch()).expect("commits");
-        // The same CLS again violates the outbox key: the whole batch must roll back.
+        // The outbox refuses the batch's last table: everything before it must roll back too.
+        store
+            .execute("CREATE TRIGGER refuse BEFORE INSERT ON exceptions BEGIN SELECT RAISE(ABORT, 'refused'); END")
+            .expect("trigger");
         let error = store.commit(sample_batch());
         assert!(error.is_err());
-        assert_eq!(store.row_counts().expect("counts").messages, 1);
+        let counts = store.row_counts().expect("counts");
+        assert_eq!((counts.messages, counts.cls, counts.exceptions), (1, 1, 1));
+    }
+
+    #[test]
+    fn the_trades_view_shows_the_newest_status() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        let mut store = SqliteStore::open(&dir.path().join("s.sqlite")).expect("opens");
+        store.commit(sample_batch()).expect("commits");
+        let status: String = store
+            .runtime
+            .block_on(
+                sqlx::query_scalar("SELECT status FROM trades WHERE trade_key = 'B/T1'")
+                    .fetch_one(&mut store.connection),
+            )
+            .expect("one row");
+        assert_eq!(status, "MATCHED");
     }
 
     #[test]

@@ -14,15 +14,30 @@ CREATE TABLE messages (
     raw BLOB NOT NULL
 );
 
--- The status of every trade with an accepted message.
-CREATE TABLE trades (
-    trade_key TEXT PRIMARY KEY,
+-- Every change of a trade's status, appended in commit order. Upserting a table keyed by the
+-- trade would insert at random places in a B-tree on every change; an append costs a fraction
+-- of that, and the view below gives the current status.
+CREATE TABLE trade_status (
+    id INTEGER PRIMARY KEY,
+    trade_key TEXT NOT NULL,
     status TEXT NOT NULL CHECK (status IN ('PENDING', 'MISMATCHED', 'MATCHED', 'CANCELLED'))
-) WITHOUT ROWID;
+);
 
--- CLS written in the transaction of the message that completed the match.
+-- The current status of every trade with an accepted message.
+CREATE VIEW trades AS
+SELECT trade_key, status
+FROM (
+    SELECT trade_key, status,
+           ROW_NUMBER() OVER (PARTITION BY trade_key ORDER BY id DESC) AS newest
+    FROM trade_status
+)
+WHERE newest = 1;
+
+-- CLS written in the transaction of the message that completed the match. Appended in commit
+-- order; a trade matches once, so the matcher already guarantees one row per ClsId.
 CREATE TABLE cls_outbox (
-    cls_id TEXT PRIMARY KEY,
+    id INTEGER PRIMARY KEY,
+    cls_id TEXT NOT NULL,
     trade_key TEXT NOT NULL,
     body TEXT NOT NULL,
     delivered INTEGER NOT NULL DEFAULT 0
