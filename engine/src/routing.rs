@@ -28,6 +28,21 @@ pub fn jump_consistent_hash(mut key: u64, buckets: u32) -> u32 {
     bucket as u32
 }
 
+/// The shard of the trade `broker/trade_ref`, hashing the parts without building the key.
+pub fn shard_of_parts(broker: &str, trade_ref: &str, shards: u32) -> u32 {
+    let mut hash = FNV_OFFSET_BASIS;
+    for byte in broker
+        .as_bytes()
+        .iter()
+        .chain(b"/")
+        .chain(trade_ref.as_bytes())
+    {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(FNV_PRIME);
+    }
+    jump_consistent_hash(hash, shards)
+}
+
 /// The shard of a trade key over `shards` shards.
 pub fn shard_of(trade_key: &str, shards: u32) -> u32 {
     jump_consistent_hash(fnv1a_64(trade_key.as_bytes()), shards)
@@ -59,6 +74,17 @@ mod tests {
             let after = jump_consistent_hash(key, 8);
             // Growing from 7 to 8 buckets only moves keys into the new bucket.
             assert!(after == before || after == 7);
+        }
+    }
+
+    #[test]
+    fn parts_hash_like_the_key() {
+        for index in 0..100 {
+            let trade_ref = format!("T{index:011}");
+            assert_eq!(
+                shard_of_parts("BRKAAU21XXX", &trade_ref, 8),
+                shard_of(&format!("BRKAAU21XXX/{trade_ref}"), 8)
+            );
         }
     }
 

@@ -278,14 +278,15 @@ impl Store for SqliteStore {
 
     fn row_counts(&mut self) -> Result<RowCounts, StoreError> {
         let result = self.runtime.block_on(async {
-            let count = |table: &'static str| format!("SELECT COUNT(*) FROM {table}");
             let mut counts = [0_i64; 4];
-            for (slot, table) in
-                counts
-                    .iter_mut()
-                    .zip(["messages", "trades", "cls_outbox", "exceptions"])
-            {
-                *slot = sqlx::query_scalar(&count(table))
+            let queries = [
+                "SELECT COUNT(*) FROM messages",
+                "SELECT COUNT(DISTINCT trade_key) FROM trade_status",
+                "SELECT COUNT(*) FROM cls_outbox",
+                "SELECT COUNT(*) FROM exceptions",
+            ];
+            for (slot, query) in counts.iter_mut().zip(queries) {
+                *slot = sqlx::query_scalar(query)
                     .fetch_one(&mut self.connection)
                     .await?;
             }
