@@ -83,7 +83,7 @@ fn failed(messages: &[Msg]) -> Option<Vec<Criterion>> {
     evaluate_trade(&live, &refdata(), &Tolerances::default())
 }
 
-type Mutation = fn(&mut Vec<Msg>);
+type Mutation = fn(&mut [Msg]);
 /// (name, allocation quantities, mutation, failed criteria); an empty list is a passing case.
 type CriterionCase = (&'static str, (u64, u64), Mutation, Vec<Criterion>);
 
@@ -97,6 +97,42 @@ fn every_criterion_passes_and_fails() {
     use Criterion::*;
     let cases: Vec<CriterionCase> = vec![
         ("C01 pass", (600, 400), |_| {}, vec![]),
+        (
+            "C04 pass: a SELL everywhere with SELL nets",
+            (600, 400),
+            sell_everywhere,
+            vec![],
+        ),
+        (
+            "C10 pass: every message in EUR",
+            (600, 400),
+            |m| {
+                m.iter_mut()
+                    .for_each(|msg| msg.ccy = Some("EUR".to_owned()))
+            },
+            vec![],
+        ),
+        (
+            "C11 and C13 pass: another split of the block",
+            (999, 1),
+            |_| {},
+            vec![],
+        ),
+        (
+            "C12 pass: messages in another order",
+            (600, 400),
+            |m| m.reverse(),
+            vec![],
+        ),
+        (
+            "C16 pass: free of payment on both ALC and SET",
+            (600, 400),
+            |m| {
+                m[1].payment_type = Some(PaymentType::Fop);
+                m[3].payment_type = Some(PaymentType::Fop);
+            },
+            vec![],
+        ),
         (
             "C01 fail: a TradeRef differs",
             (600, 400),
@@ -287,6 +323,21 @@ fn shift_net(messages: &mut [Msg], delta: &str) {
 /// Moves SET 1's amount by `delta`: only C17 can notice.
 fn shift_settle(messages: &mut [Msg], delta: &str) {
     messages[3].settle_amount = messages[3].settle_amount.map(|v| v + d(delta));
+}
+
+/// Makes the trade a SELL everywhere, with nets and settlement amounts computed for a SELL.
+fn sell_everywhere(messages: &mut [Msg]) {
+    for msg in messages.iter_mut() {
+        msg.side = Some(Side::Sell);
+    }
+    for allocation in 0..2 {
+        let npr = &mut messages[2 + 3 * allocation];
+        let net = npr.gross.unwrap_or_default()
+            - npr.commission.unwrap_or_default()
+            - npr.fees.unwrap_or_default();
+        npr.net = Some(net);
+        messages[3 + 3 * allocation].settle_amount = Some(net);
+    }
 }
 
 /// Makes the trade a SELL everywhere but leaves the NPR nets computed as for a BUY.
