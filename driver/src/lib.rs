@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde::Serialize;
-use ste_engine::generator::{Expected, Generator, GeneratorConfig};
+use ste_engine::generator::{Generator, GeneratorConfig, RunOutcome};
 use ste_engine::pipeline::{AckResult, Pipeline, PipelineConfig, StoreConfig, Submitter};
 use ste_engine::profile::Tolerances;
 use ste_engine::refdata::RefData;
@@ -116,16 +116,10 @@ pub struct ShardSummary {
 /// The summary of a run; `--json` prints it as one object.
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
-    pub trades: u64,
-    pub messages_in: u64,
-    pub accepted: u64,
-    pub duplicates: u64,
-    pub exceptions: BTreeMap<String, u64>,
-    pub cls: u64,
+    /// trades, messages_in, accepted, duplicates, exceptions, cls and final trade states.
+    #[serde(flatten)]
+    pub outcome: RunOutcome,
     pub cls_repeats: u64,
-    pub mismatched_trades: u64,
-    pub pending_trades: u64,
-    pub cancelled_trades: u64,
     pub mismatched_advices: u64,
     pub elapsed_s: f64,
     pub throughput_msg_s: f64,
@@ -141,7 +135,7 @@ pub struct Summary {
     /// messages_in = accepted + duplicates + exceptions.
     pub conserved: bool,
     /// What the generator expected, for a generated set.
-    pub expected: Option<Expected>,
+    pub expected: Option<RunOutcome>,
     /// Whether the outcome equals the expectation, code by code.
     pub matches_expected: Option<bool>,
     pub run_dir: String,
@@ -150,22 +144,7 @@ pub struct Summary {
 impl Summary {
     /// Total rejected messages.
     pub fn exceptions_total(&self) -> u64 {
-        self.exceptions.values().sum()
-    }
-
-    /// The outcome in the generator's shape, for comparison with [`Expected`].
-    pub fn outcome(&self) -> Expected {
-        Expected {
-            trades: self.trades,
-            messages_in: self.messages_in,
-            accepted: self.accepted,
-            duplicates: self.duplicates,
-            exceptions: self.exceptions.clone(),
-            cls: self.cls,
-            mismatched_trades: self.mismatched_trades,
-            pending_trades: self.pending_trades,
-            cancelled_trades: self.cancelled_trades,
-        }
+        self.outcome.exceptions.values().sum()
     }
 }
 
@@ -274,7 +253,7 @@ pub fn write_message_set(
     refdata: &RefData,
     config: GeneratorConfig,
     out: &Path,
-) -> anyhow::Result<Expected> {
+) -> anyhow::Result<RunOutcome> {
     let file = File::create(out).with_context(|| format!("creating {}", out.display()))?;
     let mut writer = BufWriter::new(file);
     writeln!(writer, "{MESSAGE_SET_OPEN}")?;
@@ -301,7 +280,7 @@ fn spawn_progress(
             let bar = indicatif::ProgressBar::new(total_estimate);
             bar.set_style(
                 indicatif::ProgressStyle::with_template(
-                    "{spinner} [{elapsed_precise}] {wide_bar} {pos}/{len} msgs acked ({per_sec}) {msg}",
+                    "{spinner} [{elapsed_precise}] {wide_bar} {pos}/{len} msgs acked, {msg}",
                 )
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
             );
@@ -312,7 +291,8 @@ fn spawn_progress(
                 }
                 bar.set_position(acked);
                 bar.set_message(format!(
-                    "in flight {}",
+                    "{:.0} msg/s, {} in flight",
+                    acked as f64 / started.elapsed().as_secs_f64().max(1e-9),
                     submitted.load(Ordering::Relaxed).saturating_sub(acked)
                 ));
                 std::thread::sleep(Duration::from_millis(100));
@@ -560,17 +540,21 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         Source::Generated(generator) => generator.trades,
         Source::File(_) => sum(|c| c.trades),
     };
-    let mut summary = Summary {
+    let outcome = RunOutcome {
         trades,
         messages_in,
         accepted,
         duplicates,
         exceptions,
         cls: sink_report.cls,
-        cls_repeats: sink_report.cls_repeats,
         mismatched_trades: sum(|c| c.mismatched),
         pending_trades: sum(|c| c.pending),
         cancelled_trades: sum(|c| c.cancelled),
+    };
+    let matches_expected = expected.as_ref().map(|expected| *expected == outcome);
+    let summary = Summary {
+        outcome,
+        cls_repeats: sink_report.cls_repeats,
         mismatched_advices: sink_report.mismatched_advices,
         elapsed_s,
         throughput_msg_s: messages_in as f64 / elapsed_s.max(1e-9),
@@ -590,10 +574,9 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         peak_rss_mb: peak_rss_mb(),
         conserved: messages_in == accepted + duplicates + exceptions_total,
         expected: expected.clone(),
-        matches_expected: None,
+        matches_expected,
         run_dir: config.run_dir.display().to_string(),
     };
-    summary.matches_expected = expected.map(|expected| expected == summary.outcome());
     let summary_path = config.run_dir.join("summary.json");
     std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
         .with_context(|| format!("writing {}", summary_path.display()))?;

@@ -168,6 +168,7 @@ fn default_run_dir() -> PathBuf {
 
 fn print_summary(summary: &Summary) {
     let exceptions: Vec<String> = summary
+        .outcome
         .exceptions
         .iter()
         .map(|(code, count)| format!("{code}={count}"))
@@ -178,12 +179,12 @@ fn print_summary(summary: &Summary) {
         summary.shards.len(),
         summary.validators
     );
-    println!("  trades            {}", summary.trades);
+    println!("  trades            {}", summary.outcome.trades);
     println!(
         "  messages in       {}  = accepted {} + duplicates {} + exceptions {}  [{}]",
-        summary.messages_in,
-        summary.accepted,
-        summary.duplicates,
+        summary.outcome.messages_in,
+        summary.outcome.accepted,
+        summary.outcome.duplicates,
         summary.exceptions_total(),
         if summary.conserved {
             "conserved"
@@ -196,7 +197,10 @@ fn print_summary(summary: &Summary) {
     }
     println!(
         "  trades            {} CLS, {} mismatched, {} pending, {} cancelled",
-        summary.cls, summary.mismatched_trades, summary.pending_trades, summary.cancelled_trades
+        summary.outcome.cls,
+        summary.outcome.mismatched_trades,
+        summary.outcome.pending_trades,
+        summary.outcome.cancelled_trades
     );
     println!(
         "  elapsed           {:.2} s   throughput {:.0} msg/s   peak RSS {:.0} MiB",

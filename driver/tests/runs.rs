@@ -46,24 +46,30 @@ fn assert_outcome_is_expected(summary: &Summary) {
         .expected
         .clone()
         .expect("a generated run knows its outcome");
-    assert_eq!(summary.outcome(), expected);
+    assert_eq!(summary.outcome, expected);
     assert_eq!(summary.matches_expected, Some(true));
     assert!(summary.conserved);
     // The mix provokes every code the generator knows.
     for code in INVALID_CODES {
         assert!(
-            summary.exceptions.get(code.as_str()).copied().unwrap_or(0) > 0,
+            summary
+                .outcome
+                .exceptions
+                .get(code.as_str())
+                .copied()
+                .unwrap_or(0)
+                > 0,
             "{code} missing"
         );
     }
     for code in ["E_DUPID", "E_CONFLICT", "E_CLOSED"] {
         assert!(
-            summary.exceptions.get(code).copied().unwrap_or(0) > 0,
+            summary.outcome.exceptions.get(code).copied().unwrap_or(0) > 0,
             "{code} missing"
         );
     }
-    assert!(summary.duplicates > 0 && summary.mismatched_trades > 0);
-    assert!(summary.pending_trades > 0 && summary.cancelled_trades > 0);
+    assert!(summary.outcome.duplicates > 0 && summary.outcome.mismatched_trades > 0);
+    assert!(summary.outcome.pending_trades > 0 && summary.outcome.cancelled_trades > 0);
 }
 
 #[test]
@@ -90,12 +96,12 @@ fn a_fault_mix_gives_exactly_the_expected_outcome_on_the_embedded_store() {
     assert_outcome_is_expected(&summary);
     // Every accepted message, CLS and exception is in a store, once.
     let stored: u64 = summary.shards.iter().map(|s| s.stored_messages).sum();
-    assert_eq!(stored, summary.accepted);
+    assert_eq!(stored, summary.outcome.accepted);
     for shard in &summary.shards {
         assert_eq!(shard.stored_messages, shard.messages);
     }
     let stored_cls: u64 = summary.shards.iter().map(|s| s.stored_cls).sum();
-    assert_eq!(stored_cls, summary.cls);
+    assert_eq!(stored_cls, summary.outcome.cls);
     let stored_exceptions: u64 = summary
         .shards
         .iter()

@@ -54,9 +54,9 @@ impl GeneratorConfig {
     }
 }
 
-/// The outcome a generated set must produce, in the shape of the driver's summary.
+/// The counts of a run: what a generated set must produce, and what the driver's summary reports.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Expected {
+pub struct RunOutcome {
     pub trades: u64,
     pub messages_in: u64,
     pub accepted: u64,
@@ -68,8 +68,8 @@ pub struct Expected {
     pub cancelled_trades: u64,
 }
 
-impl Expected {
-    fn add(&mut self, other: &Expected) {
+impl RunOutcome {
+    fn add(&mut self, other: &RunOutcome) {
         self.trades += other.trades;
         self.messages_in += other.messages_in;
         self.accepted += other.accepted;
@@ -152,7 +152,7 @@ pub struct TradeCase {
     pub lines: Vec<Vec<u8>>,
     pub fault: Option<Fault>,
     pub final_state: FinalState,
-    pub expected: Expected,
+    pub expected: RunOutcome,
     /// Whether the lines may be sent in any order without changing the outcome.
     pub order_independent: bool,
 }
@@ -168,7 +168,7 @@ pub struct Generator<'r> {
     securities: Vec<&'r Security>,
     next_trade: u64,
     queued: VecDeque<Vec<u8>>,
-    expected: Expected,
+    expected: RunOutcome,
 }
 
 fn of_role(refdata: &RefData, role: Role) -> Vec<&Participant> {
@@ -201,12 +201,12 @@ impl<'r> Generator<'r> {
             rng,
             next_trade: 0,
             queued: VecDeque::new(),
-            expected: Expected::default(),
+            expected: RunOutcome::default(),
         }
     }
 
     /// The expected outcome of the trades generated so far (of the whole set once exhausted).
-    pub fn expected(&self) -> &Expected {
+    pub fn expected(&self) -> &RunOutcome {
         &self.expected
     }
 
@@ -389,11 +389,11 @@ impl<'r> Generator<'r> {
         let trade_key = messages[0].trade_key();
         let line = |msg: &Msg| encode_msg(msg).into_bytes();
         let mut lines: Vec<Vec<u8>> = messages.iter().map(line).collect();
-        let mut expected = Expected {
+        let mut expected = RunOutcome {
             trades: 1,
             messages_in: MESSAGES_PER_TRADE as u64,
             accepted: MESSAGES_PER_TRADE as u64,
-            ..Expected::default()
+            ..RunOutcome::default()
         };
         let mut final_state = FinalState::Matched;
         let mut order_independent = true;
