@@ -487,8 +487,9 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         .join()
         .map_err(|_| anyhow::anyhow!("the sink thread panicked"))?
         .context("writing CLS")?;
-    let messages_in = injected?;
+    // The pipeline's own error is the cause when injection stopped because a queue closed.
     let report = report.context("the pipeline failed")?;
+    let messages_in = injected?;
 
     let samples = ste_monitor::read_samples(&samples_path).context("reading samples")?;
     let metrics = ste_monitor::analyze(&samples);

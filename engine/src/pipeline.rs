@@ -543,10 +543,17 @@ impl Pipeline {
     /// Closes the inbound queues, drains every station, and reports.
     pub fn finish(mut self) -> Result<PipelineReport, PipelineError> {
         self.submitter = None;
+        // A failing station closes its queues, so the stations around it stop too; the error
+        // worth reporting is the cause, not the "queue closed" that it left upstream.
         let mut first_error: Option<PipelineError> = None;
         let mut keep = |result: Result<(), PipelineError>| {
             if let Err(error) = result {
-                first_error.get_or_insert(error);
+                let is_cause = !matches!(error, PipelineError::Stopped(_));
+                if first_error.is_none()
+                    || (is_cause && matches!(first_error, Some(PipelineError::Stopped(_))))
+                {
+                    first_error = Some(error);
+                }
             }
         };
         for handle in self.validators.drain(..) {

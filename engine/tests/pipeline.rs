@@ -1,0 +1,107 @@
+//! The queue network with real stores: what is acknowledged has been committed, and a store
+//! failure stops the pipeline with its cause.
+
+use std::sync::Arc;
+
+use ste_engine::generator::{Generator, GeneratorConfig};
+use ste_engine::pipeline::{AckResult, Pipeline, PipelineConfig, PipelineError, StoreConfig};
+use ste_engine::profile::Tolerances;
+use ste_engine::refdata::RefData;
+use ste_engine::store::{SqliteStore, Store};
+
+fn refdata() -> Arc<RefData> {
+    Arc::new(RefData::embedded().expect("reference data loads"))
+}
+
+fn embedded(dir: &std::path::Path, shards: u32) -> PipelineConfig {
+    PipelineConfig {
+        shards,
+        store: StoreConfig::Embedded {
+            dir: dir.to_path_buf(),
+        },
+        ..PipelineConfig::default()
+    }
+}
+
+#[test]
+fn every_ack_is_for_a_committed_row() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let refdata = refdata();
+    let pipeline = Pipeline::start(
+        &embedded(dir.path(), 2),
+        refdata.clone(),
+        Tolerances::default(),
+    )
+    .expect("starts");
+    let acks = pipeline.acks();
+    let mut submitter = pipeline.submitter();
+    let lines: Vec<Vec<u8>> = Generator::new(&refdata, GeneratorConfig::clean(300)).collect();
+    for (index, line) in lines.iter().enumerate() {
+        submitter
+            .submit_line(&refdata, line.clone(), index as u64)
+            .expect("submits");
+    }
+    submitter.flush().expect("flushes");
+    drop(submitter);
+    let report = pipeline.finish().expect("finishes");
+    let mut correlations: Vec<u64> = acks
+        .try_iter()
+        .flatten()
+        .map(|ack| {
+            assert_eq!(ack.result, AckResult::Accepted);
+            ack.correlation
+        })
+        .collect();
+    correlations.sort_unstable();
+    assert_eq!(correlations, (0..lines.len() as u64).collect::<Vec<_>>());
+    let stored: u64 = report.shard_rows.iter().map(|rows| rows.messages).sum();
+    assert_eq!(stored, lines.len() as u64);
+    // Reading the files back finds the same rows.
+    let mut reread = 0;
+    for shard in 0..2 {
+        let mut store =
+            SqliteStore::open(&dir.path().join(format!("shard-{shard}.sqlite"))).expect("reopens");
+        let rows = store.row_counts().expect("counts");
+        assert_eq!(rows.cls, report.shards[shard].matched);
+        reread += rows.messages;
+    }
+    assert_eq!(reread, lines.len() as u64);
+}
+
+#[test]
+fn a_failing_store_acknowledges_nothing_and_reports_its_error() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    {
+        let mut store = SqliteStore::open(&dir.path().join("shard-0.sqlite")).expect("creates");
+        store
+            .execute(
+                "CREATE TRIGGER refuse BEFORE INSERT ON messages \
+                 BEGIN SELECT RAISE(ABORT, 'disk says no'); END",
+            )
+            .expect("trigger");
+    }
+    let refdata = refdata();
+    let pipeline = Pipeline::start(
+        &embedded(dir.path(), 1),
+        refdata.clone(),
+        Tolerances::default(),
+    )
+    .expect("starts");
+    let acks = pipeline.acks();
+    let outbound = pipeline.outbound();
+    let mut submitter = pipeline.submitter();
+    for (index, line) in Generator::new(&refdata, GeneratorConfig::clean(20)).enumerate() {
+        // Once the writer has failed, the queues close and submitting may fail too.
+        if submitter.submit_line(&refdata, line, index as u64).is_err() {
+            break;
+        }
+    }
+    let _ = submitter.flush();
+    drop(submitter);
+    let error = pipeline
+        .finish()
+        .expect_err("the store failure stops the pipeline");
+    assert!(matches!(error, PipelineError::Store(_)), "{error}");
+    assert_eq!(acks.try_iter().flatten().count(), 0);
+    assert_eq!(outbound.try_iter().count(), 0);
+}
