@@ -78,6 +78,24 @@ mod tests {
     }
 
     #[test]
+    fn pinned_shards_of_fixed_keys() {
+        // Computed by an independent implementation of FNV-1a 64 and the paper's jump hash; a
+        // change here moves trades between database shards, so it must never happen.
+        let pinned: [(&str, [u32; 5]); 5] = [
+            ("BRKAAU21XXX/H00000000001", [0, 0, 3, 4, 4]),
+            ("BRKAAU21XXX/T00000000001", [0, 0, 0, 0, 8]),
+            ("BAAAFR25XXX/T00000000042", [0, 0, 0, 5, 5]),
+            ("BZZZUS23XXX/T99999999999", [0, 1, 3, 3, 3]),
+            ("B/1", [0, 0, 0, 6, 8]),
+        ];
+        for (key, shards) in pinned {
+            for (count, expected) in [1, 2, 4, 8, 16].into_iter().zip(shards) {
+                assert_eq!(shard_of(key, count), expected, "{key} over {count}");
+            }
+        }
+    }
+
+    #[test]
     fn parts_hash_like_the_key() {
         for index in 0..100 {
             let trade_ref = format!("T{index:011}");
