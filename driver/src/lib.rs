@@ -354,9 +354,19 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
             dir: config.run_dir.join("store"),
         },
         // Checked before anything is created, so a refused run leaves nothing behind.
-        StoreChoice::Postgres => bail!(
-            "the postgres store is not available in this build; use --store embedded or memory"
-        ),
+        StoreChoice::Postgres => {
+            if config.db_urls.len() != config.shards as usize {
+                bail!(
+                    "the postgres store needs one database URL per shard: {} shards, {} URLs \
+                     (--db, repeated in shard order, or STE_DATABASE_URLS)",
+                    config.shards,
+                    config.db_urls.len()
+                );
+            }
+            StoreConfig::Postgres {
+                urls: config.db_urls.clone(),
+            }
+        }
     };
     let store_dir = config.run_dir.join("store");
     if store_dir

@@ -92,12 +92,14 @@ struct RunArgs {
     /// Where the shards keep their rows.
     #[arg(long, value_enum, default_value = "embedded")]
     store: StoreArg,
-    /// Database URL of each shard, in shard order (postgres store).
+    /// Database URL of each shard, in shard order (postgres store); default: the comma-separated
+    /// STE_DATABASE_URLS.
     #[arg(long = "db")]
     db: Vec<String>,
-    /// Number of shards (matchers, writers and stores).
-    #[arg(long, default_value_t = 2)]
-    shards: u32,
+    /// Number of shards (matchers, writers and stores); with --store postgres, default: the
+    /// number of database URLs.
+    #[arg(long)]
+    shards: Option<u32>,
     /// Number of validators (and sharded inbound queues).
     #[arg(long, default_value_t = 2)]
     validators: u32,
@@ -132,6 +134,9 @@ struct RunArgs {
     #[arg(long)]
     quiet: bool,
 }
+
+/// Shards of the memory and embedded stores unless `--shards` says otherwise.
+const DEFAULT_SHARDS: u32 = 2;
 
 fn load_refdata(dir: Option<&PathBuf>) -> anyhow::Result<RefData> {
     Ok(match dir {
@@ -323,14 +328,37 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         StoreArg::Embedded => StoreChoice::Embedded,
         StoreArg::Postgres => StoreChoice::Postgres,
     };
-    if args.shards == 0 || args.validators == 0 {
+    let db_urls: Vec<String> = if args.db.is_empty() {
+        std::env::var("STE_DATABASE_URLS")
+            .map(|urls| {
+                urls.split(',')
+                    .map(str::trim)
+                    .filter(|url| !url.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default()
+    } else {
+        args.db.clone()
+    };
+    if store == StoreChoice::Postgres && db_urls.is_empty() {
+        bail!(
+            "the postgres store needs database URLs: --db URL once per shard, or STE_DATABASE_URLS"
+        );
+    }
+    let shards = match (args.shards, store) {
+        (Some(shards), _) => shards,
+        (None, StoreChoice::Postgres) => db_urls.len() as u32,
+        (None, _) => DEFAULT_SHARDS,
+    };
+    if shards == 0 || args.validators == 0 {
         bail!("--shards and --validators must be at least 1");
     }
     let config = RunConfig {
         source,
         store,
-        db_urls: args.db,
-        shards: args.shards,
+        db_urls,
+        shards,
         validators: args.validators,
         batch_max_messages: args.batch_max.max(1),
         queue_capacity_messages: args.queue_capacity.max(1),

@@ -33,7 +33,7 @@ use crate::routing::{fnv1a_64, shard_of_parts};
 use crate::sign::{self, SIGNATURE_LEN};
 use crate::station::{RunClock, Station};
 use crate::store::{
-    Batch, ClsRow, ExceptionRow, MemoryStore, MessageRow, RowCounts, SqliteStore, Store,
+    Batch, ClsRow, ExceptionRow, MemoryStore, MessageRow, PgStore, RowCounts, SqliteStore, Store,
     StoreError, TradeRow,
 };
 use crate::validate::validate;
@@ -86,6 +86,10 @@ pub enum StoreConfig {
     Embedded {
         dir: PathBuf,
     },
+    /// One PostgreSQL database per shard, in shard order; validation exceptions go to the first.
+    Postgres {
+        urls: Vec<String>,
+    },
 }
 
 /// Sizes and counts of the network; every queue and batch is bounded by one of these.
@@ -130,6 +134,8 @@ pub enum PipelineError {
     Samples(std::io::Error),
     #[error("the pipeline has stopped: {0}")]
     Stopped(String),
+    #[error("bad configuration: {0}")]
+    Config(String),
     #[error("a pipeline thread panicked: {0}")]
     Panicked(String),
 }
@@ -328,12 +334,27 @@ pub struct Pipeline {
     sampler: Option<(Arc<AtomicBool>, Joined<()>)>,
 }
 
-fn open_store(config: &StoreConfig, file_name: &str) -> Result<Box<dyn Store>, StoreError> {
+/// Opens the store of `shard`, or the store of validation exceptions for `None`.
+fn open_store(config: &StoreConfig, shard: Option<usize>) -> Result<Box<dyn Store>, PipelineError> {
     Ok(match config {
         StoreConfig::Memory => Box::new(MemoryStore::default()),
         StoreConfig::Embedded { dir } => {
             std::fs::create_dir_all(dir).map_err(StoreError::Runtime)?;
-            Box::new(SqliteStore::open(&dir.join(file_name))?)
+            let file = match shard {
+                Some(shard) => format!("shard-{shard}.sqlite"),
+                None => "exceptions.sqlite".to_owned(),
+            };
+            Box::new(SqliteStore::open(&dir.join(file))?)
+        }
+        StoreConfig::Postgres { urls } => {
+            let url = urls.get(shard.unwrap_or(0)).ok_or_else(|| {
+                PipelineError::Config(format!(
+                    "shard {} has no database URL ({} given)",
+                    shard.unwrap_or(0),
+                    urls.len()
+                ))
+            })?;
+            Box::new(PgStore::open(url)?)
         }
     })
 }
@@ -361,11 +382,28 @@ impl Pipeline {
         // Queues hold batches: their capacity in batches keeps the bound in messages.
         let capacity = (config.queue_capacity_messages / INBOUND_BATCH_MESSAGES).max(2);
 
-        let mut stores = Vec::with_capacity(shards as usize);
-        for shard in 0..shards {
-            stores.push(open_store(&config.store, &format!("shard-{shard}.sqlite"))?);
+        if let StoreConfig::Postgres { urls } = &config.store {
+            if urls.len() != shards as usize {
+                return Err(PipelineError::Config(format!(
+                    "{shards} shards need {shards} database URLs, {} given",
+                    urls.len()
+                )));
+            }
         }
-        let exception_store = open_store(&config.store, "exceptions.sqlite")?;
+        let mut stores = Vec::with_capacity(shards as usize);
+        for shard in 0..shards as usize {
+            let mut store = open_store(&config.store, Some(shard))?;
+            // A matcher starts empty: until it can rebuild its open trades from its shard, a
+            // shard that already holds messages would be matched against half its history.
+            let held = store.row_counts()?.messages;
+            if held > 0 {
+                return Err(PipelineError::Config(format!(
+                    "shard {shard} already holds {held} messages; start from empty shards"
+                )));
+            }
+            stores.push(store);
+        }
+        let exception_store = open_store(&config.store, None)?;
 
         let mut stations = Vec::new();
         let (ack_tx, ack_rx) = bounded::<Vec<Ack>>(config.outbound_capacity);

@@ -5,6 +5,7 @@
 
 use std::path::Path;
 
+use sqlx::postgres::PgConnection;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use sqlx::{ConnectOptions, Connection, QueryBuilder, Sqlite, SqliteConnection};
 
@@ -302,6 +303,168 @@ impl Store for SqliteStore {
     }
 }
 
+static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/postgres");
+
+/// A shard in a PostgreSQL database, written through sqlx with one `UNNEST` insert per table and
+/// batch, inside one transaction. Inserts with a natural key are idempotent.
+pub struct PgStore {
+    name: String,
+    runtime: tokio::runtime::Runtime,
+    connection: PgConnection,
+}
+
+/// The URL without its password, for messages.
+fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            let credentials = &url[scheme_end + 3..at];
+            match credentials.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme_end + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+impl PgStore {
+    /// Connects and applies the migrations (checksums verified by sqlx).
+    pub fn open(url: &str) -> Result<Self, StoreError> {
+        let name = redacted(url);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(StoreError::Runtime)?;
+        let connection = runtime.block_on(async {
+            let mut connection =
+                PgConnection::connect(url)
+                    .await
+                    .map_err(|source| StoreError::Database {
+                        store: name.clone(),
+                        source,
+                    })?;
+            POSTGRES_MIGRATOR
+                .run(&mut connection)
+                .await
+                .map_err(|source| StoreError::Migrate {
+                    store: name.clone(),
+                    source,
+                })?;
+            Ok::<_, StoreError>(connection)
+        })?;
+        Ok(Self {
+            name,
+            runtime,
+            connection,
+        })
+    }
+}
+
+async fn write_pg_batch(connection: &mut PgConnection, batch: &Batch) -> Result<(), sqlx::Error> {
+    let mut transaction = connection.begin().await?;
+    if !batch.messages.is_empty() {
+        let rows = &batch.messages;
+        sqlx::query(
+            "INSERT INTO messages (trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw) \
+             SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int8[], $8::bytea[]) \
+             ON CONFLICT (sender, msg_id) DO NOTHING",
+        )
+        .bind(rows.iter().map(|r| r.trade_key.as_str()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.sender.as_str()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.msg_id.as_str()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.msg_type).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.function).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.related_id.as_deref()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.injected_ns as i64).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.raw.as_slice()).collect::<Vec<_>>())
+        .execute(&mut *transaction)
+        .await?;
+    }
+    if !batch.trades.is_empty() {
+        sqlx::query(
+            "INSERT INTO trades (trade_key, status) SELECT * FROM UNNEST($1::text[], $2::text[]) \
+             ON CONFLICT (trade_key) DO UPDATE SET status = excluded.status",
+        )
+        .bind(
+            batch
+                .trades
+                .iter()
+                .map(|r| r.trade_key.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            batch
+                .trades
+                .iter()
+                .map(|r| r.status.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .execute(&mut *transaction)
+        .await?;
+    }
+    if !batch.cls.is_empty() {
+        sqlx::query(
+            "INSERT INTO cls_outbox (cls_id, trade_key, body) \
+             SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[]) ON CONFLICT (cls_id) DO NOTHING",
+        )
+        .bind(batch.cls.iter().map(|r| r.cls_id.as_str()).collect::<Vec<_>>())
+        .bind(batch.cls.iter().map(|r| r.trade_key.as_str()).collect::<Vec<_>>())
+        .bind(batch.cls.iter().map(|r| r.body.as_str()).collect::<Vec<_>>())
+        .execute(&mut *transaction)
+        .await?;
+    }
+    if !batch.exceptions.is_empty() {
+        let rows = &batch.exceptions;
+        sqlx::query(
+            "INSERT INTO exceptions (trade_key, sender, msg_id, code, detail, raw) \
+             SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bytea[])",
+        )
+        .bind(rows.iter().map(|r| r.trade_key.as_deref()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.sender.as_deref()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.msg_id.as_deref()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.code.as_str()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.detail.as_str()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.raw.as_slice()).collect::<Vec<_>>())
+        .execute(&mut *transaction)
+        .await?;
+    }
+    transaction.commit().await
+}
+
+impl Store for PgStore {
+    fn commit(&mut self, batch: Batch) -> Result<(), StoreError> {
+        let result = self
+            .runtime
+            .block_on(write_pg_batch(&mut self.connection, &batch));
+        result.map_err(|source| StoreError::Database {
+            store: self.name.clone(),
+            source,
+        })
+    }
+
+    fn row_counts(&mut self) -> Result<RowCounts, StoreError> {
+        let result = self.runtime.block_on(async {
+            let counts: (i64, i64, i64, i64) = sqlx::query_as(
+                "SELECT (SELECT COUNT(*) FROM messages), (SELECT COUNT(*) FROM trades), \
+                 (SELECT COUNT(*) FROM cls_outbox), (SELECT COUNT(*) FROM exceptions)",
+            )
+            .fetch_one(&mut self.connection)
+            .await?;
+            Ok::<_, sqlx::Error>(counts)
+        });
+        let counts = result.map_err(|source| StoreError::Database {
+            store: self.name.clone(),
+            source,
+        })?;
+        Ok(RowCounts {
+            messages: counts.0 as u64,
+            trades: counts.1 as u64,
+            cls: counts.2 as u64,
+            exceptions: counts.3 as u64,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -391,6 +554,18 @@ mod tests {
             )
             .expect("one row");
         assert_eq!(status, "MATCHED");
+    }
+
+    #[test]
+    fn passwords_are_redacted_from_store_names() {
+        assert_eq!(
+            redacted("postgres://ste:secret@db:5432/ste"),
+            "postgres://ste:***@db:5432/ste"
+        );
+        assert_eq!(
+            redacted("postgres://postgres@127.0.0.1/x"),
+            "postgres://postgres@127.0.0.1/x"
+        );
     }
 
     #[test]

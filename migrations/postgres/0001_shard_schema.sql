@@ -1,0 +1,41 @@
+-- One shard of the PostgreSQL store. Inserts are idempotent where the row has a natural key, so
+-- that a batch replayed after a failure changes nothing.
+
+-- Every accepted message with its raw bytes; a (Sender, MsgId) is stored once.
+CREATE TABLE messages (
+    id BIGSERIAL PRIMARY KEY,
+    trade_key TEXT NOT NULL,
+    sender TEXT NOT NULL,
+    msg_id TEXT NOT NULL,
+    msg_type TEXT NOT NULL,
+    function TEXT NOT NULL,
+    related_id TEXT,
+    injected_ns BIGINT NOT NULL,
+    raw BYTEA NOT NULL,
+    UNIQUE (sender, msg_id)
+);
+
+-- The current status of every trade with an accepted message.
+CREATE TABLE trades (
+    trade_key TEXT PRIMARY KEY,
+    status TEXT NOT NULL CHECK (status IN ('PENDING', 'MISMATCHED', 'MATCHED', 'CANCELLED'))
+);
+
+-- CLS written in the transaction of the message that completed the match.
+CREATE TABLE cls_outbox (
+    cls_id TEXT PRIMARY KEY,
+    trade_key TEXT NOT NULL,
+    body TEXT NOT NULL,
+    delivered BOOLEAN NOT NULL DEFAULT FALSE
+);
+
+-- Rejected messages with raw bytes, reason code and detail.
+CREATE TABLE exceptions (
+    id BIGSERIAL PRIMARY KEY,
+    trade_key TEXT,
+    sender TEXT,
+    msg_id TEXT,
+    code TEXT NOT NULL,
+    detail TEXT NOT NULL,
+    raw BYTEA NOT NULL
+);
