@@ -5,6 +5,7 @@
 #   deploy/local-cluster.sh up N [--dir DIR] [--port FIRST_PORT]
 #   deploy/local-cluster.sh down [--dir DIR]
 #   deploy/local-cluster.sh urls [--dir DIR]
+#   deploy/local-cluster.sh crash K [--dir DIR]   (stop shard K's instance abruptly; `up N` restarts it)
 #
 # `up` prints the shard URLs, one per line, in shard order; pass them to the driver as
 # `--db URL` each, or comma-separated in STE_DATABASE_URLS. Data lives under DIR
@@ -12,7 +13,7 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,12p' "$0" >&2
+  sed -n '2,13p' "$0" >&2
   exit 2
 }
 
@@ -20,6 +21,12 @@ command=${1:-}
 [ -n "$command" ] || usage
 shift
 count=""
+shard_to_crash=""
+if [ "$command" = "crash" ]; then
+  shard_to_crash=${1:-}
+  [[ "$shard_to_crash" =~ ^[0-9]+$ ]] || usage
+  shift
+fi
 if [ "$command" = "up" ]; then
   count=${1:-}
   [[ "$count" =~ ^[1-9][0-9]*$ ]] || usage
@@ -79,6 +86,9 @@ case "$command" in
     for port_file in $(ls "$dir"/shard-*.port 2>/dev/null | sort -V); do
       url_of "$(cat "$port_file")"
     done
+    ;;
+  crash)
+    as_postgres "$bindir/pg_ctl" -D "$dir/shard-$shard_to_crash" -m immediate -w stop >/dev/null
     ;;
   down)
     for data in $(ls -d "$dir"/shard-* 2>/dev/null | grep -v '\.' | sort -V); do

@@ -111,6 +111,8 @@ pub struct ShardSummary {
     pub stored_messages: u64,
     pub stored_cls: u64,
     pub stored_exceptions: u64,
+    /// Commits retried after a transient store failure.
+    pub commit_retries: u64,
 }
 
 /// The summary of a run; `--json` prints it as one object.
@@ -537,12 +539,14 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         .shards
         .iter()
         .zip(&report.shard_rows)
-        .map(|(counts, rows)| ShardSummary {
+        .zip(&report.shard_commit_retries)
+        .map(|((counts, rows), retries)| ShardSummary {
             trades: counts.trades,
             messages: counts.messages,
             stored_messages: rows.messages,
             stored_cls: rows.cls,
             stored_exceptions: rows.exceptions,
+            commit_retries: *retries,
         })
         .collect();
     let sum =

@@ -108,6 +108,64 @@ pub struct PipelineConfig {
     pub sample_interval: Duration,
     /// Where `samples.csv` goes; `None` disables sampling.
     pub samples_path: Option<PathBuf>,
+    /// How a writer retries a commit that failed for a transient reason.
+    pub retry: RetryPolicy,
+}
+
+/// Retries of a failed commit: exponential backoff from `backoff_first` to `backoff_max`, for
+/// at most `give_up_after`; meanwhile the writer's queue fills and backpressure reaches the
+/// producers, and the other shards go on.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryPolicy {
+    pub backoff_first: Duration,
+    pub backoff_max: Duration,
+    pub give_up_after: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            backoff_first: Duration::from_millis(50),
+            backoff_max: Duration::from_secs(2),
+            give_up_after: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Commits `batch`, retrying transient failures with backoff and a new connection.
+fn commit_retrying(
+    store: &mut dyn Store,
+    batch: &mut Batch,
+    station: &str,
+    retry: RetryPolicy,
+) -> Result<u64, PipelineError> {
+    let started = Instant::now();
+    let mut backoff = retry.backoff_first;
+    let mut attempt: u32 = 1;
+    loop {
+        let error = match store.commit(batch) {
+            Ok(()) => {
+                if attempt > 1 {
+                    tracing::warn!(station, attempt, "commit succeeded after retrying");
+                }
+                return Ok(u64::from(attempt - 1));
+            }
+            Err(error) => error,
+        };
+        if !store.is_transient(&error) || started.elapsed() + backoff > retry.give_up_after {
+            return Err(PipelineError::Shard {
+                station: station.to_owned(),
+                source: error,
+            });
+        }
+        tracing::warn!(station, attempt, error = %error, backoff_ms = backoff.as_millis() as u64, "commit failed; retrying");
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(retry.backoff_max);
+        attempt += 1;
+        if let Err(error) = store.reconnect() {
+            tracing::warn!(station, error = %error, "reconnect failed");
+        }
+    }
 }
 
 impl Default for PipelineConfig {
@@ -121,6 +179,7 @@ impl Default for PipelineConfig {
             store: StoreConfig::Memory,
             sample_interval: Duration::from_millis(10),
             samples_path: None,
+            retry: RetryPolicy::default(),
         }
     }
 }
@@ -134,6 +193,12 @@ pub enum PipelineError {
     Samples(std::io::Error),
     #[error("the pipeline has stopped: {0}")]
     Stopped(String),
+    #[error("the store of {station} failed")]
+    Shard {
+        station: String,
+        #[source]
+        source: StoreError,
+    },
     #[error("bad configuration: {0}")]
     Config(String),
     #[error("a pipeline thread panicked: {0}")]
@@ -315,11 +380,19 @@ pub struct PipelineReport {
     pub shards: Vec<ShardCounts>,
     /// Per shard, in order: the rows its store holds.
     pub shard_rows: Vec<RowCounts>,
+    /// Per shard, in order: commits retried after a transient failure.
+    pub shard_commit_retries: Vec<u64>,
     /// Rows of the validation-exception store.
     pub exception_rows: RowCounts,
 }
 
 type Joined<T> = JoinHandle<Result<T, PipelineError>>;
+
+/// What a writer reports when it stops.
+struct WriterReport {
+    rows: RowCounts,
+    commit_retries: u64,
+}
 
 /// A running pipeline.
 pub struct Pipeline {
@@ -329,8 +402,8 @@ pub struct Pipeline {
     stations: Vec<Arc<Station>>,
     validators: Vec<Joined<()>>,
     matchers: Vec<Joined<ShardCounts>>,
-    writers: Vec<Joined<RowCounts>>,
-    exception_writer: Option<Joined<RowCounts>>,
+    writers: Vec<Joined<WriterReport>>,
+    exception_writer: Option<Joined<WriterReport>>,
     sampler: Option<(Arc<AtomicBool>, Joined<()>)>,
 }
 
@@ -409,6 +482,7 @@ impl Pipeline {
         let (ack_tx, ack_rx) = bounded::<Vec<Ack>>(config.outbound_capacity);
         let (out_tx, out_rx) = bounded::<Stamped<OutboundEvent>>(config.outbound_capacity);
         let outbound_station = Station::new("outbound");
+        let retry = config.retry;
 
         // Writers and their store queues.
         let mut store_txs = Vec::new();
@@ -433,6 +507,7 @@ impl Pipeline {
                     outbound_station,
                     clock,
                     batch_max,
+                    retry,
                 )
             }));
         }
@@ -451,6 +526,7 @@ impl Pipeline {
                     acks,
                     clock,
                     batch_max,
+                    retry,
                 )
             })
         };
@@ -605,16 +681,20 @@ impl Pipeline {
             }
         }
         let mut shard_rows = Vec::new();
+        let mut shard_commit_retries = Vec::new();
         for handle in self.writers.drain(..) {
             match join(handle) {
-                Ok(rows) => shard_rows.push(rows),
+                Ok(report) => {
+                    shard_rows.push(report.rows);
+                    shard_commit_retries.push(report.commit_retries);
+                }
                 Err(error) => keep(Err(error)),
             }
         }
         let mut exception_rows = RowCounts::default();
         if let Some(handle) = self.exception_writer.take() {
             match join(handle) {
-                Ok(rows) => exception_rows = rows,
+                Ok(report) => exception_rows = report.rows,
                 Err(error) => keep(Err(error)),
             }
         }
@@ -627,6 +707,7 @@ impl Pipeline {
             None => Ok(PipelineReport {
                 shards,
                 shard_rows,
+                shard_commit_retries,
                 exception_rows,
             }),
         }
@@ -818,7 +899,9 @@ fn run_writer(
     outbound_station: Arc<Station>,
     clock: RunClock,
     batch_max: usize,
-) -> Result<RowCounts, PipelineError> {
+    retry: RetryPolicy,
+) -> Result<WriterReport, PipelineError> {
+    let mut commit_retries = 0;
     while let Some((items, waited_ns)) = next_batch(&rx, batch_max, clock) {
         let started = Instant::now();
         let dequeued_ns = clock.now_ns();
@@ -892,7 +975,7 @@ fn run_writer(
                 events.push(OutboundEvent::Mismatched(advice));
             }
         }
-        store.commit(batch)?;
+        commit_retries += commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
         let finished_ns = clock.now_ns();
         station.complete(
             count,
@@ -902,7 +985,10 @@ fn run_writer(
         ack_tx.send(acks).map_err(|_| stopped("acks"))?;
         send_batch(&out_tx, &outbound_station, events, clock, "outbound")?;
     }
-    Ok(store.row_counts()?)
+    Ok(WriterReport {
+        rows: store.row_counts()?,
+        commit_retries,
+    })
 }
 
 fn run_exception_writer(
@@ -912,7 +998,9 @@ fn run_exception_writer(
     ack_tx: Sender<Vec<Ack>>,
     clock: RunClock,
     batch_max: usize,
-) -> Result<RowCounts, PipelineError> {
+    retry: RetryPolicy,
+) -> Result<WriterReport, PipelineError> {
+    let mut commit_retries = 0;
     while let Some((items, waited_ns)) = next_batch(&rx, batch_max, clock) {
         let started = Instant::now();
         let dequeued_ns = clock.now_ns();
@@ -933,7 +1021,7 @@ fn run_exception_writer(
                 raw: item.bytes,
             });
         }
-        store.commit(batch)?;
+        commit_retries += commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
         let finished_ns = clock.now_ns();
         station.complete(
             count,
@@ -942,7 +1030,10 @@ fn run_exception_writer(
         );
         ack_tx.send(acks).map_err(|_| stopped("acks"))?;
     }
-    Ok(store.row_counts()?)
+    Ok(WriterReport {
+        rows: store.row_counts()?,
+        commit_retries,
+    })
 }
 
 /// The header of `samples.csv`.

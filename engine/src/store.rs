@@ -97,10 +97,19 @@ pub enum StoreError {
 
 /// A shard's durable storage.
 pub trait Store: Send {
-    /// Writes the whole batch in one transaction.
-    fn commit(&mut self, batch: Batch) -> Result<(), StoreError>;
+    /// Writes the whole batch in one transaction. On success the store may have taken the rows
+    /// out of `batch`; on failure it leaves `batch` as it was, so that it can be retried.
+    fn commit(&mut self, batch: &mut Batch) -> Result<(), StoreError>;
     /// Counts the rows held.
     fn row_counts(&mut self) -> Result<RowCounts, StoreError>;
+    /// Whether retrying after `error` (with [`Store::reconnect`]) may succeed.
+    fn is_transient(&self, _error: &StoreError) -> bool {
+        false
+    }
+    /// Replaces a broken connection.
+    fn reconnect(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// Rows kept in process memory: the store for tests and for measuring the engine without
@@ -116,7 +125,8 @@ pub struct MemoryStore {
 }
 
 impl Store for MemoryStore {
-    fn commit(&mut self, batch: Batch) -> Result<(), StoreError> {
+    fn commit(&mut self, batch: &mut Batch) -> Result<(), StoreError> {
+        let batch = std::mem::take(batch);
         if !batch.messages.is_empty() {
             self.messages.push(batch.messages);
         }
@@ -270,10 +280,10 @@ async fn write_batch(connection: &mut SqliteConnection, batch: &Batch) -> Result
 }
 
 impl Store for SqliteStore {
-    fn commit(&mut self, batch: Batch) -> Result<(), StoreError> {
+    fn commit(&mut self, batch: &mut Batch) -> Result<(), StoreError> {
         let result = self
             .runtime
-            .block_on(write_batch(&mut self.connection, &batch));
+            .block_on(write_batch(&mut self.connection, batch));
         result.map_err(|source| self.database_error(source))
     }
 
@@ -309,6 +319,7 @@ static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migration
 /// batch, inside one transaction. Inserts with a natural key are idempotent.
 pub struct PgStore {
     name: String,
+    url: String,
     runtime: tokio::runtime::Runtime,
     connection: PgConnection,
 }
@@ -354,6 +365,7 @@ impl PgStore {
         })?;
         Ok(Self {
             name,
+            url: url.to_owned(),
             runtime,
             connection,
         })
@@ -432,14 +444,45 @@ async fn write_pg_batch(connection: &mut PgConnection, batch: &Batch) -> Result<
 }
 
 impl Store for PgStore {
-    fn commit(&mut self, batch: Batch) -> Result<(), StoreError> {
+    fn commit(&mut self, batch: &mut Batch) -> Result<(), StoreError> {
         let result = self
             .runtime
-            .block_on(write_pg_batch(&mut self.connection, &batch));
+            .block_on(write_pg_batch(&mut self.connection, batch));
         result.map_err(|source| StoreError::Database {
             store: self.name.clone(),
             source,
         })
+    }
+
+    /// Lost connections, a server shutting down or starting up, and serialization failures.
+    fn is_transient(&self, error: &StoreError) -> bool {
+        let StoreError::Database { source, .. } = error else {
+            return false;
+        };
+        match source {
+            sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed
+            | sqlx::Error::Protocol(_) => true,
+            sqlx::Error::Database(database) => database.code().is_some_and(|code| {
+                code.starts_with("08")
+                    || matches!(
+                        &*code,
+                        "57P01" | "57P02" | "57P03" | "53300" | "40001" | "40P01"
+                    )
+            }),
+            _ => false,
+        }
+    }
+
+    fn reconnect(&mut self) -> Result<(), StoreError> {
+        let result = self.runtime.block_on(PgConnection::connect(&self.url));
+        self.connection = result.map_err(|source| StoreError::Database {
+            store: self.name.clone(),
+            source,
+        })?;
+        Ok(())
     }
 
     fn row_counts(&mut self) -> Result<RowCounts, StoreError> {
@@ -512,7 +555,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("temporary folder");
         let path = dir.path().join("shard-0.sqlite");
         let mut store = SqliteStore::open(&path).expect("opens");
-        store.commit(sample_batch()).expect("commits");
+        store.commit(&mut sample_batch()).expect("commits");
         let expected = RowCounts {
             messages: 1,
             trades: 1,
@@ -530,12 +573,12 @@ mod tests {
     fn a_failing_batch_writes_nothing() {
         let dir = tempfile::tempdir().expect("temporary folder");
         let mut store = SqliteStore::open(&dir.path().join("s.sqlite")).expect("opens");
-        store.commit(sample_batch()).expect("commits");
+        store.commit(&mut sample_batch()).expect("commits");
         // The outbox refuses the batch's last table: everything before it must roll back too.
         store
             .execute("CREATE TRIGGER refuse BEFORE INSERT ON exceptions BEGIN SELECT RAISE(ABORT, 'refused'); END")
             .expect("trigger");
-        let error = store.commit(sample_batch());
+        let error = store.commit(&mut sample_batch());
         assert!(error.is_err());
         let counts = store.row_counts().expect("counts");
         assert_eq!((counts.messages, counts.cls, counts.exceptions), (1, 1, 1));
@@ -545,7 +588,7 @@ mod tests {
     fn the_trades_view_shows_the_newest_status() {
         let dir = tempfile::tempdir().expect("temporary folder");
         let mut store = SqliteStore::open(&dir.path().join("s.sqlite")).expect("opens");
-        store.commit(sample_batch()).expect("commits");
+        store.commit(&mut sample_batch()).expect("commits");
         let status: String = store
             .runtime
             .block_on(
@@ -571,7 +614,7 @@ mod tests {
     #[test]
     fn memory_store_keeps_the_last_trade_status() {
         let mut store = MemoryStore::default();
-        store.commit(sample_batch()).expect("commits");
+        store.commit(&mut sample_batch()).expect("commits");
         assert_eq!(store.trades.get("B/T1"), Some(&TradeStatus::Matched));
         assert_eq!(store.row_counts().expect("counts").messages, 1);
     }

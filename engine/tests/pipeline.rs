@@ -101,7 +101,7 @@ fn a_failing_store_acknowledges_nothing_and_reports_its_error() {
     let error = pipeline
         .finish()
         .expect_err("the store failure stops the pipeline");
-    assert!(matches!(error, PipelineError::Store(_)), "{error}");
+    assert!(matches!(error, PipelineError::Shard { .. }), "{error}");
     assert_eq!(acks.try_iter().flatten().count(), 0);
     assert_eq!(outbound.try_iter().count(), 0);
 }

@@ -158,8 +158,8 @@ fn a_replayed_batch_changes_nothing() {
         }],
         ..Batch::default()
     };
-    store.commit(batch()).expect("commits");
-    store.commit(batch()).expect("replays");
+    store.commit(&mut batch()).expect("commits");
+    store.commit(&mut batch()).expect("replays");
     let counts = store.row_counts().expect("counts");
     assert_eq!((counts.messages, counts.trades), (1, 1));
     drop(store);
