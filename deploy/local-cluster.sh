@@ -6,6 +6,7 @@
 #   deploy/local-cluster.sh down [--dir DIR]
 #   deploy/local-cluster.sh urls [--dir DIR]
 #   deploy/local-cluster.sh crash K [--dir DIR]   (stop shard K's instance abruptly; `up N` restarts it)
+#   deploy/local-cluster.sh reset [--dir DIR]     (drop and recreate every shard's database)
 #
 # `up` prints the shard URLs, one per line, in shard order; pass them to the driver as
 # `--db URL` each, or comma-separated in STE_DATABASE_URLS. Data lives under DIR
@@ -13,7 +14,7 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,13p' "$0" >&2
+  sed -n '2,14p' "$0" >&2
   exit 2
 }
 
@@ -85,6 +86,13 @@ case "$command" in
   urls)
     for port_file in $(ls "$dir"/shard-*.port 2>/dev/null | sort -V); do
       url_of "$(cat "$port_file")"
+    done
+    ;;
+  reset)
+    for port_file in $(ls "$dir"/shard-*.port 2>/dev/null | sort -V); do
+      port=$(cat "$port_file")
+      as_postgres "$bindir/dropdb" -h 127.0.0.1 -p "$port" -U postgres --if-exists --force ste
+      as_postgres "$bindir/createdb" -h 127.0.0.1 -p "$port" -U postgres ste
     done
     ;;
   crash)
