@@ -127,6 +127,11 @@ struct RunArgs {
     /// Reference data folder (default: the data compiled in).
     #[arg(long)]
     refdata: Option<PathBuf>,
+    /// Continue on shards that already hold messages (the --run-dir of an earlier run, or the
+    /// --db shards): matchers are rebuilt from them, and messages they already accepted count
+    /// as duplicates.
+    #[arg(long)]
+    resume: bool,
     /// Print the summary as one JSON object.
     #[arg(long)]
     json: bool,
@@ -354,6 +359,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     if shards == 0 || args.validators == 0 {
         bail!("--shards and --validators must be at least 1");
     }
+    if args.resume && args.run_dir.is_none() && store != StoreChoice::Postgres {
+        bail!("--resume needs the --run-dir of the run to continue");
+    }
     let config = RunConfig {
         source,
         store,
@@ -368,6 +376,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         sample_interval: Duration::from_millis(args.sample_ms.max(1)),
         progress: !args.quiet,
         tolerances: Tolerances::from_profile(&profile).context("reading the matching profile")?,
+        resume: args.resume,
     };
     let summary = ste_driver::run(&config, refdata)?;
     if args.json {

@@ -25,6 +25,7 @@ fn config(source: Source, store: StoreChoice, run_dir: &Path) -> RunConfig {
         sample_interval: Duration::from_millis(5),
         progress: false,
         tolerances: Tolerances::default(),
+        resume: false,
     }
 }
 

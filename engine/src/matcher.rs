@@ -215,6 +215,14 @@ impl Matcher {
         self.evaluate(trade_key, now)
     }
 
+    /// Takes back a message that was accepted before a restart, in acceptance order, so that the
+    /// matcher ends in the state it had. Returns false if the message would not be accepted now,
+    /// which means the shard's history and this matcher disagree.
+    pub fn restore(&mut self, msg: Msg, raw: &[u8], injected_ns: u64) -> bool {
+        let outcome = self.process(msg, raw, injected_ns, "");
+        outcome.disposition == Disposition::Accepted
+    }
+
     fn remember(&mut self, key: HashKey, content: u64, msg: &Msg) {
         self.seen.insert(key, content);
         self.accepted += 1;

@@ -110,6 +110,9 @@ pub struct PipelineConfig {
     pub samples_path: Option<PathBuf>,
     /// How a writer retries a commit that failed for a transient reason.
     pub retry: RetryPolicy,
+    /// Rebuild each matcher from the messages its shard already holds; otherwise a shard that
+    /// holds messages is refused.
+    pub recover: bool,
 }
 
 /// Retries of a failed commit: exponential backoff from `backoff_first` to `backoff_max`, for
@@ -180,6 +183,7 @@ impl Default for PipelineConfig {
             sample_interval: Duration::from_millis(10),
             samples_path: None,
             retry: RetryPolicy::default(),
+            recover: false,
         }
     }
 }
@@ -464,16 +468,17 @@ impl Pipeline {
             }
         }
         let mut stores = Vec::with_capacity(shards as usize);
+        let mut restored_matchers = Vec::with_capacity(shards as usize);
         for shard in 0..shards as usize {
             let mut store = open_store(&config.store, Some(shard))?;
-            // A matcher starts empty: until it can rebuild its open trades from its shard, a
-            // shard that already holds messages would be matched against half its history.
             let held = store.row_counts()?.messages;
-            if held > 0 {
+            if held > 0 && !config.recover {
                 return Err(PipelineError::Config(format!(
-                    "shard {shard} already holds {held} messages; start from empty shards"
+                    "shard {shard} already holds {held} messages; recover from it or start from empty shards"
                 )));
             }
+            let matcher = restore_matcher(store.as_mut(), shard, &refdata, &tolerances)?;
+            restored_matchers.push(matcher);
             stores.push(store);
         }
         let exception_store = open_store(&config.store, None)?;
@@ -544,7 +549,7 @@ impl Pipeline {
             match_stations.push(station.clone());
             let store_tx = store_txs[shard].clone();
             let store_station = store_stations[shard].clone();
-            let matcher = Matcher::new(refdata.clone(), tolerances.clone());
+            let matcher = restored_matchers.remove(0);
             matchers.push(spawn(format!("matcher-{shard}"), move || {
                 run_matcher(rx, matcher, station, store_tx, store_station, clock)
             }));
@@ -712,6 +717,38 @@ impl Pipeline {
             }),
         }
     }
+}
+
+/// Rebuilds a shard's matcher by taking back, in order, every message the shard accepted.
+fn restore_matcher(
+    store: &mut dyn Store,
+    shard: usize,
+    refdata: &Arc<RefData>,
+    tolerances: &Tolerances,
+) -> Result<Matcher, PipelineError> {
+    let mut matcher = Matcher::new(refdata.clone(), tolerances.clone());
+    let mut disagreements = 0_u64;
+    let restored = store.for_each_accepted(&mut |stored| {
+        // A stored message passed validation when it was accepted; only its fields are needed.
+        let typed = crate::codec::parse_fields(&stored.raw)
+            .and_then(|fields| crate::validate::typed_fields(&fields));
+        let restored = match typed {
+            Ok(msg) => matcher.restore(msg, &stored.raw, stored.injected_ns),
+            Err(_) => false,
+        };
+        if !restored {
+            disagreements += 1;
+        }
+    })?;
+    if disagreements > 0 {
+        return Err(PipelineError::Config(format!(
+            "shard {shard}: {disagreements} of {restored} stored messages could not be taken back"
+        )));
+    }
+    if restored > 0 {
+        tracing::info!(shard, restored, "matcher rebuilt from its shard");
+    }
+    Ok(matcher)
 }
 
 fn join<T>(handle: Joined<T>) -> Result<T, PipelineError> {

@@ -95,6 +95,16 @@ pub enum StoreError {
     Runtime(#[source] std::io::Error),
 }
 
+/// An accepted message as stored, for rebuilding a matcher.
+#[derive(Debug, Clone)]
+pub struct StoredMessage {
+    pub raw: Vec<u8>,
+    pub injected_ns: u64,
+}
+
+/// Rows read per query when a shard's messages are read back: bounds the memory of recovery.
+pub const RECOVERY_PAGE_ROWS: i64 = 10_000;
+
 /// A shard's durable storage.
 pub trait Store: Send {
     /// Writes the whole batch in one transaction. On success the store may have taken the rows
@@ -110,6 +120,12 @@ pub trait Store: Send {
     fn reconnect(&mut self) -> Result<(), StoreError> {
         Ok(())
     }
+    /// Hands every accepted message to `visit`, in the order they were accepted, a bounded page
+    /// at a time. Returns how many there were.
+    fn for_each_accepted(
+        &mut self,
+        visit: &mut dyn FnMut(StoredMessage),
+    ) -> Result<u64, StoreError>;
 }
 
 /// Rows kept in process memory: the store for tests and for measuring the engine without
@@ -145,6 +161,21 @@ impl Store for MemoryStore {
             cls: self.cls.len() as u64,
             exceptions: self.exceptions.len() as u64,
         })
+    }
+
+    fn for_each_accepted(
+        &mut self,
+        visit: &mut dyn FnMut(StoredMessage),
+    ) -> Result<u64, StoreError> {
+        let mut count = 0;
+        for row in self.messages.iter().flatten() {
+            visit(StoredMessage {
+                raw: row.raw.clone(),
+                injected_ns: row.injected_ns,
+            });
+            count += 1;
+        }
+        Ok(count)
     }
 }
 
@@ -311,6 +342,50 @@ impl Store for SqliteStore {
             exceptions: counts[3] as u64,
         })
     }
+
+    fn for_each_accepted(
+        &mut self,
+        visit: &mut dyn FnMut(StoredMessage),
+    ) -> Result<u64, StoreError> {
+        read_pages(|after_id| self.read_page(after_id), visit)
+    }
+}
+
+/// Reads `(id, raw, injected_ns)` pages in id order until one comes back empty.
+fn read_pages(
+    mut read_page: impl FnMut(i64) -> Result<Vec<(i64, Vec<u8>, i64)>, StoreError>,
+    visit: &mut dyn FnMut(StoredMessage),
+) -> Result<u64, StoreError> {
+    let mut after_id = 0;
+    let mut count = 0;
+    loop {
+        let page = read_page(after_id)?;
+        let Some(last) = page.last() else {
+            return Ok(count);
+        };
+        after_id = last.0;
+        for (_, raw, injected_ns) in page {
+            visit(StoredMessage {
+                raw,
+                injected_ns: injected_ns as u64,
+            });
+            count += 1;
+        }
+    }
+}
+
+impl SqliteStore {
+    fn read_page(&mut self, after_id: i64) -> Result<Vec<(i64, Vec<u8>, i64)>, StoreError> {
+        let result = self.runtime.block_on(
+            sqlx::query_as(
+                "SELECT id, raw, injected_ns FROM messages WHERE id > ? ORDER BY id LIMIT ?",
+            )
+            .bind(after_id)
+            .bind(RECOVERY_PAGE_ROWS)
+            .fetch_all(&mut self.connection),
+        );
+        result.map_err(|source| self.database_error(source))
+    }
 }
 
 static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/postgres");
@@ -474,6 +549,29 @@ impl Store for PgStore {
             }),
             _ => false,
         }
+    }
+
+    fn for_each_accepted(
+        &mut self,
+        visit: &mut dyn FnMut(StoredMessage),
+    ) -> Result<u64, StoreError> {
+        read_pages(
+            |after_id| {
+                let result = self.runtime.block_on(
+                    sqlx::query_as(
+                        "SELECT id, raw, injected_ns FROM messages WHERE id > $1 ORDER BY id LIMIT $2",
+                    )
+                    .bind(after_id)
+                    .bind(RECOVERY_PAGE_ROWS)
+                    .fetch_all(&mut self.connection),
+                );
+                result.map_err(|source| StoreError::Database {
+                    store: self.name.clone(),
+                    source,
+                })
+            },
+            visit,
+        )
     }
 
     fn reconnect(&mut self) -> Result<(), StoreError> {

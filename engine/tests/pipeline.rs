@@ -105,3 +105,73 @@ fn a_failing_store_acknowledges_nothing_and_reports_its_error() {
     assert_eq!(acks.try_iter().flatten().count(), 0);
     assert_eq!(outbound.try_iter().count(), 0);
 }
+
+/// Runs `lines` through a pipeline on `config`; returns (acks by result, CLS ids emitted).
+fn run_lines(
+    config: &PipelineConfig,
+    refdata: &Arc<RefData>,
+    lines: &[Vec<u8>],
+) -> (Vec<AckResult>, Vec<String>) {
+    let pipeline = Pipeline::start(config, refdata.clone(), Tolerances::default()).expect("starts");
+    let acks = pipeline.acks();
+    let outbound = pipeline.outbound();
+    let mut submitter = pipeline.submitter();
+    for (index, line) in lines.iter().enumerate() {
+        submitter
+            .submit_line(refdata, line.clone(), index as u64)
+            .expect("submits");
+    }
+    submitter.flush().expect("flushes");
+    drop(submitter);
+    pipeline.finish().expect("finishes");
+    let results = acks.try_iter().flatten().map(|ack| ack.result).collect();
+    let cls = outbound
+        .try_iter()
+        .flat_map(|(events, _)| events)
+        .filter_map(|event| match event {
+            ste_engine::pipeline::OutboundEvent::Cls { cls_id, .. } => Some(cls_id),
+            _ => None,
+        })
+        .collect();
+    (results, cls)
+}
+
+#[test]
+fn a_restarted_pipeline_rebuilds_its_matchers_from_the_shards() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let refdata = refdata();
+    let trades = 300;
+    let lines: Vec<Vec<u8>> = Generator::new(&refdata, GeneratorConfig::clean(trades)).collect();
+    let half = lines.len() / 2 + 3;
+    let first = embedded(dir.path(), 2);
+    let (results, cls_first) = run_lines(&first, &refdata, &lines[..half]);
+    assert!(results.iter().all(|r| *r == AckResult::Accepted));
+
+    // Without recovery, a shard with history is refused.
+    let refused = Pipeline::start(&first, refdata.clone(), Tolerances::default());
+    assert!(matches!(refused, Err(PipelineError::Config(_))));
+
+    // With recovery, the whole set again: the first part is recognised as duplicates, the rest
+    // completes the trades, and no trade gets a second CLS.
+    let second = PipelineConfig {
+        recover: true,
+        ..embedded(dir.path(), 2)
+    };
+    let (results, cls_second) = run_lines(&second, &refdata, &lines);
+    let duplicates = results
+        .iter()
+        .filter(|r| **r == AckResult::Duplicate)
+        .count();
+    let accepted = results
+        .iter()
+        .filter(|r| **r == AckResult::Accepted)
+        .count();
+    assert_eq!(duplicates, half);
+    assert_eq!(accepted, lines.len() - half);
+    let mut all_cls: Vec<String> = cls_first.into_iter().chain(cls_second).collect();
+    all_cls.sort();
+    let before = all_cls.len();
+    all_cls.dedup();
+    assert_eq!(before, all_cls.len(), "a trade had two CLS");
+    assert_eq!(all_cls.len() as u64, trades);
+}
