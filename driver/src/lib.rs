@@ -124,6 +124,8 @@ pub struct Summary {
     #[serde(flatten)]
     pub outcome: RunOutcome,
     pub cls_repeats: u64,
+    /// CLS emitted again after a restart because their delivery had not been confirmed.
+    pub cls_redelivered: u64,
     pub mismatched_advices: u64,
     pub elapsed_s: f64,
     pub throughput_msg_s: f64,
@@ -431,13 +433,17 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
             }
         })
     };
-    let sink = Sink::new(config.cls_out.as_deref()).context("opening the CLS output")?;
+    let sink =
+        Sink::new(config.cls_out.as_deref(), config.resume).context("opening the CLS output")?;
     let outbound_station = pipeline
         .station("outbound")
         .context("the pipeline has an outbound station")?;
     let sink_thread = {
         let events = pipeline.outbound();
-        std::thread::spawn(move || ste_sink::run(events, sink, outbound_station, clock))
+        let delivery = pipeline.delivery();
+        std::thread::spawn(move || {
+            ste_sink::run(events, sink, outbound_station, clock, Some(delivery))
+        })
     };
 
     let submitted = Arc::new(AtomicU64::new(0));
@@ -578,6 +584,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     let summary = Summary {
         outcome,
         cls_repeats: sink_report.cls_repeats,
+        cls_redelivered: sink_report.cls_redelivered,
         mismatched_advices: sink_report.mismatched_advices,
         elapsed_s,
         throughput_msg_s: messages_in as f64 / elapsed_s.max(1e-9),

@@ -72,11 +72,38 @@ pub enum OutboundEvent {
     Cls {
         cls_id: String,
         body: String,
-        /// Injection time of the trade's first message, on the run clock.
+        /// Injection time of the trade's first message, on the run clock (0 when re-emitted).
         trade_first_injected_ns: u64,
+        shard: u32,
+        /// Position in the shard's outbox; confirm it through [`Delivery`].
+        outbox_id: i64,
+        /// Emitted again after a restart because its delivery was never confirmed.
+        redelivered: bool,
     },
     Mismatched(Advice),
 }
+
+/// Delivery confirmations from the consumer of the outbound queue. CLS of a shard arrive in
+/// outbox order, so one watermark per shard is enough: confirming outbox id n confirms every CLS
+/// of that shard up to n. Writers record the watermark in their next transaction; a restart
+/// emits again what lies above it.
+#[derive(Clone, Debug)]
+pub struct Delivery {
+    through: Vec<Arc<std::sync::atomic::AtomicI64>>,
+    in_use: Arc<AtomicBool>,
+}
+
+impl Delivery {
+    /// Confirms that the CLS at `outbox_id` of `shard` (and every earlier one) was delivered.
+    pub fn confirm(&self, shard: u32, outbox_id: i64) {
+        if let Some(through) = self.through.get(shard as usize) {
+            through.fetch_max(outbox_id, Ordering::Relaxed);
+        }
+    }
+}
+
+/// How long a stopping writer waits for the confirmation of the CLS it emitted last.
+const DELIVERY_WAIT: Duration = Duration::from_secs(5);
 
 /// Where the shards keep their rows.
 #[derive(Debug, Clone)]
@@ -141,17 +168,17 @@ fn commit_retrying(
     batch: &mut Batch,
     station: &str,
     retry: RetryPolicy,
-) -> Result<u64, PipelineError> {
+) -> Result<(Vec<i64>, u64), PipelineError> {
     let started = Instant::now();
     let mut backoff = retry.backoff_first;
     let mut attempt: u32 = 1;
     loop {
         let error = match store.commit(batch) {
-            Ok(()) => {
+            Ok(outbox_ids) => {
                 if attempt > 1 {
                     tracing::warn!(station, attempt, "commit succeeded after retrying");
                 }
-                return Ok(u64::from(attempt - 1));
+                return Ok((outbox_ids, u64::from(attempt - 1)));
             }
             Err(error) => error,
         };
@@ -409,6 +436,7 @@ pub struct Pipeline {
     writers: Vec<Joined<WriterReport>>,
     exception_writer: Option<Joined<WriterReport>>,
     sampler: Option<(Arc<AtomicBool>, Joined<()>)>,
+    delivery: Delivery,
 }
 
 /// Opens the store of `shard`, or the store of validation exceptions for `None`.
@@ -469,6 +497,7 @@ impl Pipeline {
         }
         let mut stores = Vec::with_capacity(shards as usize);
         let mut restored_matchers = Vec::with_capacity(shards as usize);
+        let mut undelivered = Vec::with_capacity(shards as usize);
         for shard in 0..shards as usize {
             let mut store = open_store(&config.store, Some(shard))?;
             let held = store.row_counts()?.messages;
@@ -479,6 +508,7 @@ impl Pipeline {
             }
             let matcher = restore_matcher(store.as_mut(), shard, &refdata, &tolerances)?;
             restored_matchers.push(matcher);
+            undelivered.push(store.undelivered_cls()?);
             stores.push(store);
         }
         let exception_store = open_store(&config.store, None)?;
@@ -488,12 +518,18 @@ impl Pipeline {
         let (out_tx, out_rx) = bounded::<Stamped<OutboundEvent>>(config.outbound_capacity);
         let outbound_station = Station::new("outbound");
         let retry = config.retry;
+        let delivery = Delivery {
+            through: (0..shards)
+                .map(|_| Arc::new(std::sync::atomic::AtomicI64::new(0)))
+                .collect(),
+            in_use: Arc::new(AtomicBool::new(false)),
+        };
 
         // Writers and their store queues.
         let mut store_txs = Vec::new();
         let mut store_stations = Vec::new();
         let mut writers = Vec::new();
-        for (shard, store) in stores.into_iter().enumerate() {
+        for ((shard, store), redeliver) in stores.into_iter().enumerate().zip(undelivered) {
             let (tx, rx) = bounded::<Stamped<Processed>>(capacity);
             let station = Station::new(format!("store.{shard}"));
             store_txs.push(tx);
@@ -502,18 +538,19 @@ impl Pipeline {
             let outbound = out_tx.clone();
             let outbound_station = outbound_station.clone();
             let batch_max = config.batch_max_messages.max(1);
+            let context = WriterContext {
+                shard: shard as u32,
+                station,
+                ack_tx: acks,
+                out_tx: outbound,
+                outbound_station,
+                clock,
+                batch_max,
+                retry,
+                delivery: delivery.clone(),
+            };
             writers.push(spawn(format!("writer-{shard}"), move || {
-                run_writer(
-                    rx,
-                    store,
-                    station,
-                    acks,
-                    outbound,
-                    outbound_station,
-                    clock,
-                    batch_max,
-                    retry,
-                )
+                run_writer(rx, store, context, redeliver)
             }));
         }
 
@@ -622,7 +659,16 @@ impl Pipeline {
             writers,
             exception_writer: Some(exception_writer),
             sampler,
+            delivery,
         })
+    }
+
+    /// The handle through which the consumer of [`Pipeline::outbound`] confirms delivery. Once
+    /// it has been taken, a stopping writer waits (boundedly) for its last CLS to be confirmed,
+    /// so that the watermark it commits covers the whole run.
+    pub fn delivery(&self) -> Delivery {
+        self.delivery.in_use.store(true, Ordering::Relaxed);
+        self.delivery.clone()
     }
 
     /// A handle to submit messages; the pipeline drains and stops once every handle is dropped
@@ -926,10 +972,9 @@ fn next_batch<T>(
     Some((items, waited_ns))
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_writer(
-    rx: Receiver<Stamped<Processed>>,
-    mut store: Box<dyn Store>,
+/// What a shard writer needs besides its queue and store.
+struct WriterContext {
+    shard: u32,
     station: Arc<Station>,
     ack_tx: Sender<Vec<Ack>>,
     out_tx: Sender<Stamped<OutboundEvent>>,
@@ -937,7 +982,49 @@ fn run_writer(
     clock: RunClock,
     batch_max: usize,
     retry: RetryPolicy,
+    delivery: Delivery,
+}
+
+fn run_writer(
+    rx: Receiver<Stamped<Processed>>,
+    mut store: Box<dyn Store>,
+    context: WriterContext,
+    redeliver: Vec<crate::store::UndeliveredCls>,
 ) -> Result<WriterReport, PipelineError> {
+    let WriterContext {
+        shard,
+        station,
+        ack_tx,
+        out_tx,
+        outbound_station,
+        clock,
+        batch_max,
+        retry,
+        delivery,
+    } = context;
+    let delivered = delivery.through[shard as usize].clone();
+    let mut watermark_written: i64 = 0;
+    let mut last_emitted: i64 = redeliver.last().map_or(0, |cls| cls.outbox_id);
+    // What was committed but never confirmed goes out again first, in outbox order.
+    if !redeliver.is_empty() {
+        tracing::info!(
+            shard,
+            count = redeliver.len(),
+            "emitting unconfirmed CLS again"
+        );
+        let events = redeliver
+            .into_iter()
+            .map(|cls| OutboundEvent::Cls {
+                cls_id: cls.row.cls_id,
+                body: cls.row.body,
+                trade_first_injected_ns: 0,
+                shard,
+                outbox_id: cls.outbox_id,
+                redelivered: true,
+            })
+            .collect();
+        send_batch(&out_tx, &outbound_station, events, clock, "outbound")?;
+    }
     let mut commit_retries = 0;
     while let Some((items, waited_ns)) = next_batch(&rx, batch_max, clock) {
         let started = Instant::now();
@@ -1006,13 +1093,30 @@ fn run_writer(
                     cls_id: cls.cls_id,
                     body,
                     trade_first_injected_ns: item.outcome.trade_first_injected_ns,
+                    shard,
+                    outbox_id: 0,
+                    redelivered: false,
                 });
             }
             if let Some(advice) = item.outcome.advice {
                 events.push(OutboundEvent::Mismatched(advice));
             }
         }
-        commit_retries += commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
+        let confirmed = delivered.load(Ordering::Relaxed);
+        if confirmed > watermark_written {
+            batch.delivered_through = Some(confirmed);
+        }
+        let (outbox_ids, retries) =
+            commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
+        commit_retries += retries;
+        watermark_written = watermark_written.max(confirmed);
+        let mut outbox_ids = outbox_ids.into_iter();
+        for event in &mut events {
+            if let OutboundEvent::Cls { outbox_id, .. } = event {
+                *outbox_id = outbox_ids.next().unwrap_or_default();
+                last_emitted = last_emitted.max(*outbox_id);
+            }
+        }
         let finished_ns = clock.now_ns();
         station.complete(
             count,
@@ -1021,6 +1125,23 @@ fn run_writer(
         );
         ack_tx.send(acks).map_err(|_| stopped("acks"))?;
         send_batch(&out_tx, &outbound_station, events, clock, "outbound")?;
+    }
+    // Record the final watermark, once the consumer has confirmed what this writer emitted.
+    if delivery.in_use.load(Ordering::Relaxed) {
+        let waiting_since = Instant::now();
+        while delivered.load(Ordering::Relaxed) < last_emitted
+            && waiting_since.elapsed() < DELIVERY_WAIT
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    let confirmed = delivered.load(Ordering::Relaxed);
+    if confirmed > watermark_written {
+        let mut batch = Batch {
+            delivered_through: Some(confirmed),
+            ..Batch::default()
+        };
+        commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
     }
     Ok(WriterReport {
         rows: store.row_counts()?,
@@ -1058,7 +1179,8 @@ fn run_exception_writer(
                 raw: item.bytes,
             });
         }
-        commit_retries += commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
+        let (_, retries) = commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
+        commit_retries += retries;
         let finished_ns = clock.now_ns();
         station.complete(
             count,

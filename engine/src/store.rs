@@ -58,6 +58,15 @@ pub struct Batch {
     pub trades: Vec<TradeRow>,
     pub cls: Vec<ClsRow>,
     pub exceptions: Vec<ExceptionRow>,
+    /// Raises the outbox delivery watermark: every CLS up to this outbox id was delivered.
+    pub delivered_through: Option<i64>,
+}
+
+/// A CLS of the outbox that was not confirmed delivered.
+#[derive(Debug, Clone)]
+pub struct UndeliveredCls {
+    pub outbox_id: i64,
+    pub row: ClsRow,
 }
 
 impl Batch {
@@ -68,7 +77,7 @@ impl Batch {
 
     /// Whether the batch writes nothing.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.len() == 0 && self.delivered_through.is_none()
     }
 }
 
@@ -107,9 +116,12 @@ pub const RECOVERY_PAGE_ROWS: i64 = 10_000;
 
 /// A shard's durable storage.
 pub trait Store: Send {
-    /// Writes the whole batch in one transaction. On success the store may have taken the rows
-    /// out of `batch`; on failure it leaves `batch` as it was, so that it can be retried.
-    fn commit(&mut self, batch: &mut Batch) -> Result<(), StoreError>;
+    /// Writes the whole batch in one transaction and returns the outbox id of each of its CLS,
+    /// in order. On success the store may have taken the rows out of `batch`; on failure it
+    /// leaves `batch` as it was, so that it can be retried.
+    fn commit(&mut self, batch: &mut Batch) -> Result<Vec<i64>, StoreError>;
+    /// The outbox rows above the delivery watermark, in outbox order.
+    fn undelivered_cls(&mut self) -> Result<Vec<UndeliveredCls>, StoreError>;
     /// Counts the rows held.
     fn row_counts(&mut self) -> Result<RowCounts, StoreError>;
     /// Whether retrying after `error` (with [`Store::reconnect`]) may succeed.
@@ -138,10 +150,11 @@ pub struct MemoryStore {
     pub trades: ahash::AHashMap<String, TradeStatus>,
     pub cls: Vec<ClsRow>,
     pub exceptions: Vec<ExceptionRow>,
+    pub delivered_through: i64,
 }
 
 impl Store for MemoryStore {
-    fn commit(&mut self, batch: &mut Batch) -> Result<(), StoreError> {
+    fn commit(&mut self, batch: &mut Batch) -> Result<Vec<i64>, StoreError> {
         let batch = std::mem::take(batch);
         if !batch.messages.is_empty() {
             self.messages.push(batch.messages);
@@ -149,9 +162,28 @@ impl Store for MemoryStore {
         for row in batch.trades {
             self.trades.insert(row.trade_key, row.status);
         }
+        let first_id = self.cls.len() as i64 + 1;
+        let ids = (first_id..first_id + batch.cls.len() as i64).collect();
         self.cls.extend(batch.cls);
         self.exceptions.extend(batch.exceptions);
-        Ok(())
+        if let Some(through) = batch.delivered_through {
+            self.delivered_through = self.delivered_through.max(through);
+        }
+        Ok(ids)
+    }
+
+    fn undelivered_cls(&mut self) -> Result<Vec<UndeliveredCls>, StoreError> {
+        let skip = usize::try_from(self.delivered_through).unwrap_or(0);
+        Ok(self
+            .cls
+            .iter()
+            .enumerate()
+            .skip(skip)
+            .map(|(index, row)| UndeliveredCls {
+                outbox_id: index as i64 + 1,
+                row: row.clone(),
+            })
+            .collect())
     }
 
     fn row_counts(&mut self) -> Result<RowCounts, StoreError> {
@@ -256,7 +288,10 @@ impl SqliteStore {
     }
 }
 
-async fn write_batch(connection: &mut SqliteConnection, batch: &Batch) -> Result<(), sqlx::Error> {
+async fn write_batch(
+    connection: &mut SqliteConnection,
+    batch: &Batch,
+) -> Result<Vec<i64>, sqlx::Error> {
     let mut transaction = connection.begin().await?;
     for chunk in batch.messages.chunks(SQLITE_ROWS_PER_STATEMENT) {
         let mut query = QueryBuilder::<Sqlite>::new(
@@ -283,6 +318,7 @@ async fn write_batch(connection: &mut SqliteConnection, batch: &Batch) -> Result
         });
         query.build().execute(&mut *transaction).await?;
     }
+    let mut outbox_ids: ahash::AHashMap<String, i64> = ahash::AHashMap::new();
     for chunk in batch.cls.chunks(SQLITE_ROWS_PER_STATEMENT) {
         let mut query =
             QueryBuilder::<Sqlite>::new("INSERT INTO cls_outbox (cls_id, trade_key, body) ");
@@ -291,7 +327,10 @@ async fn write_batch(connection: &mut SqliteConnection, batch: &Batch) -> Result
                 .push_bind(cls.trade_key.as_str())
                 .push_bind(cls.body.as_str());
         });
-        query.build().execute(&mut *transaction).await?;
+        query.push(" RETURNING id, cls_id");
+        let returned: Vec<(i64, String)> =
+            query.build_query_as().fetch_all(&mut *transaction).await?;
+        outbox_ids.extend(returned.into_iter().map(|(id, cls_id)| (cls_id, id)));
     }
     for chunk in batch.exceptions.chunks(SQLITE_ROWS_PER_STATEMENT) {
         let mut query = QueryBuilder::<Sqlite>::new(
@@ -307,15 +346,59 @@ async fn write_batch(connection: &mut SqliteConnection, batch: &Batch) -> Result
         });
         query.build().execute(&mut *transaction).await?;
     }
-    transaction.commit().await
+    if let Some(through) = batch.delivered_through {
+        sqlx::query(
+            "INSERT INTO cls_delivery (id, delivered_through) VALUES (1, ?) \
+             ON CONFLICT (id) DO UPDATE SET delivered_through = max(delivered_through, excluded.delivered_through)",
+        )
+        .bind(through)
+        .execute(&mut *transaction)
+        .await?;
+    }
+    transaction.commit().await?;
+    Ok(outbox_ids_in_order(batch, &outbox_ids))
+}
+
+/// The outbox id of each CLS of `batch`, in the batch's order.
+fn outbox_ids_in_order(batch: &Batch, ids: &ahash::AHashMap<String, i64>) -> Vec<i64> {
+    batch
+        .cls
+        .iter()
+        .map(|cls| ids.get(&cls.cls_id).copied().unwrap_or_default())
+        .collect()
+}
+
+const UNDELIVERED_QUERY: &str = "SELECT id, cls_id, trade_key, body FROM cls_outbox \
+     WHERE id > COALESCE((SELECT delivered_through FROM cls_delivery WHERE id = 1), 0) ORDER BY id";
+
+fn undelivered_rows(rows: Vec<(i64, String, String, String)>) -> Vec<UndeliveredCls> {
+    rows.into_iter()
+        .map(|(outbox_id, cls_id, trade_key, body)| UndeliveredCls {
+            outbox_id,
+            row: ClsRow {
+                cls_id,
+                trade_key,
+                body,
+            },
+        })
+        .collect()
 }
 
 impl Store for SqliteStore {
-    fn commit(&mut self, batch: &mut Batch) -> Result<(), StoreError> {
+    fn commit(&mut self, batch: &mut Batch) -> Result<Vec<i64>, StoreError> {
         let result = self
             .runtime
             .block_on(write_batch(&mut self.connection, batch));
         result.map_err(|source| self.database_error(source))
+    }
+
+    fn undelivered_cls(&mut self) -> Result<Vec<UndeliveredCls>, StoreError> {
+        let result = self
+            .runtime
+            .block_on(sqlx::query_as(UNDELIVERED_QUERY).fetch_all(&mut self.connection));
+        result
+            .map(undelivered_rows)
+            .map_err(|source| self.database_error(source))
     }
 
     fn row_counts(&mut self) -> Result<RowCounts, StoreError> {
@@ -447,7 +530,10 @@ impl PgStore {
     }
 }
 
-async fn write_pg_batch(connection: &mut PgConnection, batch: &Batch) -> Result<(), sqlx::Error> {
+async fn write_pg_batch(
+    connection: &mut PgConnection,
+    batch: &Batch,
+) -> Result<Vec<i64>, sqlx::Error> {
     let mut transaction = connection.begin().await?;
     if !batch.messages.is_empty() {
         let rows = &batch.messages;
@@ -489,16 +575,25 @@ async fn write_pg_batch(connection: &mut PgConnection, batch: &Batch) -> Result<
         .execute(&mut *transaction)
         .await?;
     }
+    let mut outbox_ids: ahash::AHashMap<String, i64> = ahash::AHashMap::new();
     if !batch.cls.is_empty() {
+        let cls_ids: Vec<&str> = batch.cls.iter().map(|r| r.cls_id.as_str()).collect();
         sqlx::query(
             "INSERT INTO cls_outbox (cls_id, trade_key, body) \
              SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[]) ON CONFLICT (cls_id) DO NOTHING",
         )
-        .bind(batch.cls.iter().map(|r| r.cls_id.as_str()).collect::<Vec<_>>())
+        .bind(&cls_ids)
         .bind(batch.cls.iter().map(|r| r.trade_key.as_str()).collect::<Vec<_>>())
         .bind(batch.cls.iter().map(|r| r.body.as_str()).collect::<Vec<_>>())
         .execute(&mut *transaction)
         .await?;
+        // Also finds the ids of rows that a replayed batch had already written.
+        let rows: Vec<(i64, String)> =
+            sqlx::query_as("SELECT id, cls_id FROM cls_outbox WHERE cls_id = ANY($1)")
+                .bind(&cls_ids)
+                .fetch_all(&mut *transaction)
+                .await?;
+        outbox_ids.extend(rows.into_iter().map(|(id, cls_id)| (cls_id, id)));
     }
     if !batch.exceptions.is_empty() {
         let rows = &batch.exceptions;
@@ -515,11 +610,21 @@ async fn write_pg_batch(connection: &mut PgConnection, batch: &Batch) -> Result<
         .execute(&mut *transaction)
         .await?;
     }
-    transaction.commit().await
+    if let Some(through) = batch.delivered_through {
+        sqlx::query(
+            "INSERT INTO cls_delivery (id, delivered_through) VALUES (1, $1) \
+             ON CONFLICT (id) DO UPDATE SET delivered_through = GREATEST(cls_delivery.delivered_through, excluded.delivered_through)",
+        )
+        .bind(through)
+        .execute(&mut *transaction)
+        .await?;
+    }
+    transaction.commit().await?;
+    Ok(outbox_ids_in_order(batch, &outbox_ids))
 }
 
 impl Store for PgStore {
-    fn commit(&mut self, batch: &mut Batch) -> Result<(), StoreError> {
+    fn commit(&mut self, batch: &mut Batch) -> Result<Vec<i64>, StoreError> {
         let result = self
             .runtime
             .block_on(write_pg_batch(&mut self.connection, batch));
@@ -527,6 +632,18 @@ impl Store for PgStore {
             store: self.name.clone(),
             source,
         })
+    }
+
+    fn undelivered_cls(&mut self) -> Result<Vec<UndeliveredCls>, StoreError> {
+        let result = self
+            .runtime
+            .block_on(sqlx::query_as(UNDELIVERED_QUERY).fetch_all(&mut self.connection));
+        result
+            .map(undelivered_rows)
+            .map_err(|source| StoreError::Database {
+                store: self.name.clone(),
+                source,
+            })
     }
 
     /// Lost connections, a server shutting down or starting up, and serialization failures.
@@ -645,6 +762,7 @@ mod tests {
                 detail: "garbage".to_owned(),
                 raw: vec![0, 159, 255],
             }],
+            delivered_through: None,
         }
     }
 

@@ -106,12 +106,13 @@ fn a_failing_store_acknowledges_nothing_and_reports_its_error() {
     assert_eq!(outbound.try_iter().count(), 0);
 }
 
-/// Runs `lines` through a pipeline on `config`; returns (acks by result, CLS ids emitted).
+/// Runs `lines` through a pipeline on `config`; returns the acks by result and the CLS emitted
+/// as (ClsId, emitted again after a restart).
 fn run_lines(
     config: &PipelineConfig,
     refdata: &Arc<RefData>,
     lines: &[Vec<u8>],
-) -> (Vec<AckResult>, Vec<String>) {
+) -> (Vec<AckResult>, Vec<(String, bool)>) {
     let pipeline = Pipeline::start(config, refdata.clone(), Tolerances::default()).expect("starts");
     let acks = pipeline.acks();
     let outbound = pipeline.outbound();
@@ -129,11 +130,59 @@ fn run_lines(
         .try_iter()
         .flat_map(|(events, _)| events)
         .filter_map(|event| match event {
-            ste_engine::pipeline::OutboundEvent::Cls { cls_id, .. } => Some(cls_id),
+            ste_engine::pipeline::OutboundEvent::Cls {
+                cls_id,
+                redelivered,
+                ..
+            } => Some((cls_id, redelivered)),
             _ => None,
         })
         .collect();
     (results, cls)
+}
+
+#[test]
+fn confirmed_cls_are_not_emitted_again() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let refdata = refdata();
+    let lines: Vec<Vec<u8>> = Generator::new(&refdata, GeneratorConfig::clean(100)).collect();
+    let config = PipelineConfig {
+        recover: true,
+        ..embedded(dir.path(), 2)
+    };
+    // First run: a consumer confirms every CLS as it arrives.
+    let pipeline =
+        Pipeline::start(&config, refdata.clone(), Tolerances::default()).expect("starts");
+    let outbound = pipeline.outbound();
+    let delivery = pipeline.delivery();
+    let consumer = std::thread::spawn(move || {
+        let mut confirmed = 0;
+        for (events, _) in outbound {
+            for event in events {
+                if let ste_engine::pipeline::OutboundEvent::Cls {
+                    shard, outbox_id, ..
+                } = event
+                {
+                    delivery.confirm(shard, outbox_id);
+                    confirmed += 1;
+                }
+            }
+        }
+        confirmed
+    });
+    let mut submitter = pipeline.submitter();
+    for (index, line) in lines.iter().enumerate() {
+        submitter
+            .submit_line(&refdata, line.clone(), index as u64)
+            .expect("submits");
+    }
+    submitter.flush().expect("flushes");
+    drop(submitter);
+    pipeline.finish().expect("finishes");
+    assert_eq!(consumer.join().expect("consumer"), 100);
+    // Second run on the same shards: nothing to emit again.
+    let (_, cls) = run_lines(&config, &refdata, &[]);
+    assert!(cls.is_empty(), "{} CLS emitted again", cls.len());
 }
 
 #[test]
@@ -152,7 +201,8 @@ fn a_restarted_pipeline_rebuilds_its_matchers_from_the_shards() {
     assert!(matches!(refused, Err(PipelineError::Config(_))));
 
     // With recovery, the whole set again: the first part is recognised as duplicates, the rest
-    // completes the trades, and no trade gets a second CLS.
+    // completes the trades, and no trade matches twice. Nobody confirmed the first run's CLS, so
+    // they are emitted again, marked as such.
     let second = PipelineConfig {
         recover: true,
         ..embedded(dir.path(), 2)
@@ -168,10 +218,24 @@ fn a_restarted_pipeline_rebuilds_its_matchers_from_the_shards() {
         .count();
     assert_eq!(duplicates, half);
     assert_eq!(accepted, lines.len() - half);
-    let mut all_cls: Vec<String> = cls_first.into_iter().chain(cls_second).collect();
-    all_cls.sort();
-    let before = all_cls.len();
-    all_cls.dedup();
-    assert_eq!(before, all_cls.len(), "a trade had two CLS");
-    assert_eq!(all_cls.len() as u64, trades);
+    assert!(cls_first.iter().all(|(_, again)| !again));
+    let mut emitted_again: Vec<String> = cls_second
+        .iter()
+        .filter(|(_, again)| *again)
+        .map(|(cls_id, _)| cls_id.clone())
+        .collect();
+    let mut first_ids: Vec<String> = cls_first.iter().map(|(cls_id, _)| cls_id.clone()).collect();
+    emitted_again.sort();
+    first_ids.sort();
+    assert_eq!(emitted_again, first_ids);
+    let mut matched: Vec<String> = cls_first
+        .into_iter()
+        .chain(cls_second.into_iter().filter(|(_, again)| !again))
+        .map(|(cls_id, _)| cls_id)
+        .collect();
+    matched.sort();
+    let before = matched.len();
+    matched.dedup();
+    assert_eq!(before, matched.len(), "a trade matched twice");
+    assert_eq!(matched.len() as u64, trades);
 }

@@ -21,12 +21,20 @@ CREATE TABLE trades (
     status TEXT NOT NULL CHECK (status IN ('PENDING', 'MISMATCHED', 'MATCHED', 'CANCELLED'))
 );
 
--- CLS written in the transaction of the message that completed the match.
+-- CLS written in the transaction of the message that completed the match, numbered in commit
+-- order (one writer per shard).
 CREATE TABLE cls_outbox (
+    id BIGSERIAL UNIQUE,
     cls_id TEXT PRIMARY KEY,
     trade_key TEXT NOT NULL,
-    body TEXT NOT NULL,
-    delivered BOOLEAN NOT NULL DEFAULT FALSE
+    body TEXT NOT NULL
+);
+
+-- The sink confirms CLS in outbox order, so one watermark says which were delivered: every
+-- outbox row with an id up to delivered_through. The rest are emitted again after a restart.
+CREATE TABLE cls_delivery (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    delivered_through BIGINT NOT NULL
 );
 
 -- Rejected messages with raw bytes, reason code and detail.

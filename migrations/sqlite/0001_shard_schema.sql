@@ -39,8 +39,14 @@ CREATE TABLE cls_outbox (
     id INTEGER PRIMARY KEY,
     cls_id TEXT NOT NULL,
     trade_key TEXT NOT NULL,
-    body TEXT NOT NULL,
-    delivered INTEGER NOT NULL DEFAULT 0
+    body TEXT NOT NULL
+);
+
+-- The sink confirms CLS in outbox order, so one watermark says which were delivered: every
+-- outbox row with an id up to delivered_through. The rest are emitted again after a restart.
+CREATE TABLE cls_delivery (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    delivered_through INTEGER NOT NULL
 );
 
 -- Rejected messages with raw bytes, reason code and detail.

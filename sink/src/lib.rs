@@ -1,9 +1,14 @@
 //! The sink: consumes the engine's outbound queue, drops repeated CLS by ClsId (a CLS may be
 //! re-emitted after a restart), records per-trade latency (first message of the trade injected →
-//! CLS emitted) in an HdrHistogram, and can write every CLS to a file, one per line.
+//! CLS emitted) in an HdrHistogram, can write every CLS to a file, one per line, and confirms
+//! delivery back to the engine once a CLS is written.
+//!
+//! Appending to an existing CLS file, the sink first reads the ClsIds it already holds (cutting
+//! off a last line that a crash left unfinished), so a CLS emitted again after a restart is still
+//! recognised as a repeat.
 
-use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,7 +16,7 @@ use std::time::Instant;
 use ahash::AHashSet;
 use crossbeam_channel::Receiver;
 use hdrhistogram::Histogram;
-use ste_engine::pipeline::OutboundEvent;
+use ste_engine::pipeline::{Delivery, OutboundEvent};
 use ste_engine::station::{RunClock, Station};
 use xxhash_rust::xxh3::xxh3_128;
 
@@ -37,6 +42,10 @@ pub struct SinkReport {
     pub cls: u64,
     /// CLS received again with a ClsId already seen, and dropped.
     pub cls_repeats: u64,
+    /// CLS that the engine emitted again after a restart (repeats or not).
+    pub cls_redelivered: u64,
+    /// ClsIds found in the CLS file when the sink started.
+    pub cls_already_held: u64,
     /// MISMATCHED status advices received.
     pub mismatched_advices: u64,
     pub latency: Histogram<u64>,
@@ -65,23 +74,65 @@ pub struct Sink {
     latency: Histogram<u64>,
     cls_out: Option<BufWriter<File>>,
     cls_repeats: u64,
+    cls_redelivered: u64,
+    cls_already_held: u64,
     mismatched_advices: u64,
 }
 
+/// The ClsId of a CLS line.
+fn cls_id_of(line: &str) -> Option<&str> {
+    let start = line.find("<ClsId>")? + "<ClsId>".len();
+    let end = start + line[start..].find("</ClsId>")?;
+    Some(&line[start..end])
+}
+
+/// Reads the ClsIds of a CLS file and cuts off an unfinished last line.
+fn read_held(path: &Path) -> std::io::Result<AHashSet<u128>> {
+    let mut held = AHashSet::new();
+    let mut complete_len: u64 = 0;
+    let mut reader = BufReader::new(File::open(path)?);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let read = reader.read_line(&mut line)?;
+        if read == 0 || !line.ends_with('\n') {
+            break;
+        }
+        complete_len += read as u64;
+        if let Some(cls_id) = cls_id_of(&line) {
+            held.insert(xxh3_128(cls_id.as_bytes()));
+        }
+    }
+    OpenOptions::new()
+        .write(true)
+        .open(path)?
+        .set_len(complete_len)?;
+    Ok(held)
+}
+
 impl Sink {
-    /// A sink that writes CLS to `cls_out` when given.
-    pub fn new(cls_out: Option<&Path>) -> std::io::Result<Self> {
+    /// A sink that writes CLS to `cls_out` when given: a new file, or with `append` the end of
+    /// an existing one whose ClsIds count as already seen.
+    pub fn new(cls_out: Option<&Path>, append: bool) -> std::io::Result<Self> {
+        let mut seen = AHashSet::new();
         let cls_out = match cls_out {
+            Some(path) if append && path.exists() => {
+                seen = read_held(path)?;
+                Some(BufWriter::new(OpenOptions::new().append(true).open(path)?))
+            }
             Some(path) => Some(BufWriter::new(File::create(path)?)),
             None => None,
         };
+        let cls_already_held = seen.len() as u64;
         let latency = Histogram::new_with_bounds(1, LATENCY_MAX_US, LATENCY_SIGNIFICANT_FIGURES)
             .map_err(|error| std::io::Error::other(error.to_string()))?;
         Ok(Self {
-            seen: AHashSet::new(),
+            seen,
             latency,
             cls_out,
             cls_repeats: 0,
+            cls_redelivered: 0,
+            cls_already_held,
             mismatched_advices: 0,
         })
     }
@@ -93,13 +144,19 @@ impl Sink {
                 cls_id,
                 body,
                 trade_first_injected_ns,
+                redelivered,
+                ..
             } => {
+                self.cls_redelivered += u64::from(redelivered);
                 if !self.seen.insert(xxh3_128(cls_id.as_bytes())) {
                     self.cls_repeats += 1;
                     return Ok(());
                 }
-                let latency_us = now_ns.saturating_sub(trade_first_injected_ns) / 1000;
-                self.latency.saturating_record(latency_us.max(1));
+                // A CLS emitted again after a restart has no injection time in this run.
+                if !redelivered {
+                    let latency_us = now_ns.saturating_sub(trade_first_injected_ns) / 1000;
+                    self.latency.saturating_record(latency_us.max(1));
+                }
                 if let Some(out) = &mut self.cls_out {
                     out.write_all(body.as_bytes())?;
                     out.write_all(b"\n")?;
@@ -110,14 +167,22 @@ impl Sink {
         Ok(())
     }
 
-    /// Flushes the CLS file and reports.
-    pub fn finish(mut self) -> std::io::Result<SinkReport> {
+    /// Pushes what was written to the file, so that it can be confirmed.
+    pub fn flush(&mut self) -> std::io::Result<()> {
         if let Some(out) = &mut self.cls_out {
             out.flush()?;
         }
+        Ok(())
+    }
+
+    /// Flushes the CLS file and reports.
+    pub fn finish(mut self) -> std::io::Result<SinkReport> {
+        self.flush()?;
         Ok(SinkReport {
-            cls: self.seen.len() as u64,
+            cls: self.seen.len() as u64 - self.cls_already_held,
             cls_repeats: self.cls_repeats,
+            cls_redelivered: self.cls_redelivered,
+            cls_already_held: self.cls_already_held,
             mismatched_advices: self.mismatched_advices,
             latency: self.latency,
         })
@@ -125,21 +190,38 @@ impl Sink {
 }
 
 /// Consumes `events` until the engine closes the queue, counting each as a completion of the
-/// `outbound` station.
+/// `outbound` station, and confirms each batch's CLS through `delivery` once they are written.
 pub fn run(
     events: Receiver<(Vec<OutboundEvent>, u64)>,
     mut sink: Sink,
     station: Arc<Station>,
     clock: RunClock,
+    delivery: Option<Delivery>,
 ) -> std::io::Result<SinkReport> {
+    let mut confirmations: Vec<(u32, i64)> = Vec::new();
     for (batch, enqueued_ns) in events {
         let started = Instant::now();
         let count = batch.len() as u64;
         let mut response_ns = 0;
+        confirmations.clear();
         for event in batch {
             let now_ns = clock.now_ns();
             response_ns += now_ns.saturating_sub(enqueued_ns);
+            if let OutboundEvent::Cls {
+                shard, outbox_id, ..
+            } = &event
+            {
+                confirmations.push((*shard, *outbox_id));
+            }
             sink.accept(event, now_ns)?;
+        }
+        if let Some(delivery) = &delivery {
+            if !confirmations.is_empty() {
+                sink.flush()?;
+                for (shard, outbox_id) in &confirmations {
+                    delivery.confirm(*shard, *outbox_id);
+                }
+            }
         }
         station.complete(count, started.elapsed().as_nanos() as u64, response_ns);
     }
@@ -155,6 +237,9 @@ mod tests {
             cls_id: id.to_owned(),
             body: format!("<Cls><ClsId>{id}</ClsId></Cls>"),
             trade_first_injected_ns: injected_ns,
+            shard: 0,
+            outbox_id: 1,
+            redelivered: false,
         }
     }
 
@@ -162,7 +247,7 @@ mod tests {
     fn repeats_are_dropped_and_latency_recorded() {
         let dir = tempfile::tempdir().expect("temporary folder");
         let path = dir.path().join("cls.xml");
-        let mut sink = Sink::new(Some(&path)).expect("sink");
+        let mut sink = Sink::new(Some(&path), false).expect("sink");
         sink.accept(cls("CLS-A-1", 0), 2_000_000).expect("accepts");
         sink.accept(cls("CLS-A-1", 0), 3_000_000).expect("accepts");
         sink.accept(cls("CLS-A-2", 1_000_000), 5_000_000)
@@ -175,5 +260,27 @@ mod tests {
         assert!((latency.p50 - 2.0).abs() < 0.01, "{latency:?}");
         let written = std::fs::read_to_string(&path).expect("cls file");
         assert_eq!(written.lines().count(), 2);
+    }
+
+    #[test]
+    fn appending_remembers_what_the_file_holds_and_cuts_a_torn_line() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        let path = dir.path().join("cls.xml");
+        std::fs::write(
+            &path,
+            "<Cls><ClsId>CLS-A-1</ClsId></Cls>\n<Cls><ClsId>CLS-A-2</ClsId></Cls>\n<Cls><ClsId>CLS-A",
+        )
+        .expect("writes");
+        let mut sink = Sink::new(Some(&path), true).expect("sink");
+        sink.accept(cls("CLS-A-2", 0), 1_000).expect("accepts");
+        sink.accept(cls("CLS-A-3", 0), 1_000).expect("accepts");
+        let report = sink.finish().expect("finishes");
+        assert_eq!(
+            (report.cls, report.cls_repeats, report.cls_already_held),
+            (1, 1, 2)
+        );
+        let written = std::fs::read_to_string(&path).expect("cls file");
+        let ids: Vec<&str> = written.lines().filter_map(cls_id_of).collect();
+        assert_eq!(ids, ["CLS-A-1", "CLS-A-2", "CLS-A-3"]);
     }
 }
