@@ -10,7 +10,8 @@ use std::time::Duration;
 use sqlx::{Connection, SqliteConnection};
 
 const TRADES: u64 = 20_000;
-const KILLS: usize = 6;
+/// At least this many runs must still be going when they are killed.
+const KILLS_MIN: usize = 5;
 
 fn driver() -> Command {
     Command::new(env!("CARGO_BIN_EXE_driver"))
@@ -30,10 +31,10 @@ fn count(database: &Path, query: &str) -> i64 {
         })
 }
 
-#[test]
-fn killed_at_random_points_and_resumed_every_trade_has_one_cls() {
-    let dir = tempfile::tempdir().expect("temporary folder");
-    let set = dir.path().join("set.xml");
+/// Generates the set, kills the driver `delays_ms.len()` times at those delays after each start,
+/// resumes it to the end, and checks the sink's CLS file. Returns the final summary.
+fn kill_and_resume(dir: &Path, store_args: &[String], delays_ms: &[u64]) -> serde_json::Value {
+    let set = dir.join("set.xml");
     let status = driver()
         .args([
             "generate",
@@ -47,8 +48,8 @@ fn killed_at_random_points_and_resumed_every_trade_has_one_cls() {
         .status()
         .expect("driver runs");
     assert!(status.success());
-    let run_dir = dir.path().join("run");
-    let cls_out = dir.path().join("cls.xml");
+    let run_dir = dir.join("run");
+    let cls_out = dir.join("cls.xml");
     let args = |extra: &[&str]| -> Vec<String> {
         let mut args: Vec<String> = vec![
             "--input".into(),
@@ -60,13 +61,12 @@ fn killed_at_random_points_and_resumed_every_trade_has_one_cls() {
             "--resume".into(),
             "--quiet".into(),
         ];
+        args.extend(store_args.iter().cloned());
         args.extend(extra.iter().map(|s| (*s).to_owned()));
         args
     };
-    // Kill points spread over the run, from start-up (migrations, recovery) to the end.
-    let delays_ms = [150_u64, 400, 700, 1000, 1300, 1700];
     let mut killed = 0;
-    for delay in delays_ms.iter().take(KILLS) {
+    for delay in delays_ms {
         let mut child = driver()
             .args(args(&[]))
             .stdout(Stdio::null())
@@ -81,7 +81,7 @@ fn killed_at_random_points_and_resumed_every_trade_has_one_cls() {
         let _ = child.wait();
     }
     assert!(
-        killed >= 5,
+        killed >= KILLS_MIN,
         "only {killed} runs were still going when killed"
     );
 
@@ -111,8 +111,17 @@ fn killed_at_random_points_and_resumed_every_trade_has_one_cls() {
     let distinct: HashSet<&str> = ids.iter().copied().collect();
     assert_eq!(ids.len(), distinct.len(), "a CLS reached the sink twice");
     assert_eq!(distinct.len() as u64, TRADES);
+    summary
+}
+
+#[test]
+fn killed_at_random_points_and_resumed_every_trade_has_one_cls() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    // Kill points spread over the run, from start-up (migrations, recovery) to the end.
+    kill_and_resume(dir.path(), &[], &[150, 400, 700, 1000, 1300, 1700]);
 
     // Every accepted message stored once, across the shards.
+    let run_dir = dir.path().join("run");
     let mut stored = 0;
     for shard in 0..2 {
         let database = run_dir.join(format!("store/shard-{shard}.sqlite"));
@@ -130,4 +139,77 @@ fn killed_at_random_points_and_resumed_every_trade_has_one_cls() {
         assert_eq!(outbox, matched);
     }
     assert_eq!(stored as u64, TRADES * 7);
+}
+
+fn admin_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+fn pg<T>(url: &str, work: impl AsyncFnOnce(&mut sqlx::PgConnection) -> T) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(async {
+            let mut connection = sqlx::PgConnection::connect(url).await.expect("connects");
+            work(&mut connection).await
+        })
+}
+
+#[test]
+fn killed_and_resumed_on_postgres_shards() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let admin = admin_url();
+    let (base, _) = admin.rsplit_once('/').expect("a URL with a database");
+    let names: Vec<String> = (0..2)
+        .map(|shard| format!("ste_test_kill_{}_{shard}", std::process::id()))
+        .collect();
+    pg(&admin, async |connection| {
+        for name in &names {
+            for statement in [
+                format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+                format!("CREATE DATABASE {name}"),
+            ] {
+                sqlx::query(&statement)
+                    .execute(&mut *connection)
+                    .await
+                    .expect("ddl");
+            }
+        }
+    });
+    let urls: Vec<String> = names.iter().map(|name| format!("{base}/{name}")).collect();
+    let store_args: Vec<String> = ["--store", "postgres", "--db", &urls[0], "--db", &urls[1]]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+    kill_and_resume(dir.path(), &store_args, &[300, 900, 1500, 2100, 2700, 3300]);
+    let mut stored = 0;
+    for url in &urls {
+        stored += pg(url, async |connection| -> i64 {
+            sqlx::query_scalar("SELECT COUNT(*) FROM messages")
+                .fetch_one(&mut *connection)
+                .await
+                .expect("count")
+        });
+        // The (sender, msg_id) key makes a message impossible to store twice; the outbox holds
+        // one CLS per matched trade.
+        let (outbox, matched): (i64, i64) = pg(url, async |connection| {
+            sqlx::query_as(
+                "SELECT (SELECT COUNT(*) FROM cls_outbox), (SELECT COUNT(*) FROM trades WHERE status = 'MATCHED')",
+            )
+            .fetch_one(&mut *connection)
+            .await
+            .expect("counts")
+        });
+        assert_eq!(outbox, matched);
+    }
+    assert_eq!(stored as u64, TRADES * 7);
+    pg(&admin, async |connection| {
+        for name in &names {
+            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                .execute(&mut *connection)
+                .await;
+        }
+    });
 }
