@@ -62,6 +62,8 @@ pub struct RunConfig {
     pub shards: u32,
     pub validators: u32,
     pub batch_max_messages: usize,
+    /// How long a writer waits to fill a batch before committing it.
+    pub batch_linger: Duration,
     pub queue_capacity_messages: usize,
     /// Open-loop injection rate; `None` injects as fast as backpressure allows.
     pub rate_msgs_per_s: Option<f64>,
@@ -392,6 +394,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         validators: config.validators,
         queue_capacity_messages: config.queue_capacity_messages,
         batch_max_messages: config.batch_max_messages,
+        batch_linger: config.batch_linger,
         store,
         sample_interval: config.sample_interval,
         samples_path: Some(samples_path.clone()),

@@ -106,6 +106,9 @@ struct RunArgs {
     /// Largest number of messages committed in one transaction.
     #[arg(long, default_value_t = 4096)]
     batch_max: usize,
+    /// Milliseconds a writer waits to fill a batch before committing it (0: commit at once).
+    #[arg(long, default_value_t = 0)]
+    batch_delay_ms: u64,
     /// Capacity of every inbound, match and store queue.
     #[arg(long, default_value_t = 8192)]
     queue_capacity: usize,
@@ -369,6 +372,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         shards,
         validators: args.validators,
         batch_max_messages: args.batch_max.max(1),
+        batch_linger: Duration::from_millis(args.batch_delay_ms),
         queue_capacity_messages: args.queue_capacity.max(1),
         rate_msgs_per_s: args.rate.filter(|rate| *rate > 0.0),
         cls_out: args.cls_out,

@@ -18,6 +18,7 @@ fn config(source: Source, store: StoreChoice, run_dir: &Path) -> RunConfig {
         shards: 3,
         validators: 2,
         batch_max_messages: 512,
+        batch_linger: Duration::from_millis(2),
         queue_capacity_messages: 1024,
         rate_msgs_per_s: None,
         cls_out: None,

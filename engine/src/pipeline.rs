@@ -130,6 +130,9 @@ pub struct PipelineConfig {
     pub outbound_capacity: usize,
     /// Largest number of messages committed in one transaction.
     pub batch_max_messages: usize,
+    /// How long a writer waits for more messages before committing a batch that is not full
+    /// (zero: commit what is queued at once).
+    pub batch_linger: Duration,
     pub store: StoreConfig,
     /// Interval between two samples of every station.
     pub sample_interval: Duration,
@@ -206,6 +209,7 @@ impl Default for PipelineConfig {
             queue_capacity_messages: 8192,
             outbound_capacity: 1024,
             batch_max_messages: 4096,
+            batch_linger: Duration::ZERO,
             store: StoreConfig::Memory,
             sample_interval: Duration::from_millis(10),
             samples_path: None,
@@ -546,6 +550,7 @@ impl Pipeline {
                 outbound_station,
                 clock,
                 batch_max,
+                linger: config.batch_linger,
                 retry,
                 delivery: delivery.clone(),
             };
@@ -950,24 +955,29 @@ fn run_matcher(
     Ok(matcher.counts())
 }
 
-/// Takes the first batch (blocking) and then whatever is already queued, until `batch_max`
-/// messages are held. Returns the items and the sum of their times in the queue.
+/// Takes the first batch (blocking), then whatever is already queued or arrives within `linger`,
+/// until `batch_max` messages are held. Returns the items and the sum of their times in the queue.
 fn next_batch<T>(
     rx: &Receiver<Stamped<T>>,
     batch_max: usize,
+    linger: Duration,
     clock: RunClock,
 ) -> Option<(Vec<T>, u64)> {
     let (mut items, enqueued_ns) = rx.recv().ok()?;
-    let now = clock.now_ns();
-    let mut waited_ns = items.len() as u64 * now.saturating_sub(enqueued_ns);
+    let deadline = Instant::now() + linger;
+    let mut waited_ns = items.len() as u64 * clock.now_ns().saturating_sub(enqueued_ns);
     while items.len() < batch_max {
-        match rx.try_recv() {
-            Ok((more, enqueued_ns)) => {
-                waited_ns += more.len() as u64 * now.saturating_sub(enqueued_ns);
-                items.extend(more);
-            }
-            Err(_) => break,
-        }
+        let next = match rx.try_recv() {
+            Ok(next) => next,
+            Err(_) if linger.is_zero() => break,
+            Err(_) => match rx.recv_deadline(deadline) {
+                Ok(next) => next,
+                Err(_) => break,
+            },
+        };
+        let (more, enqueued_ns) = next;
+        waited_ns += more.len() as u64 * clock.now_ns().saturating_sub(enqueued_ns);
+        items.extend(more);
     }
     Some((items, waited_ns))
 }
@@ -981,6 +991,7 @@ struct WriterContext {
     outbound_station: Arc<Station>,
     clock: RunClock,
     batch_max: usize,
+    linger: Duration,
     retry: RetryPolicy,
     delivery: Delivery,
 }
@@ -999,6 +1010,7 @@ fn run_writer(
         outbound_station,
         clock,
         batch_max,
+        linger,
         retry,
         delivery,
     } = context;
@@ -1026,7 +1038,7 @@ fn run_writer(
         send_batch(&out_tx, &outbound_station, events, clock, "outbound")?;
     }
     let mut commit_retries = 0;
-    while let Some((items, waited_ns)) = next_batch(&rx, batch_max, clock) {
+    while let Some((items, waited_ns)) = next_batch(&rx, batch_max, linger, clock) {
         let started = Instant::now();
         let dequeued_ns = clock.now_ns();
         let mut batch = Batch::default();
@@ -1159,7 +1171,7 @@ fn run_exception_writer(
     retry: RetryPolicy,
 ) -> Result<WriterReport, PipelineError> {
     let mut commit_retries = 0;
-    while let Some((items, waited_ns)) = next_batch(&rx, batch_max, clock) {
+    while let Some((items, waited_ns)) = next_batch(&rx, batch_max, Duration::ZERO, clock) {
         let started = Instant::now();
         let dequeued_ns = clock.now_ns();
         let count = items.len() as u64;
