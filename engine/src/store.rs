@@ -478,8 +478,46 @@ static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migration
 pub struct PgStore {
     name: String,
     url: String,
+    /// Set by a reconnect: the next commit may be a batch whose earlier commit succeeded but
+    /// whose reply was lost.
+    retrying: bool,
     runtime: tokio::runtime::Runtime,
     connection: PgConnection,
+}
+
+/// PostgreSQL's binary COPY header: signature, flags, header extension length.
+const PG_COPY_HEADER: &[u8] = b"PGCOPY\n\xff\r\n\0\0\0\0\0\0\0\0\0";
+
+/// Encodes message rows in PostgreSQL's binary COPY format.
+fn binary_copy_rows(rows: &[MessageRow]) -> Vec<u8> {
+    fn field(out: &mut Vec<u8>, value: Option<&[u8]>) {
+        match value {
+            Some(bytes) => {
+                out.extend_from_slice(&(bytes.len() as i32).to_be_bytes());
+                out.extend_from_slice(bytes);
+            }
+            None => out.extend_from_slice(&(-1_i32).to_be_bytes()),
+        }
+    }
+    let size: usize = rows
+        .iter()
+        .map(|r| 120 + r.raw.len() + r.trade_key.len())
+        .sum();
+    let mut out = Vec::with_capacity(PG_COPY_HEADER.len() + size + 2);
+    out.extend_from_slice(PG_COPY_HEADER);
+    for row in rows {
+        out.extend_from_slice(&8_i16.to_be_bytes());
+        field(&mut out, Some(row.trade_key.as_bytes()));
+        field(&mut out, Some(row.sender.as_bytes()));
+        field(&mut out, Some(row.msg_id.as_bytes()));
+        field(&mut out, Some(row.msg_type.as_bytes()));
+        field(&mut out, Some(row.function.as_bytes()));
+        field(&mut out, row.related_id.as_deref().map(str::as_bytes));
+        field(&mut out, Some(&(row.injected_ns as i64).to_be_bytes()));
+        field(&mut out, Some(&row.raw));
+    }
+    out.extend_from_slice(&(-1_i16).to_be_bytes());
+    out
 }
 
 /// The URL without its password, for messages.
@@ -524,10 +562,26 @@ impl PgStore {
         Ok(Self {
             name,
             url: url.to_owned(),
+            retrying: false,
             runtime,
             connection,
         })
     }
+}
+
+/// The outbox ids of a batch that is already committed.
+async fn committed_outbox_ids(
+    connection: &mut PgConnection,
+    batch: &Batch,
+) -> Result<Vec<i64>, sqlx::Error> {
+    let cls_ids: Vec<&str> = batch.cls.iter().map(|r| r.cls_id.as_str()).collect();
+    let rows: Vec<(i64, String)> =
+        sqlx::query_as("SELECT id, cls_id FROM cls_outbox WHERE cls_id = ANY($1)")
+            .bind(&cls_ids)
+            .fetch_all(&mut *connection)
+            .await?;
+    let ids: ahash::AHashMap<String, i64> = rows.into_iter().map(|(id, c)| (c, id)).collect();
+    Ok(outbox_ids_in_order(batch, &ids))
 }
 
 async fn write_pg_batch(
@@ -536,22 +590,17 @@ async fn write_pg_batch(
 ) -> Result<Vec<i64>, sqlx::Error> {
     let mut transaction = connection.begin().await?;
     if !batch.messages.is_empty() {
-        let rows = &batch.messages;
-        sqlx::query(
-            "INSERT INTO messages (trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw) \
-             SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int8[], $8::bytea[]) \
-             ON CONFLICT (sender, msg_id) DO NOTHING",
-        )
-        .bind(rows.iter().map(|r| r.trade_key.as_str()).collect::<Vec<_>>())
-        .bind(rows.iter().map(|r| r.sender.as_str()).collect::<Vec<_>>())
-        .bind(rows.iter().map(|r| r.msg_id.as_str()).collect::<Vec<_>>())
-        .bind(rows.iter().map(|r| r.msg_type).collect::<Vec<_>>())
-        .bind(rows.iter().map(|r| r.function).collect::<Vec<_>>())
-        .bind(rows.iter().map(|r| r.related_id.as_deref()).collect::<Vec<_>>())
-        .bind(rows.iter().map(|r| r.injected_ns as i64).collect::<Vec<_>>())
-        .bind(rows.iter().map(|r| r.raw.as_slice()).collect::<Vec<_>>())
-        .execute(&mut *transaction)
-        .await?;
+        // The bulk of every batch goes in through binary COPY, PostgreSQL's fastest load path.
+        // COPY cannot skip existing rows; the (sender, msg_id) key refuses a batch that was
+        // already committed, which is what a retry after a lost reply needs to learn.
+        let mut copy = (&mut *transaction)
+            .copy_in_raw(
+                "COPY messages (trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw) \
+                 FROM STDIN WITH (FORMAT binary)",
+            )
+            .await?;
+        copy.send(binary_copy_rows(&batch.messages)).await?;
+        copy.finish().await?;
     }
     if !batch.trades.is_empty() {
         sqlx::query(
@@ -625,9 +674,26 @@ async fn write_pg_batch(
 
 impl Store for PgStore {
     fn commit(&mut self, batch: &mut Batch) -> Result<Vec<i64>, StoreError> {
+        let retrying = std::mem::take(&mut self.retrying);
         let result = self
             .runtime
             .block_on(write_pg_batch(&mut self.connection, batch));
+        let error = match result {
+            Ok(ids) => return Ok(ids),
+            Err(error) => error,
+        };
+        // A retried batch whose messages are already there was committed before the connection
+        // broke: the transaction is all or nothing, so all of it is there.
+        let already_committed = retrying
+            && !batch.messages.is_empty()
+            && matches!(&error, sqlx::Error::Database(database) if database.code().as_deref() == Some("23505"));
+        let result = if already_committed {
+            tracing::warn!(store = %self.name, "a retried batch had already been committed");
+            self.runtime
+                .block_on(committed_outbox_ids(&mut self.connection, batch))
+        } else {
+            Err(error)
+        };
         result.map_err(|source| StoreError::Database {
             store: self.name.clone(),
             source,
@@ -692,6 +758,7 @@ impl Store for PgStore {
     }
 
     fn reconnect(&mut self) -> Result<(), StoreError> {
+        self.retrying = true;
         let result = self.runtime.block_on(PgConnection::connect(&self.url));
         self.connection = result.map_err(|source| StoreError::Database {
             store: self.name.clone(),

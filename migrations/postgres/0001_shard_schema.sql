@@ -1,7 +1,8 @@
--- One shard of the PostgreSQL store. Inserts are idempotent where the row has a natural key, so
--- that a batch replayed after a failure changes nothing.
+-- One shard of the PostgreSQL store. Every row with a natural key is stored once: a batch replayed
+-- after a failure changes nothing.
 
--- Every accepted message with its raw bytes; a (Sender, MsgId) is stored once.
+-- Every accepted message with its raw bytes (loaded with binary COPY); a (Sender, MsgId) is
+-- stored once.
 CREATE TABLE messages (
     id BIGSERIAL PRIMARY KEY,
     trade_key TEXT NOT NULL,
