@@ -593,7 +593,7 @@ async fn write_pg_batch(
         // The bulk of every batch goes in through binary COPY, PostgreSQL's fastest load path.
         // COPY cannot skip existing rows; the (sender, msg_id) key refuses a batch that was
         // already committed, which is what a retry after a lost reply needs to learn.
-        let mut copy = (&mut *transaction)
+        let mut copy = transaction
             .copy_in_raw(
                 "COPY messages (trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw) \
                  FROM STDIN WITH (FORMAT binary)",
