@@ -23,6 +23,7 @@ for instances in "$@"; do
   deploy/local-cluster.sh down --dir "$cluster_dir" >/dev/null 2>&1 || true
   rm -rf "$cluster_dir"
   urls=$(deploy/local-cluster.sh up "$instances" --dir "$cluster_dir" --port "$first_port" | paste -sd,)
+  mkdir -p runs
   run_dir="runs/bench-postgres-${trades}-${instances}-$(date +%Y%m%dT%H%M%S)"
   STE_DATABASE_URLS=$urls ./target/release/driver --trades "$trades" --store postgres \
     --run-dir "$run_dir" --json --quiet > "$run_dir.json"

@@ -131,6 +131,10 @@ pub struct Summary {
     pub mismatched_advices: u64,
     pub elapsed_s: f64,
     pub throughput_msg_s: f64,
+    /// Messages stored per second over the first and the last 10% of the run (from the
+    /// samples of the store stations): how much the run slowed down as it went on.
+    pub throughput_first_10pct_msg_s: Option<f64>,
+    pub throughput_last_10pct_msg_s: Option<f64>,
     pub latency_ms: LatencySummary,
     pub stations: Vec<StationSummary>,
     pub bottleneck: Option<String>,
@@ -518,6 +522,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     let samples = ste_monitor::read_samples(&samples_path).context("reading samples")?;
     let metrics = ste_monitor::analyze(&samples);
     let bottleneck = ste_monitor::bottleneck(&metrics).map(|m| m.station.clone());
+    let edge_rates = ste_monitor::edge_rates(&samples, "store.", 0.1);
     let stations: Vec<StationSummary> = metrics
         .iter()
         .map(|m| StationSummary {
@@ -591,6 +596,8 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         mismatched_advices: sink_report.mismatched_advices,
         elapsed_s,
         throughput_msg_s: messages_in as f64 / elapsed_s.max(1e-9),
+        throughput_first_10pct_msg_s: edge_rates.map(|(first, _)| first),
+        throughput_last_10pct_msg_s: edge_rates.map(|(_, last)| last),
         latency_ms: LatencySummary {
             p50: latency.p50,
             p99: latency.p99,

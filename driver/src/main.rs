@@ -219,6 +219,15 @@ fn print_summary(summary: &Summary) {
         "  elapsed           {:.2} s   throughput {:.0} msg/s   peak RSS {:.0} MiB",
         summary.elapsed_s, summary.throughput_msg_s, summary.peak_rss_mb
     );
+    if let (Some(first), Some(last)) = (
+        summary.throughput_first_10pct_msg_s,
+        summary.throughput_last_10pct_msg_s,
+    ) {
+        println!(
+            "  stored msg/s      first 10% {first:.0}   last 10% {last:.0}   ({:+.1}%)",
+            (last / first - 1.0) * 100.0
+        );
+    }
     println!(
         "  CLS latency ms    p50 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
         summary.latency_ms.p50,

@@ -166,6 +166,44 @@ fn station_metrics(name: &str, rows: &[&Sample]) -> StationMetrics {
     }
 }
 
+/// Completion rates over the first and the last `fraction` of the completions of the stations
+/// whose names start with `prefix` (summed), from the samples: how much a run slowed down as it
+/// went on. `None` when the samples are too few to tell.
+pub fn edge_rates(samples: &[Sample], prefix: &str, fraction: f64) -> Option<(f64, f64)> {
+    // Total completions of the matching stations at each sample time.
+    let mut totals: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut latest: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut rows: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.station.starts_with(prefix))
+        .collect();
+    rows.sort_by(|a, b| a.t_ms.total_cmp(&b.t_ms));
+    for row in rows {
+        latest.insert(row.station.as_str(), row.completions);
+        totals.insert((row.t_ms * 1000.0) as u64, latest.values().sum());
+    }
+    let points: Vec<(f64, u64)> = totals
+        .into_iter()
+        .map(|(t, c)| (t as f64 / 1e6, c))
+        .collect();
+    let (start, _) = *points.first()?;
+    let (_, total) = *points.last()?;
+    let edge = (total as f64 * fraction).max(1.0);
+    // When the completions reached `count`, interpolating linearly between samples.
+    let time_at = |count: f64| -> Option<f64> {
+        let after = points.iter().position(|(_, c)| *c as f64 >= count)?;
+        let (t1, c1) = points[after];
+        if after == 0 || c1 as f64 == count {
+            return Some(t1);
+        }
+        let (t0, c0) = points[after - 1];
+        Some(t0 + (count - c0 as f64) / (c1 - c0) as f64 * (t1 - t0))
+    };
+    let first = ratio(edge, time_at(edge)? - start);
+    let last = ratio(edge, time_at(total as f64)? - time_at(total as f64 - edge)?);
+    (first > 0.0 && last > 0.0).then_some((first, last))
+}
+
 /// The bottleneck: the station with the largest service demand (busy time).
 pub fn bottleneck(metrics: &[StationMetrics]) -> Option<&StationMetrics> {
     metrics.iter().max_by(|a, b| a.B_s.total_cmp(&b.B_s))
@@ -207,6 +245,29 @@ mod tests {
         assert!((metrics.R_s - 0.75).abs() < 1e-9);
         assert!((metrics.N - metrics.X * metrics.R_s).abs() < 1e-9);
         assert!((metrics.U - metrics.X * metrics.S_s).abs() < 1e-9);
+    }
+
+    #[test]
+    fn edge_rates_compare_the_start_and_the_end() {
+        // 1,000 completions a second for 10 s, then 500 a second for the last 2 s.
+        let mut samples = Vec::new();
+        let mut completions = 0;
+        for second in 0..=12 {
+            samples.push(Sample {
+                t_ms: f64::from(second) * 1000.0,
+                station: "store.0".to_owned(),
+                queue_len: 0,
+                arrivals: completions,
+                completions,
+                busy_ms: 0.0,
+            });
+            completions += if second < 10 { 1000 } else { 500 };
+        }
+        // Total 11,000: the first 1,100 took 1.1 s; the last 1,100 took 0.1 s at 1,000/s and
+        // 2 s at 500/s.
+        let (first, last) = edge_rates(&samples, "store.", 0.1).expect("enough samples");
+        assert!((first - 1000.0).abs() < 1e-9, "{first}");
+        assert!((last - 1100.0 / 2.1).abs() < 1e-9, "{last}");
     }
 
     #[test]
