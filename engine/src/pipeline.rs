@@ -584,14 +584,13 @@ impl Pipeline {
         let mut match_txs = Vec::new();
         let mut match_stations = Vec::new();
         let mut matchers = Vec::new();
-        for shard in 0..shards as usize {
+        for (shard, matcher) in restored_matchers.into_iter().enumerate() {
             let (tx, rx) = bounded::<Stamped<Validated>>(capacity);
             let station = Station::new(format!("match.{shard}"));
             match_txs.push(tx);
             match_stations.push(station.clone());
             let store_tx = store_txs[shard].clone();
             let store_station = store_stations[shard].clone();
-            let matcher = restored_matchers.remove(0);
             matchers.push(spawn(format!("matcher-{shard}"), move || {
                 run_matcher(rx, matcher, station, store_tx, store_station, clock)
             }));

@@ -213,6 +213,42 @@ impl Store for MemoryStore {
 
 static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
 
+/// The single-threaded runtime on which a store's writer thread drives sqlx.
+fn io_runtime() -> Result<tokio::runtime::Runtime, StoreError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(StoreError::Runtime)
+}
+
+/// Connects with `connect`, then applies `migrator`, naming `store` in any error.
+fn connect_and_migrate<C>(
+    runtime: &tokio::runtime::Runtime,
+    store: &str,
+    connect: impl std::future::Future<Output = Result<C, sqlx::Error>>,
+    migrate: impl AsyncFnOnce(&mut C) -> Result<(), sqlx::migrate::MigrateError>,
+) -> Result<C, StoreError> {
+    runtime.block_on(async {
+        let mut connection = connect
+            .await
+            .map_err(|source| database_error(store, source))?;
+        migrate(&mut connection)
+            .await
+            .map_err(|source| StoreError::Migrate {
+                store: store.to_owned(),
+                source,
+            })?;
+        Ok(connection)
+    })
+}
+
+fn database_error(store: &str, source: sqlx::Error) -> StoreError {
+    StoreError::Database {
+        store: store.to_owned(),
+        source,
+    }
+}
+
 /// Rows per multi-row INSERT: keeps every statement under SQLite's bound-parameter limit and
 /// lets sqlx reuse one prepared statement for every full chunk.
 const SQLITE_ROWS_PER_STATEMENT: usize = 500;
@@ -232,10 +268,7 @@ impl SqliteStore {
     /// Opens (creating if needed) the file and applies the migrations.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
         let name = path.display().to_string();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(StoreError::Runtime)?;
+        let runtime = io_runtime()?;
         let options = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true)
@@ -245,24 +278,12 @@ impl SqliteStore {
             .pragma("temp_store", "memory")
             .page_size(SQLITE_PAGE_SIZE_BYTES)
             .locking_mode(sqlx::sqlite::SqliteLockingMode::Exclusive);
-        let connection = runtime.block_on(async {
-            let mut connection =
-                options
-                    .connect()
-                    .await
-                    .map_err(|source| StoreError::Database {
-                        store: name.clone(),
-                        source,
-                    })?;
-            SQLITE_MIGRATOR
-                .run(&mut connection)
-                .await
-                .map_err(|source| StoreError::Migrate {
-                    store: name.clone(),
-                    source,
-                })?;
-            Ok::<_, StoreError>(connection)
-        })?;
+        let connection = connect_and_migrate(
+            &runtime,
+            &name,
+            options.connect(),
+            async |connection: &mut SqliteConnection| SQLITE_MIGRATOR.run(connection).await,
+        )?;
         Ok(Self {
             name,
             runtime,
@@ -281,10 +302,7 @@ impl SqliteStore {
     }
 
     fn database_error(&self, source: sqlx::Error) -> StoreError {
-        StoreError::Database {
-            store: self.name.clone(),
-            source,
-        }
+        database_error(&self.name, source)
     }
 }
 
@@ -538,27 +556,13 @@ impl PgStore {
     /// Connects and applies the migrations (checksums verified by sqlx).
     pub fn open(url: &str) -> Result<Self, StoreError> {
         let name = redacted(url);
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(StoreError::Runtime)?;
-        let connection = runtime.block_on(async {
-            let mut connection =
-                PgConnection::connect(url)
-                    .await
-                    .map_err(|source| StoreError::Database {
-                        store: name.clone(),
-                        source,
-                    })?;
-            POSTGRES_MIGRATOR
-                .run(&mut connection)
-                .await
-                .map_err(|source| StoreError::Migrate {
-                    store: name.clone(),
-                    source,
-                })?;
-            Ok::<_, StoreError>(connection)
-        })?;
+        let runtime = io_runtime()?;
+        let connection = connect_and_migrate(
+            &runtime,
+            &name,
+            PgConnection::connect(url),
+            async |connection: &mut PgConnection| POSTGRES_MIGRATOR.run(connection).await,
+        )?;
         Ok(Self {
             name,
             url: url.to_owned(),
@@ -694,10 +698,7 @@ impl Store for PgStore {
         } else {
             Err(error)
         };
-        result.map_err(|source| StoreError::Database {
-            store: self.name.clone(),
-            source,
-        })
+        result.map_err(|source| database_error(&self.name, source))
     }
 
     fn undelivered_cls(&mut self) -> Result<Vec<UndeliveredCls>, StoreError> {
@@ -706,10 +707,7 @@ impl Store for PgStore {
             .block_on(sqlx::query_as(UNDELIVERED_QUERY).fetch_all(&mut self.connection));
         result
             .map(undelivered_rows)
-            .map_err(|source| StoreError::Database {
-                store: self.name.clone(),
-                source,
-            })
+            .map_err(|source| database_error(&self.name, source))
     }
 
     /// Lost connections, a server shutting down or starting up, and serialization failures.
@@ -748,10 +746,7 @@ impl Store for PgStore {
                     .bind(RECOVERY_PAGE_ROWS)
                     .fetch_all(&mut self.connection),
                 );
-                result.map_err(|source| StoreError::Database {
-                    store: self.name.clone(),
-                    source,
-                })
+                result.map_err(|source| database_error(&self.name, source))
             },
             visit,
         )
@@ -760,10 +755,7 @@ impl Store for PgStore {
     fn reconnect(&mut self) -> Result<(), StoreError> {
         self.retrying = true;
         let result = self.runtime.block_on(PgConnection::connect(&self.url));
-        self.connection = result.map_err(|source| StoreError::Database {
-            store: self.name.clone(),
-            source,
-        })?;
+        self.connection = result.map_err(|source| database_error(&self.name, source))?;
         Ok(())
     }
 
@@ -777,10 +769,7 @@ impl Store for PgStore {
             .await?;
             Ok::<_, sqlx::Error>(counts)
         });
-        let counts = result.map_err(|source| StoreError::Database {
-            store: self.name.clone(),
-            source,
-        })?;
+        let counts = result.map_err(|source| database_error(&self.name, source))?;
         Ok(RowCounts {
             messages: counts.0 as u64,
             trades: counts.1 as u64,
