@@ -485,7 +485,6 @@ impl Pipeline {
         refdata: Arc<RefData>,
         tolerances: Tolerances,
     ) -> Result<Self, PipelineError> {
-        let clock = RunClock::start();
         let shards = config.shards.max(1);
         let validators = config.validators.max(1);
         // Queues hold batches: their capacity in batches keeps the bound in messages.
@@ -500,8 +499,6 @@ impl Pipeline {
             }
         }
         let mut stores = Vec::with_capacity(shards as usize);
-        let mut restored_matchers = Vec::with_capacity(shards as usize);
-        let mut undelivered = Vec::with_capacity(shards as usize);
         for shard in 0..shards as usize {
             let mut store = open_store(&config.store, Some(shard))?;
             let held = store.row_counts()?.messages;
@@ -510,12 +507,43 @@ impl Pipeline {
                     "shard {shard} already holds {held} messages; recover from it or start from empty shards"
                 )));
             }
-            let matcher = restore_matcher(store.as_mut(), shard, &refdata, &tolerances)?;
-            restored_matchers.push(matcher);
-            undelivered.push(store.undelivered_cls()?);
             stores.push(store);
         }
+        // Shards rebuild their matchers side by side: each reads only its own store.
+        let rebuilt: Vec<Result<(Matcher, Vec<crate::store::UndeliveredCls>), PipelineError>> =
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = stores
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(shard, store)| {
+                        let refdata = &refdata;
+                        let tolerances = &tolerances;
+                        scope.spawn(move || {
+                            let matcher =
+                                restore_matcher(store.as_mut(), shard, refdata, tolerances)?;
+                            Ok((matcher, store.undelivered_cls()?))
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|handle| {
+                        handle
+                            .join()
+                            .unwrap_or_else(|_| Err(PipelineError::Panicked("restore".to_owned())))
+                    })
+                    .collect()
+            });
+        let mut restored_matchers = Vec::with_capacity(shards as usize);
+        let mut undelivered = Vec::with_capacity(shards as usize);
+        for result in rebuilt {
+            let (matcher, unconfirmed) = result?;
+            restored_matchers.push(matcher);
+            undelivered.push(unconfirmed);
+        }
         let exception_store = open_store(&config.store, None)?;
+        // Run time starts once the stores are open and the matchers rebuilt.
+        let clock = RunClock::start();
 
         let mut stations = Vec::new();
         let (ack_tx, ack_rx) = bounded::<Vec<Ack>>(config.outbound_capacity);
@@ -769,6 +797,9 @@ impl Pipeline {
     }
 }
 
+/// How often rebuilding a matcher reports its progress.
+const RESTORE_PROGRESS_EVERY_MESSAGES: u64 = 500_000;
+
 /// Rebuilds a shard's matcher by taking back, in order, every message the shard accepted.
 fn restore_matcher(
     store: &mut dyn Store,
@@ -778,7 +809,13 @@ fn restore_matcher(
 ) -> Result<Matcher, PipelineError> {
     let mut matcher = Matcher::new(refdata.clone(), tolerances.clone());
     let mut disagreements = 0_u64;
+    let mut taken_back = 0_u64;
+    let started = Instant::now();
     let restored = store.for_each_accepted(&mut |stored| {
+        taken_back += 1;
+        if taken_back.is_multiple_of(RESTORE_PROGRESS_EVERY_MESSAGES) {
+            tracing::info!(shard, messages = taken_back, "rebuilding the matcher");
+        }
         // A stored message passed validation when it was accepted; only its fields are needed.
         let typed = crate::codec::parse_fields(&stored.raw)
             .and_then(|fields| crate::validate::typed_fields(&fields));
@@ -796,7 +833,12 @@ fn restore_matcher(
         )));
     }
     if restored > 0 {
-        tracing::info!(shard, restored, "matcher rebuilt from its shard");
+        tracing::info!(
+            shard,
+            messages = restored,
+            seconds = started.elapsed().as_secs_f64(),
+            "matcher rebuilt from its shard"
+        );
     }
     Ok(matcher)
 }
