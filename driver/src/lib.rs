@@ -622,3 +622,15 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         .with_context(|| format!("writing {}", summary_path.display()))?;
     Ok(summary)
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_engine_writes_the_samples_header_the_monitor_reads() {
+        // Two crates, one file format: the monitor stays independent of the engine.
+        assert_eq!(
+            ste_engine::pipeline::SAMPLES_HEADER,
+            ste_monitor::SAMPLES_HEADER
+        );
+    }
+}

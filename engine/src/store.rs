@@ -69,18 +69,6 @@ pub struct UndeliveredCls {
     pub row: ClsRow,
 }
 
-impl Batch {
-    /// Rows in the batch.
-    pub fn len(&self) -> usize {
-        self.messages.len() + self.trades.len() + self.cls.len() + self.exceptions.len()
-    }
-
-    /// Whether the batch writes nothing.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0 && self.delivered_through.is_none()
-    }
-}
-
 /// Rows held by a store, for summaries and checks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RowCounts {
