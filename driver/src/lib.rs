@@ -74,6 +74,8 @@ pub struct RunConfig {
     pub tolerances: Tolerances,
     /// Continue on shards that already hold messages, rebuilding the matchers from them.
     pub resume: bool,
+    /// Drop a shard's trades this many days after their trade date (postgres store only).
+    pub retention_days: Option<u32>,
 }
 
 /// Latency percentiles in milliseconds.
@@ -403,6 +405,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         sample_interval: config.sample_interval,
         samples_path: Some(samples_path.clone()),
         recover: config.resume,
+        retention_days: config.retention_days,
         ..PipelineConfig::default()
     };
     let started = Instant::now();

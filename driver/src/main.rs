@@ -135,6 +135,11 @@ struct RunArgs {
     /// as duplicates.
     #[arg(long)]
     resume: bool,
+    /// Keep trades this many days after their trade date, then drop them: whole monthly
+    /// partitions, when each shard starts and once a day (postgres store only; default: keep
+    /// everything).
+    #[arg(long, value_name = "DAYS")]
+    retention_days: Option<u32>,
     /// Print the summary as one JSON object.
     #[arg(long)]
     json: bool,
@@ -376,6 +381,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     if args.resume && args.run_dir.is_none() && store != StoreChoice::Postgres {
         bail!("--resume needs the --run-dir of the run to continue");
     }
+    if args.retention_days.is_some() && store != StoreChoice::Postgres {
+        bail!("--retention-days drops monthly partitions of the postgres store; the {} store keeps everything", store.as_str());
+    }
     let config = RunConfig {
         source,
         store,
@@ -392,6 +400,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         progress: !args.quiet,
         tolerances: Tolerances::from_profile(&profile).context("reading the matching profile")?,
         resume: args.resume,
+        retention_days: args.retention_days,
     };
     let summary = ste_driver::run(&config, refdata)?;
     if args.json {

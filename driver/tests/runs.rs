@@ -27,6 +27,7 @@ fn config(source: Source, store: StoreChoice, run_dir: &Path) -> RunConfig {
         progress: false,
         tolerances: Tolerances::default(),
         resume: false,
+        retention_days: None,
     }
 }
 

@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use ahash::{AHashMap, AHashSet};
+use time::Date;
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 use crate::model::{cls_id, Cls, Decimal, Function, Msg, MsgType, Settlement, Side};
@@ -86,6 +87,9 @@ pub struct Outcome {
     /// Injection time of the trade's first message, for CLS latency.
     pub trade_first_injected_ns: u64,
     pub advice: Option<Advice>,
+    /// The date the trade's rows are stored under (see [`Matcher::process`]); meaningful when
+    /// the message was accepted.
+    pub trade_date: Date,
 }
 
 impl Outcome {
@@ -96,6 +100,7 @@ impl Outcome {
             cls: None,
             trade_first_injected_ns: 0,
             advice: None,
+            trade_date: Date::MIN,
         }
     }
 }
@@ -108,6 +113,8 @@ struct Held {
 struct Trade {
     messages: Vec<Held>,
     status: TradeStatus,
+    /// Fixed by the trade's first accepted message: the partition its rows are stored in.
+    date: Date,
     first_injected_ns: u64,
     last_failed: Vec<Criterion>,
 }
@@ -130,7 +137,8 @@ pub struct Matcher {
     refdata: Arc<RefData>,
     tolerances: Tolerances,
     open: AHashMap<Box<str>, Trade>,
-    closed: AHashSet<HashKey>,
+    /// Matched trades and the date their rows are stored under.
+    closed: AHashMap<HashKey, Date>,
     /// Content hash of every accepted message, by message key.
     seen: AHashMap<HashKey, u64>,
     /// Message keys named by an accepted CAN or AMD.
@@ -145,7 +153,7 @@ impl Matcher {
             refdata,
             tolerances,
             open: AHashMap::new(),
-            closed: AHashSet::new(),
+            closed: AHashMap::new(),
             seen: AHashMap::new(),
             named: AHashSet::new(),
             accepted: 0,
@@ -153,8 +161,31 @@ impl Matcher {
     }
 
     /// Processes one validated message. `raw` is its wire bytes (for exact-duplicate detection),
-    /// `injected_ns` when it entered the engine, `now` the timestamp to stamp on a CLS.
-    pub fn process(&mut self, msg: Msg, raw: &[u8], injected_ns: u64, now: &str) -> Outcome {
+    /// `injected_ns` when it entered the engine, `now` the timestamp to stamp on a CLS and
+    /// `today` its date.
+    ///
+    /// A trade's rows are stored under one date, fixed by its first accepted message: that
+    /// message's TradeDate, or `today` for a CAN (which carries none).
+    pub fn process(
+        &mut self,
+        msg: Msg,
+        raw: &[u8],
+        injected_ns: u64,
+        now: &str,
+        today: Date,
+    ) -> Outcome {
+        let date = msg.trade_date.unwrap_or(today);
+        self.process_dated(msg, raw, injected_ns, now, date)
+    }
+
+    fn process_dated(
+        &mut self,
+        msg: Msg,
+        raw: &[u8],
+        injected_ns: u64,
+        now: &str,
+        date_if_new: Date,
+    ) -> Outcome {
         let key = message_key(&msg.sender, &msg.msg_id);
         let content = xxh3_64(raw);
         if let Some(previous) = self.seen.get(&key) {
@@ -172,7 +203,7 @@ impl Matcher {
         }
         let trade_key = msg.trade_key();
         let is_named = self.named.contains(&key);
-        if self.closed.contains(&hash_key(&[&trade_key])) {
+        if let Some(&date) = self.closed.get(&hash_key(&[&trade_key])) {
             if !is_named {
                 return Outcome::only(Disposition::Rejected(Rejection::new(
                     ReasonCode::Closed,
@@ -180,7 +211,10 @@ impl Matcher {
                 )));
             }
             self.remember(key, content, &msg);
-            return Outcome::only(Disposition::Accepted);
+            return Outcome {
+                trade_date: date,
+                ..Outcome::only(Disposition::Accepted)
+            };
         }
         if msg.function == Function::New && !is_named {
             if let Some(trade) = self.open.get(trade_key.as_str()) {
@@ -207,6 +241,7 @@ impl Matcher {
             .or_insert_with(|| Trade {
                 messages: Vec::new(),
                 status: TradeStatus::Pending,
+                date: date_if_new,
                 first_injected_ns: injected_ns,
                 last_failed: Vec::new(),
             });
@@ -217,9 +252,17 @@ impl Matcher {
 
     /// Takes back a message that was accepted before a restart, in acceptance order, so that the
     /// matcher ends in the state it had. Returns false if the message would not be accepted now,
-    /// which means the shard's history and this matcher disagree.
-    pub fn restore(&mut self, msg: Msg, raw: &[u8], injected_ns: u64) -> bool {
-        let outcome = self.process(msg, raw, injected_ns, "");
+    /// which means the shard's history and this matcher disagree. `stored_date` is the date
+    /// the store kept the message under, where it keeps one.
+    pub fn restore(
+        &mut self,
+        msg: Msg,
+        raw: &[u8],
+        injected_ns: u64,
+        stored_date: Option<Date>,
+    ) -> bool {
+        let date = stored_date.or(msg.trade_date).unwrap_or(Date::MIN);
+        let outcome = self.process_dated(msg, raw, injected_ns, "", date);
         outcome.disposition == Disposition::Accepted
     }
 
@@ -274,6 +317,7 @@ impl Matcher {
             None
         };
         let first_injected_ns = trade.first_injected_ns;
+        let date = trade.date;
         let changed = status != trade.status;
         let advice =
             (status == TradeStatus::Mismatched && failed != trade.last_failed).then(|| Advice {
@@ -282,7 +326,7 @@ impl Matcher {
             });
         if status == TradeStatus::Matched {
             self.open.remove(trade_key.as_str());
-            self.closed.insert(hash_key(&[&trade_key]));
+            self.closed.insert(hash_key(&[&trade_key]), date);
         } else if let Some(trade) = self.open.get_mut(trade_key.as_str()) {
             trade.status = status;
             trade.last_failed = failed;
@@ -293,6 +337,7 @@ impl Matcher {
             cls,
             trade_first_injected_ns: first_injected_ns,
             advice,
+            trade_date: date,
         }
     }
 
@@ -317,7 +362,7 @@ impl Matcher {
 
     /// The status of a trade, if the shard knows it.
     pub fn status_of(&self, trade_key: &str) -> Option<TradeStatus> {
-        if self.closed.contains(&hash_key(&[trade_key])) {
+        if self.closed.contains_key(&hash_key(&[trade_key])) {
             return Some(TradeStatus::Matched);
         }
         self.open.get(trade_key).map(|trade| trade.status)

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use ahash::AHashMap;
 use crossbeam_channel::{bounded, Receiver, Sender};
 use time::format_description::well_known::Rfc3339;
-use time::OffsetDateTime;
+use time::{Date, OffsetDateTime};
 
 use crate::codec::encode_cls;
 use crate::matcher::{Advice, Disposition, Matcher, Outcome, ShardCounts};
@@ -143,6 +143,9 @@ pub struct PipelineConfig {
     /// Rebuild each matcher from the messages its shard already holds; otherwise a shard that
     /// holds messages is refused.
     pub recover: bool,
+    /// Keep a shard's trades this many days after their trade date, then drop them (whole
+    /// monthly partitions: needs the postgres store). `None` keeps everything.
+    pub retention_days: Option<u32>,
 }
 
 /// Retries of a failed commit: exponential backoff from `backoff_first` to `backoff_max`, for
@@ -215,6 +218,7 @@ impl Default for PipelineConfig {
             samples_path: None,
             retry: RetryPolicy::default(),
             recover: false,
+            retention_days: None,
         }
     }
 }
@@ -499,8 +503,21 @@ impl Pipeline {
             }
         }
         let mut stores = Vec::with_capacity(shards as usize);
+        if config.retention_days.is_some() && !matches!(config.store, StoreConfig::Postgres { .. })
+        {
+            return Err(PipelineError::Config(
+                "retention drops monthly partitions: it needs the postgres store".to_owned(),
+            ));
+        }
         for shard in 0..shards as usize {
             let mut store = open_store(&config.store, Some(shard))?;
+            if let Some(days) = config.retention_days {
+                let today = OffsetDateTime::now_utc().date();
+                let report = store.purge(today, days)?;
+                if !report.dropped.is_empty() {
+                    tracing::info!(shard, partitions = report.dropped.len(), "retention purge");
+                }
+            }
             let held = store.row_counts()?.messages;
             if held > 0 && !config.recover {
                 return Err(PipelineError::Config(format!(
@@ -581,6 +598,7 @@ impl Pipeline {
                 linger: config.batch_linger,
                 retry,
                 delivery: delivery.clone(),
+                retention_days: config.retention_days,
             };
             writers.push(spawn(format!("writer-{shard}"), move || {
                 run_writer(rx, store, context, redeliver)
@@ -820,7 +838,7 @@ fn restore_matcher(
         let typed = crate::codec::parse_fields(&stored.raw)
             .and_then(|fields| crate::validate::typed_fields(&fields));
         let restored = match typed {
-            Ok(msg) => matcher.restore(msg, &stored.raw, stored.injected_ns),
+            Ok(msg) => matcher.restore(msg, &stored.raw, stored.injected_ns, stored.trade_date),
             Err(_) => false,
         };
         if !restored {
@@ -939,14 +957,17 @@ fn run_validator(
 struct MatchedAtClock {
     last_ms: i128,
     text: String,
+    today: Date,
 }
 
 impl MatchedAtClock {
-    fn now(&mut self) -> &str {
+    /// The timestamp and its date.
+    fn now(&mut self) -> (&str, Date) {
         let now = OffsetDateTime::now_utc();
         let ms = now.unix_timestamp_nanos() / 1_000_000;
         if ms != self.last_ms {
             self.last_ms = ms;
+            self.today = now.date();
             let truncated = now
                 .replace_nanosecond((now.nanosecond() / 1_000_000) * 1_000_000)
                 .unwrap_or(now);
@@ -954,7 +975,7 @@ impl MatchedAtClock {
                 .format(&Rfc3339)
                 .unwrap_or_else(|_| "1970-01-01T00:00:00.000Z".to_owned());
         }
-        &self.text
+        (&self.text, self.today)
     }
 }
 
@@ -969,6 +990,7 @@ fn run_matcher(
     let mut wall = MatchedAtClock {
         last_ms: -1,
         text: String::new(),
+        today: Date::MIN,
     };
     for (items, enqueued_ns) in rx {
         let started = Instant::now();
@@ -976,7 +998,8 @@ fn run_matcher(
         let mut processed = Vec::with_capacity(items.len());
         for item in items {
             let meta = MessageMeta::of(&item.msg);
-            let outcome = matcher.process(item.msg, &item.bytes, item.injected_ns, wall.now());
+            let (now, today) = wall.now();
+            let outcome = matcher.process(item.msg, &item.bytes, item.injected_ns, now, today);
             processed.push(Processed {
                 outcome,
                 meta,
@@ -1035,6 +1058,7 @@ struct WriterContext {
     linger: Duration,
     retry: RetryPolicy,
     delivery: Delivery,
+    retention_days: Option<u32>,
 }
 
 fn run_writer(
@@ -1054,6 +1078,7 @@ fn run_writer(
         linger,
         retry,
         delivery,
+        retention_days,
     } = context;
     let delivered = delivery.through[shard as usize].clone();
     let mut watermark_written: i64 = 0;
@@ -1068,8 +1093,8 @@ fn run_writer(
         let events = redeliver
             .into_iter()
             .map(|cls| OutboundEvent::Cls {
-                cls_id: cls.row.cls_id,
-                body: cls.row.body,
+                cls_id: cls.cls_id,
+                body: cls.body,
                 trade_first_injected_ns: 0,
                 shard,
                 outbox_id: cls.outbox_id,
@@ -1079,9 +1104,18 @@ fn run_writer(
         send_batch(&out_tx, &outbound_station, events, clock, "outbound")?;
     }
     let mut commit_retries = 0;
+    let mut purged_on = OffsetDateTime::now_utc().date();
     while let Some((items, waited_ns)) = next_batch(&rx, batch_max, linger, clock) {
         let started = Instant::now();
         let dequeued_ns = clock.now_ns();
+        let today = OffsetDateTime::now_utc().date();
+        if let Some(days) = retention_days.filter(|_| today != purged_on) {
+            // Retention runs when the shard starts and then once a day.
+            purged_on = today;
+            if let Err(error) = store.purge(today, days) {
+                tracing::error!(shard, error = %error, "retention purge failed; retried tomorrow");
+            }
+        }
         let mut batch = Batch::default();
         let mut acks = Vec::with_capacity(items.len());
         let mut events = Vec::new();
@@ -1091,9 +1125,11 @@ fn run_writer(
         for item in items {
             let meta = item.meta;
             let trade_key = meta.trade_key;
+            let trade_date = item.outcome.trade_date;
             let result = match item.outcome.disposition {
                 Disposition::Accepted => {
                     batch.messages.push(MessageRow {
+                        trade_date,
                         trade_key: trade_key.clone(),
                         sender: meta.sender,
                         msg_id: meta.msg_id,
@@ -1109,6 +1145,7 @@ fn run_writer(
                 Disposition::Rejected(rejection) => {
                     let code = rejection.code;
                     batch.exceptions.push(ExceptionRow {
+                        received_on: today,
                         trade_key: Some(trade_key.clone()),
                         sender: Some(meta.sender),
                         msg_id: Some(meta.msg_id),
@@ -1129,6 +1166,7 @@ fn run_writer(
                     None => {
                         trade_rows.insert(trade_key.clone(), batch.trades.len());
                         batch.trades.push(TradeRow {
+                            trade_date,
                             trade_key: trade_key.clone(),
                             status,
                         });
@@ -1138,6 +1176,7 @@ fn run_writer(
             if let Some(cls) = item.outcome.cls {
                 let body = encode_cls(&cls);
                 batch.cls.push(ClsRow {
+                    trade_date,
                     cls_id: cls.cls_id.clone(),
                     trade_key,
                     body: body.clone(),
@@ -1215,6 +1254,7 @@ fn run_exception_writer(
     while let Some((items, waited_ns)) = next_batch(&rx, batch_max, Duration::ZERO, clock) {
         let started = Instant::now();
         let dequeued_ns = clock.now_ns();
+        let today = OffsetDateTime::now_utc().date();
         let count = items.len() as u64;
         let mut batch = Batch::default();
         let mut acks = Vec::with_capacity(items.len());
@@ -1224,6 +1264,7 @@ fn run_exception_writer(
                 result: AckResult::Rejected(item.rejection.code),
             });
             batch.exceptions.push(ExceptionRow {
+                received_on: today,
                 trade_key: None,
                 sender: item.sender,
                 msg_id: None,

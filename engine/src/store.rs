@@ -8,6 +8,7 @@ use std::path::Path;
 use sqlx::postgres::PgConnection;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use sqlx::{ConnectOptions, Connection, QueryBuilder, Sqlite, SqliteConnection};
+use time::Date;
 
 use crate::matcher::TradeStatus;
 use crate::reason::ReasonCode;
@@ -15,6 +16,8 @@ use crate::reason::ReasonCode;
 /// An accepted message, with its raw bytes.
 #[derive(Debug, Clone)]
 pub struct MessageRow {
+    /// The date of the trade's partition (see [`crate::matcher::Matcher::process`]).
+    pub trade_date: Date,
     pub trade_key: String,
     pub sender: String,
     pub msg_id: String,
@@ -28,6 +31,7 @@ pub struct MessageRow {
 /// A trade's new status.
 #[derive(Debug, Clone)]
 pub struct TradeRow {
+    pub trade_date: Date,
     pub trade_key: String,
     pub status: TradeStatus,
 }
@@ -35,6 +39,7 @@ pub struct TradeRow {
 /// A CLS in the outbox, written in the transaction of the message that completed the match.
 #[derive(Debug, Clone)]
 pub struct ClsRow {
+    pub trade_date: Date,
     pub cls_id: String,
     pub trade_key: String,
     pub body: String,
@@ -43,6 +48,8 @@ pub struct ClsRow {
 /// A rejected message with its raw bytes, code and a human detail.
 #[derive(Debug, Clone)]
 pub struct ExceptionRow {
+    /// The day the engine refused the message: exceptions are kept by the day they arrived.
+    pub received_on: Date,
     pub trade_key: Option<String>,
     pub sender: Option<String>,
     pub msg_id: Option<String>,
@@ -66,7 +73,8 @@ pub struct Batch {
 #[derive(Debug, Clone)]
 pub struct UndeliveredCls {
     pub outbox_id: i64,
-    pub row: ClsRow,
+    pub cls_id: String,
+    pub body: String,
 }
 
 /// Rows held by a store, for summaries and checks.
@@ -88,6 +96,8 @@ pub enum StoreError {
         store: String,
         source: sqlx::migrate::MigrateError,
     },
+    #[error("{0}")]
+    Unsupported(&'static str),
     #[error("cannot start the i/o runtime")]
     Runtime(#[source] std::io::Error),
 }
@@ -97,6 +107,8 @@ pub enum StoreError {
 pub struct StoredMessage {
     pub raw: Vec<u8>,
     pub injected_ns: u64,
+    /// The date of the partition the message is kept in, where the store partitions by date.
+    pub trade_date: Option<Date>,
 }
 
 /// Rows read per query when a shard's messages are read back: bounds the memory of recovery.
@@ -126,6 +138,13 @@ pub trait Store: Send {
         &mut self,
         visit: &mut dyn FnMut(StoredMessage),
     ) -> Result<u64, StoreError>;
+    /// Drops what is older than `keep_days` days before `today`. Only a store partitioned by
+    /// date can: the others refuse.
+    fn purge(&mut self, _today: Date, _keep_days: u32) -> Result<PurgeReport, StoreError> {
+        Err(StoreError::Unsupported(
+            "retention needs a store partitioned by date (the postgres store)",
+        ))
+    }
 }
 
 /// Rows kept in process memory: the store for tests and for measuring the engine without
@@ -169,7 +188,8 @@ impl Store for MemoryStore {
             .skip(skip)
             .map(|(index, row)| UndeliveredCls {
                 outbox_id: index as i64 + 1,
-                row: row.clone(),
+                cls_id: row.cls_id.clone(),
+                body: row.body.clone(),
             })
             .collect())
     }
@@ -192,6 +212,7 @@ impl Store for MemoryStore {
             visit(StoredMessage {
                 raw: row.raw.clone(),
                 injected_ns: row.injected_ns,
+                trade_date: Some(row.trade_date),
             });
             count += 1;
         }
@@ -374,18 +395,15 @@ fn outbox_ids_in_order(batch: &Batch, ids: &ahash::AHashMap<String, i64>) -> Vec
         .collect()
 }
 
-const UNDELIVERED_QUERY: &str = "SELECT id, cls_id, trade_key, body FROM cls_outbox \
+const UNDELIVERED_QUERY: &str = "SELECT id, cls_id, body FROM cls_outbox \
      WHERE id > COALESCE((SELECT delivered_through FROM cls_delivery WHERE id = 1), 0) ORDER BY id";
 
-fn undelivered_rows(rows: Vec<(i64, String, String, String)>) -> Vec<UndeliveredCls> {
+fn undelivered_rows(rows: Vec<(i64, String, String)>) -> Vec<UndeliveredCls> {
     rows.into_iter()
-        .map(|(outbox_id, cls_id, trade_key, body)| UndeliveredCls {
+        .map(|(outbox_id, cls_id, body)| UndeliveredCls {
             outbox_id,
-            row: ClsRow {
-                cls_id,
-                trade_key,
-                body,
-            },
+            cls_id,
+            body,
         })
         .collect()
 }
@@ -440,9 +458,9 @@ impl Store for SqliteStore {
     }
 }
 
-/// Reads `(id, raw, injected_ns)` pages in id order until one comes back empty.
+/// Reads pages of `(id, message)` in id order until one comes back empty.
 fn read_pages(
-    mut read_page: impl FnMut(i64) -> Result<Vec<(i64, Vec<u8>, i64)>, StoreError>,
+    mut read_page: impl FnMut(i64) -> Result<Vec<(i64, StoredMessage)>, StoreError>,
     visit: &mut dyn FnMut(StoredMessage),
 ) -> Result<u64, StoreError> {
     let mut after_id = 0;
@@ -453,19 +471,16 @@ fn read_pages(
             return Ok(count);
         };
         after_id = last.0;
-        for (_, raw, injected_ns) in page {
-            visit(StoredMessage {
-                raw,
-                injected_ns: injected_ns as u64,
-            });
+        for (_, message) in page {
+            visit(message);
             count += 1;
         }
     }
 }
 
 impl SqliteStore {
-    fn read_page(&mut self, after_id: i64) -> Result<Vec<(i64, Vec<u8>, i64)>, StoreError> {
-        let result = self.runtime.block_on(
+    fn read_page(&mut self, after_id: i64) -> Result<Vec<(i64, StoredMessage)>, StoreError> {
+        let result: Result<Vec<(i64, Vec<u8>, i64)>, _> = self.runtime.block_on(
             sqlx::query_as(
                 "SELECT id, raw, injected_ns FROM messages WHERE id > ? ORDER BY id LIMIT ?",
             )
@@ -473,7 +488,18 @@ impl SqliteStore {
             .bind(RECOVERY_PAGE_ROWS)
             .fetch_all(&mut self.connection),
         );
-        result.map_err(|source| self.database_error(source))
+        let rows = result.map_err(|source| self.database_error(source))?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, raw, injected_ns)| {
+                let message = StoredMessage {
+                    raw,
+                    injected_ns: injected_ns as u64,
+                    trade_date: None,
+                };
+                (id, message)
+            })
+            .collect())
     }
 }
 
@@ -487,12 +513,166 @@ pub struct PgStore {
     /// Set by a reconnect: the next commit may be a batch whose earlier commit succeeded but
     /// whose reply was lost.
     retrying: bool,
+    /// Partitions known to exist, by table and month.
+    partitions: ahash::AHashSet<(PartitionedTable, Month)>,
     runtime: tokio::runtime::Runtime,
     connection: PgConnection,
 }
 
+/// A stored message as read back: id, raw bytes, injection time, trade date.
+type PgStoredRow = (i64, Vec<u8>, i64, Date);
+
+/// The tables partitioned by month.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum PartitionedTable {
+    Messages,
+    Trades,
+    ClsOutbox,
+    Exceptions,
+}
+
+impl PartitionedTable {
+    const ALL: [Self; 4] = [
+        Self::Messages,
+        Self::Trades,
+        Self::ClsOutbox,
+        Self::Exceptions,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Messages => "messages",
+            Self::Trades => "trades",
+            Self::ClsOutbox => "cls_outbox",
+            Self::Exceptions => "exceptions",
+        }
+    }
+
+    fn partition(self, month: Month) -> String {
+        format!("{}_p{:04}{:02}", self.name(), month.year, month.month)
+    }
+}
+
+/// A calendar month: the span of one partition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Month {
+    pub year: i32,
+    pub month: u8,
+}
+
+impl Month {
+    pub fn of(date: Date) -> Self {
+        Self {
+            year: date.year(),
+            month: date.month() as u8,
+        }
+    }
+
+    fn next(self) -> Self {
+        if self.month == 12 {
+            Self {
+                year: self.year + 1,
+                month: 1,
+            }
+        } else {
+            Self {
+                year: self.year,
+                month: self.month + 1,
+            }
+        }
+    }
+
+    /// The first day, as PostgreSQL reads a date.
+    fn first_day(self) -> String {
+        format!("{:04}-{:02}-01", self.year, self.month)
+    }
+
+    /// Whether every day of the month is before `day`.
+    fn ends_before(self, day: Date) -> bool {
+        self.next() <= Self::of(day)
+    }
+
+    /// The month of a partition named by [`PartitionedTable::partition`].
+    fn of_partition(table: PartitionedTable, name: &str) -> Option<Self> {
+        let digits = name.strip_prefix(table.name())?.strip_prefix("_p")?;
+        if digits.len() != 6 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let month = Self {
+            year: digits[..4].parse().ok()?,
+            month: digits[4..].parse().ok()?,
+        };
+        (1..=12).contains(&month.month).then_some(month)
+    }
+}
+
+impl std::fmt::Display for Month {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:04}-{:02}", self.year, self.month)
+    }
+}
+
+/// What a retention purge did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PurgeReport {
+    /// The partitions dropped.
+    pub dropped: Vec<String>,
+    /// Months past the horizon kept because their outbox holds a CLS not confirmed delivered.
+    pub kept_undelivered: Vec<Month>,
+}
+
+/// The partitions that `batch` writes to.
+fn partitions_of(batch: &Batch) -> ahash::AHashSet<(PartitionedTable, Month)> {
+    let mut needed = ahash::AHashSet::new();
+    let dated = [
+        (
+            PartitionedTable::Messages,
+            batch
+                .messages
+                .iter()
+                .map(|r| r.trade_date)
+                .collect::<Vec<_>>(),
+        ),
+        (
+            PartitionedTable::Trades,
+            batch.trades.iter().map(|r| r.trade_date).collect(),
+        ),
+        (
+            PartitionedTable::ClsOutbox,
+            batch.cls.iter().map(|r| r.trade_date).collect(),
+        ),
+        (
+            PartitionedTable::Exceptions,
+            batch.exceptions.iter().map(|r| r.received_on).collect(),
+        ),
+    ];
+    for (table, dates) in dated {
+        needed.extend(dates.into_iter().map(|date| (table, Month::of(date))));
+    }
+    needed
+}
+
+/// The statements creating `partitions` where they do not exist yet.
+fn create_partitions_sql(partitions: &[(PartitionedTable, Month)]) -> String {
+    partitions
+        .iter()
+        .map(|&(table, month)| {
+            format!(
+                "CREATE TABLE IF NOT EXISTS \"{}\" PARTITION OF {} FOR VALUES FROM ('{}') TO ('{}');",
+                table.partition(month),
+                table.name(),
+                month.first_day(),
+                month.next().first_day()
+            )
+        })
+        .collect()
+}
+
 /// PostgreSQL's binary COPY header: signature, flags, header extension length.
 const PG_COPY_HEADER: &[u8] = b"PGCOPY\n\xff\r\n\0\0\0\0\0\0\0\0\0";
+
+/// The Julian day number of 2000-01-01, PostgreSQL's epoch for dates.
+const PG_EPOCH_JULIAN_DAY: i32 = 2_451_545;
 
 /// Encodes message rows in PostgreSQL's binary COPY format.
 fn binary_copy_rows(rows: &[MessageRow]) -> Vec<u8> {
@@ -507,12 +687,15 @@ fn binary_copy_rows(rows: &[MessageRow]) -> Vec<u8> {
     }
     let size: usize = rows
         .iter()
-        .map(|r| 120 + r.raw.len() + r.trade_key.len())
+        .map(|r| 128 + r.raw.len() + r.trade_key.len())
         .sum();
     let mut out = Vec::with_capacity(PG_COPY_HEADER.len() + size + 2);
     out.extend_from_slice(PG_COPY_HEADER);
     for row in rows {
-        out.extend_from_slice(&8_i16.to_be_bytes());
+        out.extend_from_slice(&9_i16.to_be_bytes());
+        // A date is the number of days since 2000-01-01.
+        let days = row.trade_date.to_julian_day() - PG_EPOCH_JULIAN_DAY;
+        field(&mut out, Some(&days.to_be_bytes()));
         field(&mut out, Some(row.trade_key.as_bytes()));
         field(&mut out, Some(row.sender.as_bytes()));
         field(&mut out, Some(row.msg_id.as_bytes()));
@@ -555,39 +738,62 @@ impl PgStore {
             name,
             url: url.to_owned(),
             retrying: false,
+            partitions: ahash::AHashSet::new(),
             runtime,
             connection,
         })
     }
 }
 
-/// The outbox ids of a batch that is already committed.
-async fn committed_outbox_ids(
+/// Finds the outbox ids of the batch's CLS that are already stored, by their key.
+async fn stored_outbox_ids(
     connection: &mut PgConnection,
     batch: &Batch,
-) -> Result<Vec<i64>, sqlx::Error> {
-    let cls_ids: Vec<&str> = batch.cls.iter().map(|r| r.cls_id.as_str()).collect();
-    let rows: Vec<(i64, String)> =
-        sqlx::query_as("SELECT id, cls_id FROM cls_outbox WHERE cls_id = ANY($1)")
-            .bind(&cls_ids)
-            .fetch_all(&mut *connection)
-            .await?;
-    let ids: ahash::AHashMap<String, i64> = rows.into_iter().map(|(id, c)| (c, id)).collect();
-    Ok(outbox_ids_in_order(batch, &ids))
+    ids: &mut ahash::AHashMap<String, i64>,
+) -> Result<(), sqlx::Error> {
+    let missing: Vec<&ClsRow> = batch
+        .cls
+        .iter()
+        .filter(|row| !ids.contains_key(&row.cls_id))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let rows: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT id, cls_id FROM cls_outbox \
+         WHERE (cls_id, trade_date) IN (SELECT * FROM UNNEST($1::text[], $2::date[]))",
+    )
+    .bind(
+        missing
+            .iter()
+            .map(|r| r.cls_id.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(missing.iter().map(|r| r.trade_date).collect::<Vec<_>>())
+    .fetch_all(&mut *connection)
+    .await?;
+    ids.extend(rows.into_iter().map(|(id, cls_id)| (cls_id, id)));
+    Ok(())
 }
 
 async fn write_pg_batch(
     connection: &mut PgConnection,
     batch: &Batch,
+    create_partitions: &str,
 ) -> Result<Vec<i64>, sqlx::Error> {
     let mut transaction = connection.begin().await?;
+    if !create_partitions.is_empty() {
+        sqlx::raw_sql(create_partitions)
+            .execute(&mut *transaction)
+            .await?;
+    }
     if !batch.messages.is_empty() {
         // The bulk of every batch goes in through binary COPY, PostgreSQL's fastest load path.
         // COPY cannot skip existing rows; the (sender, msg_id) key refuses a batch that was
         // already committed, which is what a retry after a lost reply needs to learn.
         let mut copy = transaction
             .copy_in_raw(
-                "COPY messages (trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw) \
+                "COPY messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw) \
                  FROM STDIN WITH (FORMAT binary)",
             )
             .await?;
@@ -595,53 +801,51 @@ async fn write_pg_batch(
         copy.finish().await?;
     }
     if !batch.trades.is_empty() {
+        let rows = &batch.trades;
         sqlx::query(
-            "INSERT INTO trades (trade_key, status) SELECT * FROM UNNEST($1::text[], $2::text[]) \
-             ON CONFLICT (trade_key) DO UPDATE SET status = excluded.status",
+            "INSERT INTO trades (trade_date, trade_key, status) \
+             SELECT * FROM UNNEST($1::date[], $2::text[], $3::text[]) \
+             ON CONFLICT (trade_key, trade_date) DO UPDATE SET status = excluded.status",
         )
+        .bind(rows.iter().map(|r| r.trade_date).collect::<Vec<_>>())
         .bind(
-            batch
-                .trades
-                .iter()
+            rows.iter()
                 .map(|r| r.trade_key.as_str())
                 .collect::<Vec<_>>(),
         )
-        .bind(
-            batch
-                .trades
-                .iter()
-                .map(|r| r.status.as_str())
-                .collect::<Vec<_>>(),
-        )
+        .bind(rows.iter().map(|r| r.status.as_str()).collect::<Vec<_>>())
         .execute(&mut *transaction)
         .await?;
     }
     let mut outbox_ids: ahash::AHashMap<String, i64> = ahash::AHashMap::new();
     if !batch.cls.is_empty() {
-        let cls_ids: Vec<&str> = batch.cls.iter().map(|r| r.cls_id.as_str()).collect();
-        sqlx::query(
-            "INSERT INTO cls_outbox (cls_id, trade_key, body) \
-             SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[]) ON CONFLICT (cls_id) DO NOTHING",
+        let rows = &batch.cls;
+        let inserted: Vec<(i64, String)> = sqlx::query_as(
+            "INSERT INTO cls_outbox (trade_date, cls_id, trade_key, body) \
+             SELECT * FROM UNNEST($1::date[], $2::text[], $3::text[], $4::text[]) \
+             ON CONFLICT (cls_id, trade_date) DO NOTHING RETURNING id, cls_id",
         )
-        .bind(&cls_ids)
-        .bind(batch.cls.iter().map(|r| r.trade_key.as_str()).collect::<Vec<_>>())
-        .bind(batch.cls.iter().map(|r| r.body.as_str()).collect::<Vec<_>>())
-        .execute(&mut *transaction)
+        .bind(rows.iter().map(|r| r.trade_date).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.cls_id.as_str()).collect::<Vec<_>>())
+        .bind(
+            rows.iter()
+                .map(|r| r.trade_key.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(rows.iter().map(|r| r.body.as_str()).collect::<Vec<_>>())
+        .fetch_all(&mut *transaction)
         .await?;
-        // Also finds the ids of rows that a replayed batch had already written.
-        let rows: Vec<(i64, String)> =
-            sqlx::query_as("SELECT id, cls_id FROM cls_outbox WHERE cls_id = ANY($1)")
-                .bind(&cls_ids)
-                .fetch_all(&mut *transaction)
-                .await?;
-        outbox_ids.extend(rows.into_iter().map(|(id, cls_id)| (cls_id, id)));
+        outbox_ids.extend(inserted.into_iter().map(|(id, cls_id)| (cls_id, id)));
+        // Rows that a replayed batch had already written keep their ids.
+        stored_outbox_ids(&mut transaction, batch, &mut outbox_ids).await?;
     }
     if !batch.exceptions.is_empty() {
         let rows = &batch.exceptions;
         sqlx::query(
-            "INSERT INTO exceptions (trade_key, sender, msg_id, code, detail, raw) \
-             SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bytea[])",
+            "INSERT INTO exceptions (received_on, trade_key, sender, msg_id, code, detail, raw) \
+             SELECT * FROM UNNEST($1::date[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bytea[])",
         )
+        .bind(rows.iter().map(|r| r.received_on).collect::<Vec<_>>())
         .bind(rows.iter().map(|r| r.trade_key.as_deref()).collect::<Vec<_>>())
         .bind(rows.iter().map(|r| r.sender.as_deref()).collect::<Vec<_>>())
         .bind(rows.iter().map(|r| r.msg_id.as_deref()).collect::<Vec<_>>())
@@ -664,14 +868,96 @@ async fn write_pg_batch(
     Ok(outbox_ids_in_order(batch, &outbox_ids))
 }
 
+/// Drops the partitions whose month ended before `horizon`, except the months whose outbox
+/// still holds a CLS not confirmed delivered.
+async fn purge_partitions(
+    connection: &mut PgConnection,
+    horizon: Date,
+) -> Result<(PurgeReport, Vec<(PartitionedTable, Month)>), sqlx::Error> {
+    let parents: Vec<&str> = PartitionedTable::ALL.iter().map(|t| t.name()).collect();
+    let children: Vec<(String, String)> = sqlx::query_as(
+        "SELECT parent.relname::text, child.relname::text FROM pg_inherits \
+         JOIN pg_class parent ON parent.oid = pg_inherits.inhparent \
+         JOIN pg_class child ON child.oid = pg_inherits.inhrelid \
+         WHERE parent.relname = ANY($1) AND pg_table_is_visible(parent.oid) \
+         ORDER BY child.relname",
+    )
+    .bind(&parents)
+    .fetch_all(&mut *connection)
+    .await?;
+    let mut expired: Vec<(PartitionedTable, Month)> = Vec::new();
+    for (parent, child) in &children {
+        let Some(table) = PartitionedTable::ALL
+            .into_iter()
+            .find(|t| t.name() == parent)
+        else {
+            continue;
+        };
+        if let Some(month) = Month::of_partition(table, child) {
+            if month.ends_before(horizon) {
+                expired.push((table, month));
+            }
+        }
+    }
+    let mut report = PurgeReport::default();
+    let outbox_months: Vec<Month> = expired
+        .iter()
+        .filter(|(table, _)| *table == PartitionedTable::ClsOutbox)
+        .map(|&(_, month)| month)
+        .collect();
+    for month in outbox_months {
+        let undelivered: bool = sqlx::query_scalar(&format!(
+            "SELECT EXISTS (SELECT 1 FROM \"{}\" WHERE id > \
+             COALESCE((SELECT delivered_through FROM cls_delivery WHERE id = 1), 0))",
+            PartitionedTable::ClsOutbox.partition(month)
+        ))
+        .fetch_one(&mut *connection)
+        .await?;
+        if undelivered {
+            report.kept_undelivered.push(month);
+        }
+    }
+    // A kept month keeps its messages, trades and outbox together; its exceptions may go.
+    expired.retain(|&(table, month)| {
+        table == PartitionedTable::Exceptions || !report.kept_undelivered.contains(&month)
+    });
+    if expired.is_empty() {
+        return Ok((report, expired));
+    }
+    let names: Vec<String> = expired
+        .iter()
+        .map(|&(table, month)| table.partition(month))
+        .collect();
+    let drop = format!(
+        "DROP TABLE {}",
+        names
+            .iter()
+            .map(|name| format!("\"{name}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    sqlx::raw_sql(&drop).execute(&mut *connection).await?;
+    report.dropped = names;
+    Ok((report, expired))
+}
+
 impl Store for PgStore {
     fn commit(&mut self, batch: &mut Batch) -> Result<Vec<i64>, StoreError> {
         let retrying = std::mem::take(&mut self.retrying);
+        let mut new_partitions: Vec<(PartitionedTable, Month)> = partitions_of(batch)
+            .into_iter()
+            .filter(|partition| !self.partitions.contains(partition))
+            .collect();
+        new_partitions.sort_by_key(|&(table, month)| (month, table as u8));
+        let create = create_partitions_sql(&new_partitions);
         let result = self
             .runtime
-            .block_on(write_pg_batch(&mut self.connection, batch));
+            .block_on(write_pg_batch(&mut self.connection, batch, &create));
         let error = match result {
-            Ok(ids) => return Ok(ids),
+            Ok(ids) => {
+                self.partitions.extend(new_partitions);
+                return Ok(ids);
+            }
             Err(error) => error,
         };
         // A retried batch whose messages are already there was committed before the connection
@@ -681,8 +967,11 @@ impl Store for PgStore {
             && matches!(&error, sqlx::Error::Database(database) if database.code().as_deref() == Some("23505"));
         let result = if already_committed {
             tracing::warn!(store = %self.name, "a retried batch had already been committed");
-            self.runtime
-                .block_on(committed_outbox_ids(&mut self.connection, batch))
+            self.runtime.block_on(async {
+                let mut ids = ahash::AHashMap::new();
+                stored_outbox_ids(&mut self.connection, batch, &mut ids).await?;
+                Ok(outbox_ids_in_order(batch, &ids))
+            })
         } else {
             Err(error)
         };
@@ -726,18 +1015,48 @@ impl Store for PgStore {
     ) -> Result<u64, StoreError> {
         read_pages(
             |after_id| {
-                let result = self.runtime.block_on(
+                let result: Result<Vec<PgStoredRow>, _> = self.runtime.block_on(
                     sqlx::query_as(
-                        "SELECT id, raw, injected_ns FROM messages WHERE id > $1 ORDER BY id LIMIT $2",
+                        "SELECT id, raw, injected_ns, trade_date FROM messages \
+                         WHERE id > $1 ORDER BY id LIMIT $2",
                     )
                     .bind(after_id)
                     .bind(RECOVERY_PAGE_ROWS)
                     .fetch_all(&mut self.connection),
                 );
-                result.map_err(|source| database_error(&self.name, source))
+                let rows = result.map_err(|source| database_error(&self.name, source))?;
+                Ok(rows
+                    .into_iter()
+                    .map(|(id, raw, injected_ns, trade_date)| {
+                        let message = StoredMessage {
+                            raw,
+                            injected_ns: injected_ns as u64,
+                            trade_date: Some(trade_date),
+                        };
+                        (id, message)
+                    })
+                    .collect())
             },
             visit,
         )
+    }
+
+    fn purge(&mut self, today: Date, keep_days: u32) -> Result<PurgeReport, StoreError> {
+        let horizon = today - time::Duration::days(i64::from(keep_days));
+        let result = self
+            .runtime
+            .block_on(purge_partitions(&mut self.connection, horizon));
+        let (report, dropped) = result.map_err(|source| database_error(&self.name, source))?;
+        for partition in &dropped {
+            self.partitions.remove(partition);
+        }
+        for month in &report.kept_undelivered {
+            tracing::warn!(store = %self.name, %month, "month past retention kept: its outbox holds CLS not confirmed delivered");
+        }
+        if !report.dropped.is_empty() {
+            tracing::info!(store = %self.name, partitions = ?report.dropped, "retention dropped partitions");
+        }
+        Ok(report)
     }
 
     fn reconnect(&mut self) -> Result<(), StoreError> {
@@ -771,9 +1090,12 @@ impl Store for PgStore {
 mod tests {
     use super::*;
 
+    const DAY: Date = time::macros::date!(2026 - 11 - 30);
+
     fn sample_batch() -> Batch {
         Batch {
             messages: vec![MessageRow {
+                trade_date: DAY,
                 trade_key: "B/T1".to_owned(),
                 sender: "B".to_owned(),
                 msg_id: "B-1".to_owned(),
@@ -785,20 +1107,24 @@ mod tests {
             }],
             trades: vec![
                 TradeRow {
+                    trade_date: DAY,
                     trade_key: "B/T1".to_owned(),
                     status: TradeStatus::Pending,
                 },
                 TradeRow {
+                    trade_date: DAY,
                     trade_key: "B/T1".to_owned(),
                     status: TradeStatus::Matched,
                 },
             ],
             cls: vec![ClsRow {
+                trade_date: DAY,
                 cls_id: "CLS-B-T1".to_owned(),
                 trade_key: "B/T1".to_owned(),
                 body: "<Cls/>".to_owned(),
             }],
             exceptions: vec![ExceptionRow {
+                received_on: DAY,
                 trade_key: None,
                 sender: None,
                 msg_id: None,
@@ -857,6 +1183,43 @@ mod tests {
             )
             .expect("one row");
         assert_eq!(status, "MATCHED");
+    }
+
+    #[test]
+    fn months_name_and_bound_their_partitions() {
+        let november = Month::of(time::macros::date!(2026 - 11 - 30));
+        assert_eq!(november.to_string(), "2026-11");
+        assert_eq!(
+            PartitionedTable::ClsOutbox.partition(november),
+            "cls_outbox_p202611"
+        );
+        assert_eq!(
+            Month::of_partition(PartitionedTable::ClsOutbox, "cls_outbox_p202611"),
+            Some(november)
+        );
+        assert_eq!(
+            Month::of_partition(PartitionedTable::Trades, "cls_outbox_p202611"),
+            None
+        );
+        assert_eq!(
+            Month::of_partition(PartitionedTable::Trades, "trades_p202613"),
+            None
+        );
+        assert_eq!(
+            Month::of_partition(PartitionedTable::Trades, "trades_default"),
+            None
+        );
+        let december = Month::of(time::macros::date!(2026 - 12 - 01));
+        assert_eq!(november.next(), december);
+        assert_eq!(december.next().first_day(), "2027-01-01");
+        // A month has passed a horizon when its last day is before it.
+        assert!(!november.ends_before(time::macros::date!(2026 - 11 - 30)));
+        assert!(november.ends_before(time::macros::date!(2026 - 12 - 01)));
+        assert_eq!(
+            create_partitions_sql(&[(PartitionedTable::Messages, december)]),
+            "CREATE TABLE IF NOT EXISTS \"messages_p202612\" PARTITION OF messages \
+             FOR VALUES FROM ('2026-12-01') TO ('2027-01-01');"
+        );
     }
 
     #[test]

@@ -60,7 +60,13 @@ fn the_example_trade_yields_the_documented_cls() {
     let mut matcher = Matcher::new(refdata, Tolerances::default());
     let mut emitted = Vec::new();
     for (line, msg) in STANDARD_TRADE.iter().zip(messages()) {
-        let outcome = matcher.process(msg, line.as_bytes(), 0, "2026-08-04T10:15:02.417Z");
+        let outcome = matcher.process(
+            msg,
+            line.as_bytes(),
+            0,
+            "2026-08-04T10:15:02.417Z",
+            time::macros::date!(2026 - 08 - 04),
+        );
         emitted.extend(outcome.cls);
     }
     assert_eq!(emitted.len(), 1);

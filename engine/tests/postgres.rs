@@ -11,7 +11,7 @@ use ste_engine::pipeline::{AckResult, Pipeline, PipelineConfig, StoreConfig};
 use ste_engine::profile::Tolerances;
 use ste_engine::refdata::RefData;
 use ste_engine::routing::shard_of;
-use ste_engine::store::{Batch, MessageRow, PgStore, Store, TradeRow};
+use ste_engine::store::{Batch, ClsRow, MessageRow, Month, PgStore, Store, TradeRow};
 
 fn admin_url() -> String {
     std::env::var("DATABASE_URL")
@@ -24,11 +24,16 @@ fn url_of(url: &str, database: &str) -> String {
     format!("{base}/{database}")
 }
 
+/// Runs `future` on the tests' one runtime, so that a connection outlives a call.
 fn block_on<T>(future: impl std::future::Future<Output = T>) -> T {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
+    static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+        })
         .block_on(future)
 }
 
@@ -92,22 +97,23 @@ fn trade_keys(url: &str) -> Vec<String> {
     })
 }
 
-#[test]
-fn trades_land_on_the_shard_the_routing_rule_names() {
-    let databases = TempDatabases::create("routing", 3);
+/// Runs `trades` clean trades through a pipeline on the postgres shards `urls`.
+fn run_clean(
+    urls: Vec<String>,
+    trades: u64,
+    recover: bool,
+) -> (ste_engine::pipeline::PipelineReport, Vec<AckResult>) {
     let refdata = Arc::new(RefData::embedded().expect("reference data"));
     let config = PipelineConfig {
-        shards: 3,
-        store: StoreConfig::Postgres {
-            urls: databases.urls(),
-        },
+        shards: urls.len() as u32,
+        store: StoreConfig::Postgres { urls },
+        recover,
         ..PipelineConfig::default()
     };
     let pipeline =
         Pipeline::start(&config, refdata.clone(), Tolerances::default()).expect("starts");
     let acks = pipeline.acks();
     let mut submitter = pipeline.submitter();
-    let trades = 400;
     for (index, line) in Generator::new(&refdata, GeneratorConfig::clean(trades)).enumerate() {
         submitter
             .submit_line(&refdata, line, index as u64)
@@ -116,7 +122,15 @@ fn trades_land_on_the_shard_the_routing_rule_names() {
     submitter.flush().expect("flushes");
     drop(submitter);
     let report = pipeline.finish().expect("finishes");
-    let results: Vec<AckResult> = acks.try_iter().flatten().map(|ack| ack.result).collect();
+    let results = acks.try_iter().flatten().map(|ack| ack.result).collect();
+    (report, results)
+}
+
+#[test]
+fn trades_land_on_the_shard_the_routing_rule_names() {
+    let databases = TempDatabases::create("routing", 3);
+    let trades = 400;
+    let (report, results) = run_clean(databases.urls(), trades, false);
     assert_eq!(results.len() as u64, trades * 7);
     assert!(results.iter().all(|result| *result == AckResult::Accepted));
     let mut seen = 0;
@@ -143,6 +157,7 @@ fn a_replayed_batch_changes_nothing() {
     let mut store = PgStore::open(url).expect("opens and migrates");
     let batch = || Batch {
         messages: vec![MessageRow {
+            trade_date: time::macros::date!(2026 - 01 - 30),
             trade_key: "B/T1".to_owned(),
             sender: "B".to_owned(),
             msg_id: "B-1".to_owned(),
@@ -153,21 +168,184 @@ fn a_replayed_batch_changes_nothing() {
             raw: b"<Msg/>".to_vec(),
         }],
         trades: vec![TradeRow {
+            trade_date: time::macros::date!(2026 - 01 - 30),
             trade_key: "B/T1".to_owned(),
             status: TradeStatus::Pending,
         }],
+        cls: vec![ClsRow {
+            trade_date: time::macros::date!(2026 - 01 - 30),
+            cls_id: "CLS-B-T1".to_owned(),
+            trade_key: "B/T1".to_owned(),
+            body: "<Cls/>".to_owned(),
+        }],
         ..Batch::default()
     };
-    store.commit(&mut batch()).expect("commits");
+    let outbox_ids = store.commit(&mut batch()).expect("commits");
+    assert_eq!(outbox_ids.len(), 1);
     // The same batch again on a healthy connection is a bug upstream: refused, nothing written.
     assert!(store.commit(&mut batch()).is_err());
-    // After a reconnect it is a retry whose first commit succeeded: accepted, nothing written.
+    // After a reconnect it is a retry whose first commit succeeded: accepted, nothing written,
+    // and its CLS keeps its outbox id.
     store.reconnect().expect("reconnects");
-    store.commit(&mut batch()).expect("replays");
+    assert_eq!(store.commit(&mut batch()).expect("replays"), outbox_ids);
     let counts = store.row_counts().expect("counts");
-    assert_eq!((counts.messages, counts.trades), (1, 1));
+    assert_eq!((counts.messages, counts.trades, counts.cls), (1, 1, 1));
     drop(store);
     // Opening again verifies the applied migrations' checksums and applies nothing twice.
     let mut reopened = PgStore::open(url).expect("reopens");
     assert_eq!(reopened.row_counts().expect("counts").messages, 1);
+}
+
+fn query_i64(connection: &mut PgConnection, sql: &str) -> i64 {
+    block_on(sqlx::query_scalar(sql).fetch_one(&mut *connection)).expect(sql)
+}
+
+/// The months (YYYY-MM) of the partitions of `table`, read from their bounds.
+fn partition_months(connection: &mut PgConnection, table: &str) -> Vec<String> {
+    block_on(
+        sqlx::query_scalar(
+            r"SELECT (regexp_match(pg_get_expr(child.relpartbound, child.oid), '(\d{4}-\d{2})-01'))[1]
+              FROM pg_inherits JOIN pg_class child ON child.oid = inhrelid
+              WHERE inhparent = $1::regclass ORDER BY 1",
+        )
+        .bind(table)
+        .fetch_all(&mut *connection),
+    )
+    .expect("partitions")
+}
+
+const TRADE_TABLES: [&str; 3] = ["messages", "trades", "cls_outbox"];
+
+fn rows_from(connection: &mut PgConnection, from: &str) -> Vec<i64> {
+    TRADE_TABLES
+        .iter()
+        .map(|table| {
+            query_i64(
+                connection,
+                &format!("SELECT COUNT(*) FROM {table} WHERE trade_date >= '{from}'"),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn trades_are_kept_by_month_and_retention_drops_whole_months() {
+    use time::macros::date;
+    let databases = TempDatabases::create("retention", 1);
+    let url = databases.urls()[0].clone();
+    let trades = 300;
+    let (report, _) = run_clean(vec![url.clone()], trades, false);
+    assert_eq!(report.shards[0].matched, trades);
+    let mut connection = block_on(PgConnection::connect(&url)).expect("connects");
+
+    // Every message is stored under the TradeDate it carries (clean trades agree on it), in the
+    // partition of its month, and no trade is split across dates.
+    assert_eq!(
+        query_i64(
+            &mut connection,
+            "SELECT COUNT(*) FROM messages WHERE trade_date <> \
+             substring(convert_from(raw, 'UTF8') FROM '<TradeDate>([0-9-]{10})</TradeDate>')::date"
+        ),
+        0
+    );
+    assert_eq!(
+        query_i64(
+            &mut connection,
+            "SELECT COUNT(*) FROM (SELECT trade_key FROM messages GROUP BY trade_key \
+             HAVING COUNT(DISTINCT trade_date) > 1) split"
+        ),
+        0
+    );
+    assert_eq!(
+        query_i64(
+            &mut connection,
+            "SELECT COUNT(*) FROM messages m JOIN pg_class p ON p.oid = m.tableoid \
+             WHERE p.relname <> 'messages_p' || to_char(m.trade_date, 'YYYYMM')"
+        ),
+        0
+    );
+    let months: Vec<String> = block_on(
+        sqlx::query_scalar(
+            "SELECT DISTINCT to_char(trade_date, 'YYYY-MM') FROM messages ORDER BY 1",
+        )
+        .fetch_all(&mut connection),
+    )
+    .expect("months");
+    assert!(
+        months.len() >= 10,
+        "trades spread over the year: {months:?}"
+    );
+    for table in TRADE_TABLES {
+        assert_eq!(partition_months(&mut connection, table), months, "{table}");
+    }
+
+    // Keeping 61 days on 2026-11-30 puts the horizon at 2026-09-30: January to August have
+    // expired. The sink has confirmed nothing, so every expired month still holds an
+    // undelivered CLS and stays.
+    let today = date!(2026 - 11 - 30);
+    let (expired, remaining): (Vec<String>, Vec<String>) =
+        months.iter().cloned().partition(|m| m.as_str() < "2026-09");
+    let mut store = PgStore::open(&url).expect("opens");
+    let before = store.row_counts().expect("counts");
+    let report = store.purge(today, 61).expect("purges");
+    assert!(report.dropped.is_empty(), "{report:?}");
+    let kept: Vec<String> = report
+        .kept_undelivered
+        .iter()
+        .map(Month::to_string)
+        .collect();
+    assert_eq!(kept, expired);
+    assert_eq!(store.row_counts().expect("counts"), before);
+
+    // Once every CLS is confirmed, the expired months go, whole, and nothing else does.
+    let kept_before = rows_from(&mut connection, "2026-09-01");
+    block_on(
+        sqlx::query(
+            "INSERT INTO cls_delivery (id, delivered_through) SELECT 1, MAX(id) FROM cls_outbox \
+             ON CONFLICT (id) DO UPDATE SET delivered_through = excluded.delivered_through",
+        )
+        .execute(&mut connection),
+    )
+    .expect("confirms");
+    let report = store.purge(today, 61).expect("purges");
+    assert!(report.kept_undelivered.is_empty());
+    assert_eq!(report.dropped.len(), expired.len() * 3, "{report:?}");
+    for table in TRADE_TABLES {
+        assert_eq!(
+            partition_months(&mut connection, table),
+            remaining,
+            "{table}"
+        );
+    }
+    assert_eq!(rows_from(&mut connection, "0001-01-01"), kept_before);
+    assert_eq!(rows_from(&mut connection, "2026-09-01"), kept_before);
+    // A second purge finds nothing more to drop.
+    assert_eq!(store.purge(today, 61).expect("purges"), Default::default());
+
+    // Writing into a dropped month creates its partition again.
+    let mut batch = Batch {
+        messages: vec![MessageRow {
+            trade_date: date!(2026 - 02 - 10),
+            trade_key: "B/LATE".to_owned(),
+            sender: "B".to_owned(),
+            msg_id: "B-LATE".to_owned(),
+            msg_type: "NOE",
+            function: "NEW",
+            related_id: None,
+            injected_ns: 1,
+            raw: b"<Msg/>".to_vec(),
+        }],
+        ..Batch::default()
+    };
+    store.commit(&mut batch).expect("commits");
+    assert!(partition_months(&mut connection, "messages").contains(&"2026-02".to_owned()));
+    drop(store);
+    block_on(sqlx::query("DELETE FROM messages WHERE msg_id = 'B-LATE'").execute(&mut connection))
+        .expect("deletes");
+
+    // A restart rebuilds the matcher from what retention left.
+    let left = query_i64(&mut connection, "SELECT COUNT(*) FROM messages");
+    let (report, _) = run_clean(vec![url], 0, true);
+    assert_eq!(report.shards[0].messages as i64, left);
+    assert_eq!(report.shards[0].matched as i64, kept_before[2]);
 }

@@ -61,7 +61,13 @@ fn run_lines(lines: &[Vec<u8>], trade_key: &str) -> Observed {
                 continue;
             }
         };
-        let outcome = matcher.process(msg, line, 0, "2026-08-04T10:00:00.000Z");
+        let outcome = matcher.process(
+            msg,
+            line,
+            0,
+            "2026-08-04T10:00:00.000Z",
+            time::macros::date!(2026 - 08 - 04),
+        );
         match outcome.disposition {
             Disposition::Accepted => observed.accepted += 1,
             Disposition::Duplicate => observed.duplicates += 1,

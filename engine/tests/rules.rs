@@ -671,7 +671,13 @@ fn process_all(matcher: &mut Matcher, messages: &[Msg]) -> Vec<Disposition> {
         .map(|msg| {
             let raw = encode_msg(msg);
             matcher
-                .process(msg.clone(), raw.as_bytes(), 0, "2026-08-04T10:00:00.000Z")
+                .process(
+                    msg.clone(),
+                    raw.as_bytes(),
+                    0,
+                    "2026-08-04T10:00:00.000Z",
+                    time::macros::date!(2026 - 08 - 04),
+                )
                 .disposition
         })
         .collect()
@@ -826,4 +832,73 @@ fn a_trade_cancelled_completely_is_cancelled_and_reopens() {
     process_all(&mut matcher, &again);
     assert_eq!(matcher.status_of(&key), Some(TradeStatus::Matched));
     let _ = MsgType::Noe;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The date a trade's rows are stored under (the partition of the postgres store).
+
+#[test]
+fn a_trade_is_stored_under_the_date_of_its_first_accepted_message() {
+    use time::macros::date;
+    let today = date!(2026 - 11 - 30);
+    let stored_date = |matcher: &mut Matcher, msg: &Msg| {
+        let raw = encode_msg(msg);
+        let outcome = matcher.process(msg.clone(), raw.as_bytes(), 0, "", today);
+        assert_eq!(outcome.disposition, Disposition::Accepted, "{}", msg.msg_id);
+        outcome.trade_date
+    };
+
+    // Its TradeDate, for every message, the CLS and a message accepted after the match.
+    let messages = london_trade(600, 400);
+    let mut matcher = matcher();
+    let amend = Msg {
+        msg_id: format!("{}-A", messages[2].msg_id),
+        function: Function::Amd,
+        related_id: Some(messages[2].msg_id.clone()),
+        ..messages[2].clone()
+    };
+    for msg in messages.iter().filter(|m| m.msg_id != messages[2].msg_id) {
+        assert_eq!(stored_date(&mut matcher, msg), date!(2026 - 08 - 04));
+    }
+    assert_eq!(stored_date(&mut matcher, &amend), date!(2026 - 08 - 04));
+    assert_eq!(
+        matcher.status_of(&messages[0].trade_key()),
+        Some(TradeStatus::Matched)
+    );
+    assert_eq!(
+        stored_date(&mut matcher, &messages[2]),
+        date!(2026 - 08 - 04)
+    );
+
+    // The first message fixes the date: a later message with another TradeDate follows it.
+    let mut matcher = self::matcher();
+    let mut first = messages[1].clone();
+    first.trade_date = Some(date!(2026 - 08 - 03));
+    assert_eq!(stored_date(&mut matcher, &first), date!(2026 - 08 - 03));
+    assert_eq!(
+        stored_date(&mut matcher, &messages[0]),
+        date!(2026 - 08 - 03)
+    );
+
+    // A CAN carries no TradeDate: a trade that starts with one is stored under the day of
+    // arrival, and so are the messages that follow.
+    let mut matcher = self::matcher();
+    let mut cancel = cancel_of(&messages[4]);
+    cancel.trade_date = None;
+    assert_eq!(stored_date(&mut matcher, &cancel), today);
+    assert_eq!(stored_date(&mut matcher, &messages[0]), today);
+
+    // After a restart the date the store kept wins over the message's own.
+    let mut restored = self::matcher();
+    let raw = encode_msg(&cancel);
+    assert!(restored.restore(
+        cancel.clone(),
+        raw.as_bytes(),
+        0,
+        Some(date!(2026 - 11 - 02))
+    ));
+    assert_eq!(
+        stored_date(&mut restored, &messages[0]),
+        date!(2026 - 11 - 02)
+    );
 }
