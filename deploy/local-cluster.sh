@@ -11,6 +11,9 @@
 # `up` prints the shard URLs, one per line, in shard order; pass them to the driver as
 # `--db URL` each, or comma-separated in STE_DATABASE_URLS. Data lives under DIR
 # (default /tmp/ste-cluster); each instance listens on 127.0.0.1 only, with trust auth.
+#
+# STE_PG_OPTIONS adds server settings to every instance started, e.g.
+# STE_PG_OPTIONS="-c shared_buffers=1GB".
 set -euo pipefail
 
 usage() {
@@ -75,7 +78,7 @@ case "$command" in
       echo "$port" > "$dir/shard-$shard.port"
       if ! as_postgres "$bindir/pg_ctl" -D "$data" status >/dev/null 2>&1; then
         as_postgres "$bindir/pg_ctl" -D "$data" -l "$dir/shard-$shard.log" -w -t 60 start \
-          -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c shared_buffers=256MB -c max_wal_size=4GB -c checkpoint_timeout=15min" >/dev/null
+          -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c shared_buffers=256MB -c max_wal_size=4GB -c checkpoint_timeout=15min ${STE_PG_OPTIONS:-}" >/dev/null
       fi
       as_postgres "$bindir/psql" -h 127.0.0.1 -p "$port" -U postgres -d postgres -qtA \
         -c "SELECT 1 FROM pg_database WHERE datname = 'ste'" | grep -q 1 \

@@ -1,4 +1,5 @@
 //! `monitor analyze samples.csv [--json]`: operational metrics of every sampled station.
+//! `monitor mva ...`: exact MVA of a closed network, or the open-network solution, with bounds.
 
 use std::path::PathBuf;
 
@@ -22,6 +23,35 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Mean value analysis: exact MVA of a closed network for populations 1..N (or the open
+    /// network at an arrival rate), with asymptotic and balanced-job bounds.
+    Mva(MvaArgs),
+}
+
+#[derive(clap::Args)]
+struct MvaArgs {
+    /// A queueing station: NAME=S (service time per visit, seconds) or NAME=S:V (V visits per
+    /// job). Repeat for every station.
+    #[arg(long = "station", value_name = "NAME=S[:V]", required = true)]
+    stations: Vec<String>,
+    /// A delay station (no queueing): NAME=D[:V].
+    #[arg(long = "delay", value_name = "NAME=D[:V]")]
+    delays: Vec<String>,
+    /// Think time Z in seconds (closed network).
+    #[arg(long, default_value_t = 0.0, conflicts_with = "open")]
+    think: f64,
+    /// Population N: the network is solved for every n from 1 to N (closed network).
+    #[arg(long, required_unless_present = "open", conflicts_with = "open")]
+    population: Option<u32>,
+    /// Solve the open network instead, at --arrival-rate jobs per second.
+    #[arg(long, requires = "arrival_rate")]
+    open: bool,
+    /// Arrival rate λ of the open network, jobs per second.
+    #[arg(long, value_name = "L")]
+    arrival_rate: Option<f64>,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    json: bool,
 }
 
 fn main() -> std::process::ExitCode {
@@ -38,6 +68,7 @@ fn main() -> std::process::ExitCode {
 fn run_cli() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        Command::Mva(args) => mva(&args)?,
         Command::Analyze { file, json } => {
             let samples = ste_monitor::read_samples(&file)
                 .with_context(|| format!("reading {}", file.display()))?;
@@ -64,4 +95,87 @@ fn run_cli() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+fn mva(args: &MvaArgs) -> anyhow::Result<()> {
+    use ste_monitor::mva::{self, Kind, Station};
+    let mut stations = Vec::new();
+    for text in &args.stations {
+        stations.push(Station::parse(text, Kind::Queueing)?);
+    }
+    for text in &args.delays {
+        stations.push(Station::parse(text, Kind::Delay)?);
+    }
+    if args.open {
+        let rate = args.arrival_rate.unwrap_or_default();
+        let solution = mva::open(&stations, rate)?;
+        let demands = mva::demands(&stations, 0.0)?;
+        if args.json {
+            let out = serde_json::json!({ "open": solution, "demands": demands });
+            println!("{}", serde_json::to_string_pretty(&out)?);
+            return Ok(());
+        }
+        println!(
+            "open network at {rate} jobs/s: R = {:.6} s, N = {:.6}",
+            solution.R, solution.N
+        );
+        print_station_header();
+        for s in &solution.stations {
+            print_station(s);
+        }
+        println!(
+            "bounds: X_max = 1/D_max = {:.6} jobs/s ({}), R_min = D = {:.6} s",
+            1.0 / demands.D_max,
+            demands.bottleneck,
+            demands.D
+        );
+        return Ok(());
+    }
+    let population = args.population.unwrap_or(1);
+    let points = mva::closed(&stations, args.think, population)?;
+    let demands = mva::demands(&stations, args.think)?;
+    let bounds = (1..=population)
+        .map(|n| mva::bounds(&stations, args.think, n))
+        .collect::<Result<Vec<_>, _>>()?;
+    if args.json {
+        let out = serde_json::json!({ "closed": points, "bounds": bounds, "demands": demands });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "{:>5} {:>12} {:>12} {:>12} {:>12}   {:>25} {:>25}",
+        "n", "X", "R", "X_max", "R_min", "X balanced (low..high)", "R balanced (low..high)"
+    );
+    for (point, b) in points.iter().zip(&bounds) {
+        println!(
+            "{:>5} {:>12.6} {:>12.6} {:>12.6} {:>12.6}   {:>12.6}..{:<12.6} {:>12.6}..{:<12.6}",
+            point.n, point.X, point.R, b.X_max, b.R_min, b.X_bjb.0, b.X_bjb.1, b.R_bjb.0, b.R_bjb.1
+        );
+    }
+    if let Some(last) = points.last() {
+        println!("\nstations at n = {}:", last.n);
+        print_station_header();
+        for s in &last.stations {
+            print_station(s);
+        }
+    }
+    println!(
+        "D = {:.6} s, D_max = {:.6} s ({}), Z = {} s, knee N* = (D+Z)/D_max = {:.3}",
+        demands.D, demands.D_max, demands.bottleneck, demands.Z, demands.N_star
+    );
+    Ok(())
+}
+
+fn print_station_header() {
+    println!(
+        "{:<16} {:>10} {:>12} {:>12} {:>12}",
+        "station", "U", "Q", "R/visit", "X"
+    );
+}
+
+fn print_station(s: &ste_monitor::mva::StationFigures) {
+    println!(
+        "{:<16} {:>10.6} {:>12.6} {:>12.6} {:>12.6}",
+        s.station, s.U, s.Q, s.R, s.X
+    );
 }

@@ -1,0 +1,159 @@
+//! `monitor mva` against published exact-MVA tables, and the bounds against exact MVA.
+
+use ste_monitor::mva::{bounds, closed, demands, open, Kind, Station};
+
+fn station(text: &str) -> Station {
+    Station::parse(text, Kind::Queueing).expect("a station")
+}
+
+/// Published figures are rounded to three decimals.
+fn assert_3dp(computed: f64, published: f64, what: &str) {
+    assert!(
+        (computed - published).abs() <= 0.0005 + 1e-9,
+        "{what}: computed {computed:.6}, published {published:.3}"
+    );
+}
+
+/// R. Jain, *The Art of Computer Systems Performance Analysis* (Wiley, 1991), Example 34.2 and
+/// Table 34.1 ("MVA Results for Example 34.2"): a timesharing system with think time Z = 4 s,
+/// a CPU (S = 0.125 s, V = 16), disk A (S = 0.3 s, V = 10) and disk B (S = 0.2 s, V = 5).
+/// Columns: n; residence per visit at CPU, A, B; system response time; throughput; queue
+/// lengths at CPU, A, B.
+#[rustfmt::skip]
+const JAIN_TABLE_34_1: [(u32, [f64; 8]); 9] = [
+    (1,  [0.125, 0.300, 0.200,  6.000, 0.100, 0.200,  0.300, 0.100]),
+    (2,  [0.150, 0.390, 0.220,  7.400, 0.175, 0.421,  0.684, 0.193]),
+    (3,  [0.178, 0.505, 0.239,  9.088, 0.229, 0.651,  1.158, 0.273]),
+    (4,  [0.206, 0.647, 0.255, 11.051, 0.266, 0.878,  1.721, 0.338]),
+    (5,  [0.235, 0.816, 0.268, 13.256, 0.290, 1.088,  2.365, 0.388]),
+    (17, [0.370, 3.962, 0.300, 47.045, 0.333, 1.974, 13.195, 0.499]),
+    (18, [0.372, 4.259, 0.300, 50.032, 0.333, 1.981, 14.187, 0.499]),
+    (19, [0.373, 4.556, 0.300, 53.022, 0.333, 1.987, 15.181, 0.500]),
+    (20, [0.373, 4.854, 0.300, 56.016, 0.333, 1.991, 16.177, 0.500]),
+];
+
+#[test]
+fn closed_network_with_think_time_reproduces_jain_table_34_1() {
+    let stations = [
+        station("cpu=0.125:16"),
+        station("disk_a=0.3:10"),
+        station("disk_b=0.2:5"),
+    ];
+    let points = closed(&stations, 4.0, 20).expect("solves");
+    assert_eq!(points.len(), 20);
+    for (n, row) in JAIN_TABLE_34_1 {
+        let point = &points[n as usize - 1];
+        assert_eq!(point.n, n);
+        for (k, name) in ["cpu", "disk_a", "disk_b"].iter().enumerate() {
+            assert_eq!(point.stations[k].station, *name);
+            assert_3dp(point.stations[k].R, row[k], &format!("n={n} R {name}"));
+            assert_3dp(point.stations[k].Q, row[5 + k], &format!("n={n} Q {name}"));
+        }
+        assert_3dp(point.R, row[3], &format!("n={n} R"));
+        assert_3dp(point.X, row[4], &format!("n={n} X"));
+        // The operational laws hold at every population.
+        for (figures, s) in point.stations.iter().zip(&stations) {
+            assert!((figures.U - point.X * s.demand()).abs() < 1e-12);
+            assert!((figures.X - point.X * s.visits).abs() < 1e-12);
+        }
+        let population: f64 = point.stations.iter().map(|s| s.Q).sum::<f64>() + point.X * 4.0;
+        assert!(
+            (population - f64::from(n)).abs() < 1e-9,
+            "Little's law over the loop"
+        );
+    }
+    // Jain's bottleneck: disk A (D = 3 s), so X tends to 1/3 and N* = (6 + 4) / 3.
+    let d = demands(&stations, 4.0).expect("demands");
+    assert_eq!(d.bottleneck, "disk_a");
+    assert_3dp(d.D, 6.0, "D");
+    assert_3dp(d.N_star, 10.0 / 3.0, "N*");
+}
+
+#[test]
+fn delay_stations_act_as_think_time() {
+    // A delay station of demand 4 in a network without think time gives the same throughput
+    // as think time 4.
+    let mut stations = vec![
+        station("cpu=0.125:16"),
+        station("disk_a=0.3:10"),
+        station("disk_b=0.2:5"),
+    ];
+    let with_think = closed(&stations, 4.0, 12).expect("solves");
+    stations.push(Station::parse("terminals=4", Kind::Delay).expect("a delay station"));
+    let with_delay = closed(&stations, 0.0, 12).expect("solves");
+    for (a, b) in with_think.iter().zip(&with_delay) {
+        assert!((a.X - b.X).abs() < 1e-12);
+        assert!((b.R - (a.R + 4.0)).abs() < 1e-9);
+        assert!(
+            (b.stations[3].R - 4.0).abs() < 1e-12,
+            "no queueing at a delay station"
+        );
+    }
+}
+
+#[test]
+fn exact_mva_lies_within_its_bounds() {
+    // Many networks, with and without think time: the asymptotic and balanced-job bounds must
+    // hold the exact solution between them.
+    let shapes: [&[f64]; 5] = [
+        &[1.0],
+        &[0.2, 0.2, 0.2],
+        &[2.0, 0.6, 0.6],
+        &[0.05, 0.9, 0.3, 0.31],
+        &[3.0, 0.001],
+    ];
+    for demands_of in shapes {
+        for think in [0.0, 0.5, 4.0, 40.0] {
+            let stations: Vec<Station> = demands_of
+                .iter()
+                .enumerate()
+                .map(|(k, d)| station(&format!("s{k}={d}")))
+                .collect();
+            let points = closed(&stations, think, 60).expect("solves");
+            for point in &points {
+                let b = bounds(&stations, think, point.n).expect("bounds");
+                let eps = 1e-9;
+                assert!(point.X <= b.X_max + eps, "{demands_of:?} Z={think} {b:?}");
+                assert!(point.R + eps >= b.R_min, "{demands_of:?} Z={think} {b:?}");
+                assert!(
+                    b.X_bjb.0 <= point.X + eps && point.X <= b.X_bjb.1 + eps,
+                    "X {} outside {:?} ({demands_of:?} Z={think} n={})",
+                    point.X,
+                    b.X_bjb,
+                    point.n
+                );
+                assert!(
+                    b.R_bjb.0 <= point.R + eps && point.R <= b.R_bjb.1 + eps,
+                    "R {} outside {:?} ({demands_of:?} Z={think} n={})",
+                    point.R,
+                    b.R_bjb,
+                    point.n
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn open_network_follows_the_utilization_and_residence_laws() {
+    // Jain's stations as an open network at 0.3 jobs/s: U = λD, R = S/(1 − U) per visit.
+    let stations = [
+        station("cpu=0.125:16"),
+        station("disk_a=0.3:10"),
+        station("disk_b=0.2:5"),
+    ];
+    let solution = open(&stations, 0.3).expect("solves");
+    let expected_u = [0.6, 0.9, 0.3];
+    let mut response = 0.0;
+    for ((figures, s), u) in solution.stations.iter().zip(&stations).zip(expected_u) {
+        assert!((figures.U - u).abs() < 1e-12);
+        assert!((figures.R - s.service / (1.0 - u)).abs() < 1e-12);
+        assert!((figures.Q - u / (1.0 - u)).abs() < 1e-9);
+        response += s.visits * figures.R;
+    }
+    assert!((solution.R - response).abs() < 1e-9);
+    assert!((solution.N - 0.3 * solution.R).abs() < 1e-9, "Little's law");
+    // At 1/3 jobs/s disk A is saturated: refused with its name.
+    let error = open(&stations, 1.0 / 3.0).expect_err("saturated");
+    assert!(error.to_string().contains("disk_a"), "{error}");
+}
