@@ -157,3 +157,30 @@ fn open_network_follows_the_utilization_and_residence_laws() {
     let error = open(&stations, 1.0 / 3.0).expect_err("saturated");
     assert!(error.to_string().contains("disk_a"), "{error}");
 }
+
+/// D. A. Menascé, V. A. F. Almeida and L. W. Dowdy, *Performance by Design* (Prentice Hall,
+/// 2004), the database server example of sections 12.2–12.3: no think time, CPU (S = 10 s,
+/// V = 1), fast disk (S = 15 s, V = 0.5), slow disk (S = 30 s, V = 0.5). At two customers the
+/// book's Markov solution gives mean queue lengths 0.5913, 0.4174 and 0.9913.
+#[test]
+fn closed_network_without_think_time_reproduces_menasce_section_12_2() {
+    let stations = [
+        station("cpu=10:1"),
+        station("fast_disk=15:0.5"),
+        station("slow_disk=30:0.5"),
+    ];
+    let points = closed(&stations, 0.0, 2).expect("solves");
+    let two = &points[1];
+    for (figures, published) in two.stations.iter().zip([0.5913, 0.4174, 0.9913]) {
+        assert!(
+            (figures.Q - published).abs() <= 0.00005 + 1e-9,
+            "{}: {} against {published}",
+            figures.station,
+            figures.Q
+        );
+    }
+    // Without think time the population is all at the stations.
+    let population: f64 = two.stations.iter().map(|s| s.Q).sum();
+    assert!((population - 2.0).abs() < 1e-12);
+    assert!((two.X * two.R - 2.0).abs() < 1e-12, "Little's law");
+}
