@@ -67,6 +67,8 @@ pub struct RunConfig {
     pub queue_capacity_messages: usize,
     /// Open-loop injection rate; `None` injects as fast as backpressure allows.
     pub rate_msgs_per_s: Option<f64>,
+    /// Closed loop: at most this many messages injected and not yet acknowledged.
+    pub window: Option<u64>,
     pub cls_out: Option<PathBuf>,
     pub run_dir: PathBuf,
     pub sample_interval: Duration,
@@ -131,6 +133,9 @@ pub struct Summary {
     /// CLS emitted again after a restart because their delivery had not been confirmed.
     pub cls_redelivered: u64,
     pub mismatched_advices: u64,
+    /// The injection: open-loop rate (msg/s) or closed-loop window (messages in flight), if set.
+    pub rate_msgs_per_s: Option<f64>,
+    pub window: Option<u64>,
     pub elapsed_s: f64,
     pub throughput_msg_s: f64,
     /// Messages stored per second over the first and the last 10% of the run (from the
@@ -330,24 +335,42 @@ fn spawn_progress(
     })
 }
 
+/// How messages are paced into the pipeline.
+struct Pacing<'a> {
+    /// Open loop: messages per second.
+    rate: Option<f64>,
+    /// Closed loop: at most this many messages in flight, counted against `acked`.
+    window: Option<u64>,
+    acked: &'a AtomicU64,
+}
+
 fn inject(
     submitter: &mut Submitter,
     refdata: &RefData,
     lines: impl Iterator<Item = std::io::Result<Vec<u8>>>,
-    rate: Option<f64>,
+    pacing: &Pacing<'_>,
     submitted: &AtomicU64,
 ) -> anyhow::Result<u64> {
     let started = Instant::now();
     let mut count: u64 = 0;
     for line in lines {
         let line = line.context("reading the message set")?;
-        if let Some(rate) = rate {
+        if let Some(rate) = pacing.rate {
             let due = Duration::from_secs_f64(count as f64 / rate);
             let elapsed = started.elapsed();
             if due > elapsed {
                 // Ahead of schedule: what is batched goes now rather than after the pause.
                 submitter.flush().context("submitting to the pipeline")?;
                 std::thread::sleep(due - elapsed);
+            }
+        }
+        if let Some(window) = pacing.window {
+            if count.saturating_sub(pacing.acked.load(Ordering::Relaxed)) >= window {
+                // The window is full: what is batched must go, or its acks never come.
+                submitter.flush().context("submitting to the pipeline")?;
+                while count.saturating_sub(pacing.acked.load(Ordering::Relaxed)) >= window {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
             }
         }
         submitter
@@ -474,29 +497,22 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     });
 
     let mut submitter = pipeline.submitter();
+    let pacing = Pacing {
+        rate: config.rate_msgs_per_s,
+        window: config.window.map(|window| window.max(1)),
+        acked: &tally.acked,
+    };
     let (injected, expected) = match &config.source {
         Source::Generated(generator_config) => {
             let mut generator = Generator::new(&refdata, generator_config.clone());
             let lines = generator.by_ref().map(Ok);
-            let count = inject(
-                &mut submitter,
-                &refdata,
-                lines,
-                config.rate_msgs_per_s,
-                &submitted,
-            );
+            let count = inject(&mut submitter, &refdata, lines, &pacing, &submitted);
             (count, Some(generator.expected().clone()))
         }
         Source::File(path) => {
             let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
             let lines = MessageSetReader::new(BufReader::new(file));
-            let count = inject(
-                &mut submitter,
-                &refdata,
-                lines,
-                config.rate_msgs_per_s,
-                &submitted,
-            );
+            let count = inject(&mut submitter, &refdata, lines, &pacing, &submitted);
             (count, None)
         }
     };
@@ -597,6 +613,8 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         cls_repeats: sink_report.cls_repeats,
         cls_redelivered: sink_report.cls_redelivered,
         mismatched_advices: sink_report.mismatched_advices,
+        rate_msgs_per_s: config.rate_msgs_per_s,
+        window: config.window,
         elapsed_s,
         throughput_msg_s: messages_in as f64 / elapsed_s.max(1e-9),
         throughput_first_10pct_msg_s: edge_rates.map(|(first, _)| first),

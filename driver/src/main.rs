@@ -50,6 +50,27 @@ enum Command {
         #[arg(long)]
         refdata: Option<PathBuf>,
     },
+    /// Run the same load at rising levels — closed-loop windows or open-loop rates — one run
+    /// each, and tabulate throughput X, mean population N and response time R of the system per
+    /// level: the points of a Little's-law curve (sweep.csv and sweep.json in --out).
+    Sweep {
+        #[command(flatten)]
+        run: Box<RunArgs>,
+        /// Closed-loop windows (messages in flight), comma-separated, e.g. 16,64,256,1024,4096.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            conflicts_with = "rates",
+            required_unless_present = "rates"
+        )]
+        windows: Vec<u64>,
+        /// Open-loop rates (messages per second), comma-separated.
+        #[arg(long, value_delimiter = ',')]
+        rates: Vec<f64>,
+        /// Folder of the series (one run directory per level); default runs/sweep-<time>.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Write the reference-data CSV files (deterministic).
     Refdata {
         /// Folder to write into.
@@ -115,6 +136,9 @@ struct RunArgs {
     /// Open-loop injection rate in messages per second (default: as fast as accepted).
     #[arg(long)]
     rate: Option<f64>,
+    /// Closed loop: keep at most this many messages injected and not yet acknowledged.
+    #[arg(long, value_name = "MESSAGES")]
+    window: Option<u64>,
     /// Write every CLS to this file, one per line.
     #[arg(long)]
     cls_out: Option<PathBuf>,
@@ -328,12 +352,174 @@ fn run_cli() -> anyhow::Result<()> {
             );
             Ok(())
         }
+        Some(Command::Sweep {
+            run,
+            windows,
+            rates,
+            out,
+        }) => sweep(*run, windows, rates, out),
         None => run(cli.run),
     }
 }
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
     let refdata = Arc::new(load_refdata(args.refdata.as_ref())?);
+    let json = args.json;
+    let config = run_config(args)?;
+    let summary = ste_driver::run(&config, refdata)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print_summary(&summary);
+    }
+    check_summary(&summary)
+}
+
+fn check_summary(summary: &Summary) -> anyhow::Result<()> {
+    if !summary.conserved {
+        bail!("conservation violated: messages_in != accepted + duplicates + exceptions");
+    }
+    if summary.matches_expected == Some(false) {
+        bail!("the outcome differs from what the generator expected");
+    }
+    Ok(())
+}
+
+/// One point of a sweep.
+#[derive(serde::Serialize)]
+#[allow(non_snake_case)]
+struct SweepPoint {
+    level: usize,
+    window: Option<u64>,
+    rate_msg_s: Option<f64>,
+    /// System throughput, messages per second.
+    X: f64,
+    /// Mean messages in the system: the sum of the stations' N.
+    N: f64,
+    /// Response time of a message through the system, ms: N / X (Little's law).
+    R_ms: f64,
+    /// The same from the stations' directly measured response times, summed along the path.
+    R_direct_ms: f64,
+    cls_p50_ms: f64,
+    cls_p99_ms: f64,
+    bottleneck: Option<String>,
+    run_dir: String,
+}
+
+fn sweep(
+    args: RunArgs,
+    windows: Vec<u64>,
+    rates: Vec<f64>,
+    out: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    if args.run_dir.is_some() || args.resume {
+        bail!("a sweep makes one fresh run directory per level under --out; --run-dir and --resume do not apply");
+    }
+    let refdata = Arc::new(load_refdata(args.refdata.as_ref())?);
+    let out = out.unwrap_or_else(|| {
+        let mut dir = default_run_dir();
+        dir.set_file_name(format!(
+            "sweep-{}",
+            dir.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        ));
+        dir
+    });
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let levels: Vec<(Option<u64>, Option<f64>)> = if windows.is_empty() {
+        rates.iter().map(|rate| (None, Some(*rate))).collect()
+    } else {
+        windows.iter().map(|window| (Some(*window), None)).collect()
+    };
+    let base = run_config(args)?;
+    let mut points = Vec::with_capacity(levels.len());
+    for (level, (window, rate)) in levels.into_iter().enumerate() {
+        let name = match (window, rate) {
+            (Some(window), _) => format!("level-{level}-window-{window}"),
+            (_, Some(rate)) => format!("level-{level}-rate-{rate}"),
+            _ => format!("level-{level}"),
+        };
+        let config = RunConfig {
+            window,
+            rate_msgs_per_s: rate.filter(|rate| *rate > 0.0),
+            run_dir: out.join(&name),
+            ..base.clone()
+        };
+        eprintln!("sweep level {level}: {name}");
+        let summary = ste_driver::run(&config, refdata.clone())?;
+        check_summary(&summary)?;
+        let population: f64 = summary.stations.iter().map(|s| s.N).sum();
+        let r_direct: f64 = summary
+            .stations
+            .iter()
+            .filter(|s| s.C > 0)
+            .map(|s| s.R_direct_ms * s.C as f64 / summary.outcome.messages_in.max(1) as f64)
+            .sum();
+        points.push(SweepPoint {
+            level,
+            window,
+            rate_msg_s: rate,
+            X: summary.throughput_msg_s,
+            N: population,
+            R_ms: if summary.throughput_msg_s > 0.0 {
+                1e3 * population / summary.throughput_msg_s
+            } else {
+                0.0
+            },
+            R_direct_ms: r_direct,
+            cls_p50_ms: summary.latency_ms.p50,
+            cls_p99_ms: summary.latency_ms.p99,
+            bottleneck: summary.bottleneck.clone(),
+            run_dir: config.run_dir.display().to_string(),
+        });
+    }
+    let mut csv = String::from(
+        "level,window,rate_msg_s,X,N,R_ms,R_direct_ms,cls_p50_ms,cls_p99_ms,bottleneck\n",
+    );
+    for p in &points {
+        csv.push_str(&format!(
+            "{},{},{},{:.1},{:.3},{:.4},{:.4},{:.3},{:.3},{}\n",
+            p.level,
+            p.window.map(|w| w.to_string()).unwrap_or_default(),
+            p.rate_msg_s.map(|r| r.to_string()).unwrap_or_default(),
+            p.X,
+            p.N,
+            p.R_ms,
+            p.R_direct_ms,
+            p.cls_p50_ms,
+            p.cls_p99_ms,
+            p.bottleneck.as_deref().unwrap_or("")
+        ));
+    }
+    std::fs::write(out.join("sweep.csv"), &csv).context("writing sweep.csv")?;
+    std::fs::write(
+        out.join("sweep.json"),
+        serde_json::to_string_pretty(&points)?,
+    )
+    .context("writing sweep.json")?;
+    println!(
+        "{:>5} {:>8} {:>10} {:>12} {:>10} {:>10} {:>12}  bottleneck",
+        "level", "window", "rate", "X msg/s", "N", "R ms", "R_direct ms"
+    );
+    for p in &points {
+        println!(
+            "{:>5} {:>8} {:>10} {:>12.0} {:>10.1} {:>10.3} {:>12.3}  {}",
+            p.level,
+            p.window.map(|w| w.to_string()).unwrap_or_default(),
+            p.rate_msg_s.map(|r| r.to_string()).unwrap_or_default(),
+            p.X,
+            p.N,
+            p.R_ms,
+            p.R_direct_ms,
+            p.bottleneck.as_deref().unwrap_or("")
+        );
+    }
+    eprintln!("series written to {}", out.display());
+    Ok(())
+}
+
+fn run_config(args: RunArgs) -> anyhow::Result<RunConfig> {
     let profile = match &args.profile {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -401,18 +587,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         tolerances: Tolerances::from_profile(&profile).context("reading the matching profile")?,
         resume: args.resume,
         retention_days: args.retention_days,
+        window: args.window,
     };
-    let summary = ste_driver::run(&config, refdata)?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&summary)?);
-    } else {
-        print_summary(&summary);
-    }
-    if !summary.conserved {
-        bail!("conservation violated: messages_in != accepted + duplicates + exceptions");
-    }
-    if summary.matches_expected == Some(false) {
-        bail!("the outcome differs from what the generator expected");
-    }
-    Ok(())
+    Ok(config)
 }

@@ -21,6 +21,7 @@ fn config(source: Source, store: StoreChoice, run_dir: &Path) -> RunConfig {
         batch_linger: Duration::from_millis(2),
         queue_capacity_messages: 1024,
         rate_msgs_per_s: None,
+        window: None,
         cls_out: None,
         run_dir: run_dir.to_path_buf(),
         sample_interval: Duration::from_millis(5),
@@ -274,5 +275,67 @@ fn hostile_lines_become_exceptions_and_the_run_goes_on() {
     assert_eq!(
         summary["exceptions"],
         serde_json::to_value(&expected_exceptions).expect("json")
+    );
+}
+
+#[test]
+fn a_sweep_of_closed_loop_windows_draws_a_littles_law_series() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let out = dir.path().join("sweep");
+    let output = driver()
+        .args(["sweep", "--trades", "300", "--store", "memory", "--quiet"])
+        .args(["--windows", "1,512", "--sample-ms", "2", "--out"])
+        .arg(&out)
+        .output()
+        .expect("driver runs");
+    assert!(
+        output.status.success(),
+        "sweep failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let points: Vec<serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(out.join("sweep.json")).expect("sweep.json"))
+            .expect("JSON");
+    assert_eq!(points.len(), 2);
+    let csv = std::fs::read_to_string(out.join("sweep.csv")).expect("sweep.csv");
+    assert_eq!(csv.lines().count(), 3, "{csv}");
+    let x = |k: usize| points[k]["X"].as_f64().expect("X");
+    // One message in flight at a time serialises the whole network; 512 overlap.
+    assert!(x(1) > 2.0 * x(0), "X(1) = {}, X(512) = {}", x(0), x(1));
+    for point in &points {
+        let run_dir = std::path::PathBuf::from(point["run_dir"].as_str().expect("run_dir"));
+        let summary: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(run_dir.join("summary.json")).expect("each level keeps its summary"),
+        )
+        .expect("JSON");
+        assert_eq!(summary["cls"], 300);
+        assert_eq!(summary["window"], point["window"]);
+        // Little's law per level: N / X against the response times measured directly.
+        let (r, r_direct) = (
+            point["R_ms"].as_f64().expect("R"),
+            point["R_direct_ms"].as_f64().expect("R direct"),
+        );
+        assert!(r > 0.0 && r_direct > 0.0);
+    }
+    // With a window of one, the stations never hold more than one message between them (two
+    // while a sample catches a message between its counters).
+    let samples = ste_monitor::read_samples(
+        &std::path::PathBuf::from(points[0]["run_dir"].as_str().expect("run_dir"))
+            .join("samples.csv"),
+    )
+    .expect("samples");
+    let mut by_tick: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
+    for sample in samples.iter().filter(|s| {
+        s.station.starts_with("inbound.")
+            || s.station.starts_with("match.")
+            || s.station.starts_with("store.")
+    }) {
+        *by_tick.entry(sample.t_ms.to_bits()).or_default() += sample.queue_len;
+    }
+    assert!(!by_tick.is_empty());
+    let most = by_tick.values().copied().max().unwrap_or_default();
+    assert!(
+        most <= 2,
+        "{most} messages in the stations with a window of one"
     );
 }
