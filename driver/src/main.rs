@@ -403,7 +403,64 @@ struct SweepPoint {
     cls_p50_ms: f64,
     cls_p99_ms: f64,
     bottleneck: Option<String>,
+    /// What MVA predicts at this level from the measured demands (see `mva_prediction`).
+    X_mva: Option<f64>,
+    R_mva_ms: Option<f64>,
     run_dir: String,
+}
+
+/// The model of a sweep. Every station that serves messages is a load-independent queueing
+/// station with the demand measured at the most loaded level (busy time per message), plus a
+/// delay station for the rest of the time a message spent there at the least loaded level
+/// (waiting for a batch to fill, thread wake-ups); the time a message spends outside the
+/// stations (generation, signing, the ack path) is the think time, also measured at the least
+/// loaded level of a closed-loop sweep. The model gives each station a processor of its own,
+/// which a machine with fewer cores than stations does not: the gap between prediction and
+/// measurement at high load is that sharing.
+struct SweepModel {
+    stations: Vec<ste_monitor::mva::Station>,
+    think_s: f64,
+}
+
+fn sweep_model(first: &Summary, last: &Summary) -> Option<SweepModel> {
+    use ste_monitor::mva::{Kind, Station};
+    let x = last.throughput_msg_s;
+    if x <= 0.0 || first.throughput_msg_s <= 0.0 {
+        return None;
+    }
+    let messages = first.outcome.messages_in.max(1) as f64;
+    let mut stations = Vec::new();
+    let mut in_stations_s = 0.0;
+    for station in last.stations.iter().filter(|s| s.name != "outbound") {
+        let demand = station.U / x;
+        let low = first.stations.iter().find(|s| s.name == station.name);
+        let residence_low = low.map_or(0.0, |s| s.R_direct_ms / 1e3 * s.C as f64 / messages);
+        in_stations_s += residence_low;
+        if demand > 0.0 {
+            stations.push(Station {
+                name: station.name.clone(),
+                kind: Kind::Queueing,
+                service: demand,
+                visits: 1.0,
+            });
+        }
+        if residence_low > demand {
+            stations.push(Station {
+                name: format!("{}.latency", station.name),
+                kind: Kind::Delay,
+                service: residence_low - demand,
+                visits: 1.0,
+            });
+        }
+    }
+    let think_s = match first.window {
+        Some(window) => (window as f64 / first.throughput_msg_s - in_stations_s).max(0.0),
+        None => 0.0,
+    };
+    stations
+        .iter()
+        .any(|s| s.kind == Kind::Queueing)
+        .then_some(SweepModel { stations, think_s })
 }
 
 fn sweep(
@@ -434,6 +491,7 @@ fn sweep(
     };
     let base = run_config(args)?;
     let mut points = Vec::with_capacity(levels.len());
+    let mut summaries = Vec::with_capacity(levels.len());
     for (level, (window, rate)) in levels.into_iter().enumerate() {
         let name = match (window, rate) {
             (Some(window), _) => format!("level-{level}-window-{window}"),
@@ -471,15 +529,42 @@ fn sweep(
             cls_p50_ms: summary.latency_ms.p50,
             cls_p99_ms: summary.latency_ms.p99,
             bottleneck: summary.bottleneck.clone(),
+            X_mva: None,
+            R_mva_ms: None,
             run_dir: config.run_dir.display().to_string(),
         });
+        summaries.push(summary);
     }
+    let chart = out.join("littles-law.svg");
+    let mut curve = ste_monitor::chart::LittleCurve {
+        title: format!(
+            "Little's law: {} levels, {}",
+            points.len(),
+            base.store.as_str()
+        ),
+        measured: points
+            .iter()
+            .map(|p| ste_monitor::chart::CurvePoint {
+                x: p.X,
+                n: p.N,
+                r_ms: p.R_ms,
+            })
+            .collect(),
+        ..Default::default()
+    };
+    if let (Some(first), Some(last)) = (summaries.first(), summaries.last()) {
+        if let Some(model) = sweep_model(first, last) {
+            predict(&model, &mut points, &mut curve)?;
+        }
+    }
+    ste_monitor::chart::write_svg(&curve, &chart)?;
     let mut csv = String::from(
-        "level,window,rate_msg_s,X,N,R_ms,R_direct_ms,cls_p50_ms,cls_p99_ms,bottleneck\n",
+        "level,window,rate_msg_s,X,N,R_ms,R_direct_ms,cls_p50_ms,cls_p99_ms,bottleneck,X_mva,R_mva_ms\n",
     );
+    let optional = |value: Option<f64>| value.map(|v| format!("{v:.4}")).unwrap_or_default();
     for p in &points {
         csv.push_str(&format!(
-            "{},{},{},{:.1},{:.3},{:.4},{:.4},{:.3},{:.3},{}\n",
+            "{},{},{},{:.1},{:.3},{:.4},{:.4},{:.3},{:.3},{},{},{}\n",
             p.level,
             p.window.map(|w| w.to_string()).unwrap_or_default(),
             p.rate_msg_s.map(|r| r.to_string()).unwrap_or_default(),
@@ -489,7 +574,9 @@ fn sweep(
             p.R_direct_ms,
             p.cls_p50_ms,
             p.cls_p99_ms,
-            p.bottleneck.as_deref().unwrap_or("")
+            p.bottleneck.as_deref().unwrap_or(""),
+            optional(p.X_mva),
+            optional(p.R_mva_ms)
         ));
     }
     std::fs::write(out.join("sweep.csv"), &csv).context("writing sweep.csv")?;
@@ -499,12 +586,12 @@ fn sweep(
     )
     .context("writing sweep.json")?;
     println!(
-        "{:>5} {:>8} {:>10} {:>12} {:>10} {:>10} {:>12}  bottleneck",
-        "level", "window", "rate", "X msg/s", "N", "R ms", "R_direct ms"
+        "{:>5} {:>8} {:>10} {:>12} {:>10} {:>10} {:>12} {:>12} {:>10}  bottleneck",
+        "level", "window", "rate", "X msg/s", "N", "R ms", "R_direct ms", "X_mva", "R_mva ms"
     );
     for p in &points {
         println!(
-            "{:>5} {:>8} {:>10} {:>12.0} {:>10.1} {:>10.3} {:>12.3}  {}",
+            "{:>5} {:>8} {:>10} {:>12.0} {:>10.1} {:>10.3} {:>12.3} {:>12} {:>10}  {}",
             p.level,
             p.window.map(|w| w.to_string()).unwrap_or_default(),
             p.rate_msg_s.map(|r| r.to_string()).unwrap_or_default(),
@@ -512,10 +599,71 @@ fn sweep(
             p.N,
             p.R_ms,
             p.R_direct_ms,
+            p.X_mva.map(|x| format!("{x:.0}")).unwrap_or_default(),
+            p.R_mva_ms.map(|r| format!("{r:.3}")).unwrap_or_default(),
             p.bottleneck.as_deref().unwrap_or("")
         );
     }
-    eprintln!("series written to {}", out.display());
+    eprintln!(
+        "series written to {} (sweep.csv, sweep.json, {})",
+        out.display(),
+        chart.display()
+    );
+    Ok(())
+}
+
+/// Fills in the MVA prediction of every level and of the curve: exact MVA over the windows of a
+/// closed-loop sweep, the open-network solution over the rates of an open-loop one.
+fn predict(
+    model: &SweepModel,
+    points: &mut [SweepPoint],
+    curve: &mut ste_monitor::chart::LittleCurve,
+) -> anyhow::Result<()> {
+    use ste_monitor::chart::CurvePoint;
+    use ste_monitor::mva;
+    let demands = mva::demands(&model.stations, model.think_s)?;
+    if demands.D_max > 0.0 {
+        curve.x_bound = Some(1.0 / demands.D_max);
+    }
+    let largest_window = points.iter().filter_map(|p| p.window).max();
+    if let Some(largest) = largest_window {
+        let population = u32::try_from(largest).unwrap_or(u32::MAX).min(1 << 20);
+        let solution = mva::closed(&model.stations, model.think_s, population)?;
+        for p in points.iter_mut() {
+            if let Some(at) = p.window.and_then(|w| solution.get(w as usize - 1)) {
+                p.X_mva = Some(at.X);
+                p.R_mva_ms = Some(at.R * 1e3);
+            }
+        }
+        // About a hundred points, spaced evenly on a log scale of n.
+        let mut n = 1.0_f64;
+        while (n as usize) <= solution.len() {
+            let at = &solution[n as usize - 1];
+            curve.predicted.push(CurvePoint {
+                x: at.X,
+                n: at.X * at.R,
+                r_ms: at.R * 1e3,
+            });
+            n = (n * 1.1).max(n + 1.0);
+        }
+    } else if let Some(bound) = curve.x_bound {
+        for p in points.iter_mut() {
+            if let Some(rate) = p.rate_msg_s.filter(|rate| *rate < bound) {
+                let at = mva::open(&model.stations, rate)?;
+                p.X_mva = Some(rate);
+                p.R_mva_ms = Some(at.R * 1e3);
+            }
+        }
+        for step in 1..100 {
+            let rate = bound * f64::from(step) / 100.0;
+            let at = mva::open(&model.stations, rate)?;
+            curve.predicted.push(CurvePoint {
+                x: rate,
+                n: at.N,
+                r_ms: at.R * 1e3,
+            });
+        }
+    }
     Ok(())
 }
 

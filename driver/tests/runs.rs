@@ -297,6 +297,22 @@ fn a_sweep_of_closed_loop_windows_draws_a_littles_law_series() {
         serde_json::from_slice(&std::fs::read(out.join("sweep.json")).expect("sweep.json"))
             .expect("JSON");
     assert_eq!(points.len(), 2);
+    // The model's prediction is there for every window and meets the least loaded level, where
+    // its think time and latencies were measured.
+    for point in &points {
+        assert!(point["X_mva"].as_f64().is_some_and(|x| x > 0.0), "{point}");
+    }
+    let low = (
+        points[0]["X"].as_f64().expect("X"),
+        points[0]["X_mva"].as_f64().expect("X_mva"),
+    );
+    assert!((low.0 - low.1).abs() <= 1e-6 * low.0, "{low:?}");
+    let svg = std::fs::read_to_string(out.join("littles-law.svg")).expect("the curve is drawn");
+    assert!(svg.starts_with("<svg") && svg.contains("MVA prediction") && svg.contains("measured"));
+    assert!(
+        svg.matches("<circle").count() >= 2 * 2,
+        "two measured points on each panel"
+    );
     let csv = std::fs::read_to_string(out.join("sweep.csv")).expect("sweep.csv");
     assert_eq!(csv.lines().count(), 3, "{csv}");
     let x = |k: usize| points[k]["X"].as_f64().expect("X");

@@ -6,6 +6,7 @@
 //! λ = A/T, X = C/T, U = B/T, S = B/C, N = W/T, R = W/C; Little's law N = X·R and the
 //! utilisation law U = X·S hold by construction of these estimators and are reported as checks.
 
+pub mod chart;
 pub mod mva;
 
 use std::collections::BTreeMap;
