@@ -139,6 +139,10 @@ struct RunArgs {
     /// Closed loop: keep at most this many messages injected and not yet acknowledged.
     #[arg(long, value_name = "MESSAGES")]
     window: Option<u64>,
+    /// Serve the live dashboard of the run on this address while it runs (default address
+    /// 127.0.0.1:8686); `monitor serve RUN_DIR` serves it afterwards.
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:8686")]
+    dashboard: Option<String>,
     /// Write every CLS to this file, one per line.
     #[arg(long)]
     cls_out: Option<PathBuf>,
@@ -365,7 +369,19 @@ fn run_cli() -> anyhow::Result<()> {
 fn run(args: RunArgs) -> anyhow::Result<()> {
     let refdata = Arc::new(load_refdata(args.refdata.as_ref())?);
     let json = args.json;
+    let dashboard_address = args.dashboard.clone();
     let config = run_config(args)?;
+    let _dashboard = match dashboard_address {
+        Some(address) => {
+            std::fs::create_dir_all(&config.run_dir)
+                .with_context(|| format!("creating {}", config.run_dir.display()))?;
+            let dashboard = ste_monitor::serve::Dashboard::start(&config.run_dir, &address)
+                .context("starting the dashboard")?;
+            eprintln!("dashboard on http://{}/", dashboard.address());
+            Some(dashboard)
+        }
+        None => None,
+    };
     let summary = ste_driver::run(&config, refdata)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&summary)?);

@@ -1313,6 +1313,9 @@ fn write_samples(
     Ok(())
 }
 
+/// How often the sampler hands its buffered rows to the file.
+const SAMPLES_FLUSH_INTERVAL: Duration = Duration::from_millis(500);
+
 fn run_sampler(
     mut out: BufWriter<File>,
     stations: &[Arc<Station>],
@@ -1322,8 +1325,14 @@ fn run_sampler(
 ) -> Result<(), PipelineError> {
     writeln!(out, "{SAMPLES_HEADER}").map_err(PipelineError::Samples)?;
     let mut next = Instant::now();
+    let mut flushed = Instant::now();
     loop {
         write_samples(&mut out, stations, clock).map_err(PipelineError::Samples)?;
+        // A live dashboard reads the file while the run goes on.
+        if flushed.elapsed() >= SAMPLES_FLUSH_INTERVAL {
+            out.flush().map_err(PipelineError::Samples)?;
+            flushed = Instant::now();
+        }
         if stop.load(Ordering::Relaxed) {
             break;
         }

@@ -34,11 +34,26 @@ pub struct ChartError {
 
 /// Writes `curve` to `path` as an SVG of two panels: R against X and N against X.
 pub fn write_svg(curve: &LittleCurve, path: &Path) -> Result<(), ChartError> {
-    let error = |reason: String| ChartError {
+    let svg = little_svg(curve).map_err(|reason| ChartError {
         path: path.display().to_string(),
         reason,
-    };
-    let root = SVGBackend::new(path, (1200, 520)).into_drawing_area();
+    })?;
+    std::fs::write(path, svg).map_err(|e| ChartError {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })
+}
+
+/// `curve` as an SVG document: R against X and N against X.
+pub fn little_svg(curve: &LittleCurve) -> Result<String, String> {
+    let mut svg = String::new();
+    draw_little(curve, &mut svg)?;
+    Ok(svg)
+}
+
+fn draw_little(curve: &LittleCurve, svg: &mut String) -> Result<(), String> {
+    let error = |reason: String| reason;
+    let root = SVGBackend::with_string(svg, (1200, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| error(e.to_string()))?;
     let root = root
         .titled(&curve.title, ("sans-serif", 22))
@@ -46,10 +61,139 @@ pub fn write_svg(curve: &LittleCurve, path: &Path) -> Result<(), ChartError> {
     let (left, right) = root.split_horizontally(600);
     let r_of = |p: &CurvePoint| (p.x, p.r_ms);
     let n_of = |p: &CurvePoint| (p.x, p.n);
-    panel(&left, curve, "R (ms)", r_of).map_err(error)?;
-    panel(&right, curve, "N (messages in the system)", n_of).map_err(error)?;
+    panel(&left, curve, "R (ms)", r_of)?;
+    panel(&right, curve, "N (messages in the system)", n_of)?;
     root.present().map_err(|e| error(e.to_string()))?;
     Ok(())
+}
+
+/// Points per line at most: longer series are thinned to every k-th sample.
+const MAX_POINTS_PER_LINE: usize = 1500;
+
+/// The execution graph of a run as an SVG document: every station's queue length over time,
+/// and above it the run's throughput (messages stored per second, from the store stations'
+/// completions; every station's completions when there is no store station).
+pub fn timeline_svg(samples: &[crate::Sample]) -> Result<String, String> {
+    let mut stations: Vec<&str> = Vec::new();
+    let mut lines: std::collections::BTreeMap<&str, Vec<(f64, f64)>> = Default::default();
+    for sample in samples {
+        let line = lines.entry(sample.station.as_str()).or_default();
+        if line.is_empty() {
+            stations.push(sample.station.as_str());
+        }
+        line.push((sample.t_ms / 1000.0, sample.queue_len as f64));
+    }
+    let throughput = throughput_series(samples);
+    let t_end = samples
+        .iter()
+        .map(|s| s.t_ms / 1000.0)
+        .fold(0.0_f64, f64::max)
+        .max(1e-3);
+    let q_top = lines
+        .values()
+        .flatten()
+        .map(|p| p.1)
+        .fold(0.0_f64, f64::max)
+        .max(1.0)
+        * 1.08;
+    let x_top = throughput
+        .iter()
+        .map(|p| p.1)
+        .fold(0.0_f64, f64::max)
+        .max(1.0)
+        * 1.08;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (1200, 760)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let (top, bottom) = root.split_vertically(300);
+        let mut chart = ChartBuilder::on(&top)
+            .caption("Throughput (messages/s)", ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(80)
+            .build_cartesian_2d(0.0..t_end, 0.0..x_top)
+            .map_err(|e| e.to_string())?;
+        chart
+            .configure_mesh()
+            .x_desc("t (s)")
+            .draw()
+            .map_err(|e| e.to_string())?;
+        chart
+            .draw_series(LineSeries::new(throughput, BLUE.stroke_width(2)))
+            .map_err(|e| e.to_string())?;
+        let mut chart = ChartBuilder::on(&bottom)
+            .caption("Queue length by station", ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(80)
+            .build_cartesian_2d(0.0..t_end, 0.0..q_top)
+            .map_err(|e| e.to_string())?;
+        chart
+            .configure_mesh()
+            .x_desc("t (s)")
+            .y_desc("messages")
+            .draw()
+            .map_err(|e| e.to_string())?;
+        for (index, name) in stations.iter().enumerate() {
+            let points = lines.remove(name).unwrap_or_default();
+            let step = points.len().div_ceil(MAX_POINTS_PER_LINE).max(1);
+            let color = Palette99::pick(index).to_rgba();
+            chart
+                .draw_series(LineSeries::new(
+                    points.into_iter().step_by(step),
+                    color.stroke_width(1),
+                ))
+                .map_err(|e| e.to_string())?
+                .label(*name)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| e.to_string())?;
+        root.present().map_err(|e| e.to_string())?;
+    }
+    Ok(svg)
+}
+
+/// Messages completed per second over time, in about a hundred windows.
+fn throughput_series(samples: &[crate::Sample]) -> Vec<(f64, f64)> {
+    let stored = samples.iter().any(|s| s.station.starts_with("store."));
+    let mut latest: std::collections::BTreeMap<&str, u64> = Default::default();
+    let mut totals: Vec<(f64, u64)> = Vec::new();
+    let mut rows: Vec<&crate::Sample> = samples
+        .iter()
+        .filter(|s| !stored || s.station.starts_with("store."))
+        .collect();
+    rows.sort_by(|a, b| a.t_ms.total_cmp(&b.t_ms));
+    for row in rows {
+        latest.insert(row.station.as_str(), row.completions);
+        let t = row.t_ms / 1000.0;
+        let total = latest.values().sum();
+        match totals.last_mut() {
+            Some(last) if last.0 == t => last.1 = total,
+            _ => totals.push((t, total)),
+        }
+    }
+    let (Some(first), Some(last)) = (totals.first(), totals.last()) else {
+        return Vec::new();
+    };
+    let window = ((last.0 - first.0) / 100.0).max(0.05);
+    let mut series = Vec::new();
+    let mut start = *first;
+    for &(t, count) in &totals {
+        if t - start.0 >= window {
+            series.push((t, (count - start.1) as f64 / (t - start.0)));
+            start = (t, count);
+        }
+    }
+    series
 }
 
 fn panel(

@@ -8,9 +8,10 @@
 
 pub mod chart;
 pub mod mva;
+pub mod report;
+pub mod serve;
 
 use std::collections::BTreeMap;
-use std::io::BufRead;
 use std::path::Path;
 
 use serde::Serialize;
@@ -59,12 +60,16 @@ fn parse_row(line_number: usize, line: &str) -> Result<Sample, SamplesError> {
     })
 }
 
-/// Reads a samples file.
+/// Reads a samples file. A last line without its newline is one the sampler is still writing
+/// (the file of a run in progress) and is left out.
 pub fn read_samples(path: &Path) -> Result<Vec<Sample>, SamplesError> {
-    let file = std::fs::File::open(path)?;
+    let text = std::fs::read_to_string(path)?;
+    let complete = match text.rfind('\n') {
+        Some(end) => &text[..=end],
+        None => "",
+    };
     let mut samples = Vec::new();
-    for (index, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line = line?;
+    for (index, line) in complete.lines().enumerate() {
         if index == 0 {
             if line.trim() != SAMPLES_HEADER {
                 return Err(SamplesError::Header);
@@ -75,6 +80,9 @@ pub fn read_samples(path: &Path) -> Result<Vec<Sample>, SamplesError> {
             continue;
         }
         samples.push(parse_row(index + 1, line.trim())?);
+    }
+    if complete.is_empty() && !text.is_empty() && !SAMPLES_HEADER.starts_with(text.trim()) {
+        return Err(SamplesError::Header);
     }
     Ok(samples)
 }

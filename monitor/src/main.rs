@@ -26,6 +26,23 @@ enum Command {
     /// Mean value analysis: exact MVA of a closed network for populations 1..N (or the open
     /// network at an arrival rate), with asymptotic and balanced-job bounds.
     Mva(MvaArgs),
+    /// The dashboard on localhost: a run (or sweep) directory's page, live while the run writes
+    /// its samples, with Prometheus metrics at /metrics.
+    Serve {
+        /// The run or sweep directory.
+        dir: PathBuf,
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:8686")]
+        addr: String,
+    },
+    /// Write a run (or sweep) directory's page as one self-contained HTML file.
+    Report {
+        /// The run or sweep directory.
+        dir: PathBuf,
+        /// The file to write (default: DIR/report.html).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 #[derive(clap::Args)]
@@ -69,6 +86,21 @@ fn run_cli() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Mva(args) => mva(&args)?,
+        Command::Serve { dir, addr } => {
+            let dashboard = ste_monitor::serve::Dashboard::start(&dir, &addr)?;
+            eprintln!(
+                "dashboard of {} on http://{}/ (metrics on /metrics); Ctrl-C stops it",
+                dir.display(),
+                dashboard.address()
+            );
+            dashboard.wait();
+        }
+        Command::Report { dir, out } => {
+            let html = ste_monitor::report::render(&dir, None)?;
+            let out = out.unwrap_or_else(|| dir.join("report.html"));
+            std::fs::write(&out, html).with_context(|| format!("writing {}", out.display()))?;
+            eprintln!("report written to {}", out.display());
+        }
         Command::Analyze { file, json } => {
             let samples = ste_monitor::read_samples(&file)
                 .with_context(|| format!("reading {}", file.display()))?;

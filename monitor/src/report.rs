@@ -1,0 +1,308 @@
+//! One HTML page for a run directory: the run's summary, the operational metrics of every
+//! station, the execution graph (queue lengths and throughput over time) and, for a sweep, the
+//! Little's-law curve. Self-contained (inline CSS and SVG, no script, nothing fetched), so it
+//! works offline; `monitor report` writes it to a file and `monitor serve` serves it live.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use crate::{analyze, bottleneck, read_samples, SamplesError};
+
+/// Why a report could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("{0} holds neither samples.csv nor sweep.json: not a run or sweep directory")]
+    NotARun(String),
+    #[error("reading {path}")]
+    Samples {
+        path: String,
+        #[source]
+        source: SamplesError,
+    },
+    #[error("reading {path}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("drawing the charts: {0}")]
+    Chart(String),
+}
+
+/// Escapes text for HTML.
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '&' => out.push_str("&amp;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+/// An SVG document as an element to inline: without an XML declaration.
+fn inline_svg(svg: &str) -> &str {
+    match svg.find("<svg") {
+        Some(start) => &svg[start..],
+        None => svg,
+    }
+}
+
+const STYLE: &str = "body{font-family:sans-serif;margin:24px;color:#222}\
+table{border-collapse:collapse;margin:12px 0}td,th{border:1px solid #ccc;padding:4px 8px;\
+text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}\
+.figure{margin:16px 0}.note{color:#666}";
+
+/// Renders the page for `dir`. `refresh_s` adds a refresh every so many seconds (the live view).
+pub fn render(dir: &Path, refresh_s: Option<u32>) -> Result<String, ReportError> {
+    let samples_path = dir.join("samples.csv");
+    let sweep_path = dir.join("sweep.json");
+    let has_samples = samples_path.exists();
+    let has_sweep = sweep_path.exists();
+    if !has_samples && !has_sweep {
+        return Err(ReportError::NotARun(dir.display().to_string()));
+    }
+    let title = format!("STE — {}", dir.display());
+    let mut html = String::new();
+    let _ = write!(
+        html,
+        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{}</title>",
+        escape(&title)
+    );
+    if let Some(seconds) = refresh_s {
+        let _ = write!(html, "<meta http-equiv=\"refresh\" content=\"{seconds}\">");
+    }
+    let _ = write!(
+        html,
+        "<style>{STYLE}</style></head><body><h1>{}</h1>",
+        escape(&title)
+    );
+    summary_section(dir, &mut html)?;
+    if has_samples {
+        let samples = read_samples(&samples_path).map_err(|source| ReportError::Samples {
+            path: samples_path.display().to_string(),
+            source,
+        })?;
+        stations_section(&samples, &mut html)?;
+    }
+    if has_sweep {
+        sweep_section(dir, &mut html)?;
+    }
+    html.push_str("</body></html>\n");
+    Ok(html)
+}
+
+fn read_json(path: &Path) -> Result<Option<serde_json::Value>, ReportError> {
+    match std::fs::read(path) {
+        Ok(bytes) => Ok(serde_json::from_slice(&bytes).ok()),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(ReportError::Io {
+            path: path.display().to_string(),
+            source,
+        }),
+    }
+}
+
+fn summary_section(dir: &Path, html: &mut String) -> Result<(), ReportError> {
+    let Some(summary) = read_json(&dir.join("summary.json"))? else {
+        if dir.join("samples.csv").exists() {
+            html.push_str(
+                "<p class=\"note\" id=\"state\">Run in progress: the figures below are \
+                           those of the samples so far.</p>",
+            );
+        }
+        return Ok(());
+    };
+    let number = |key: &str| summary.get(key).and_then(serde_json::Value::as_f64);
+    html.push_str("<h2>Run</h2><table id=\"summary\">");
+    let rows = [
+        (
+            "messages in",
+            number("messages_in").map(|v| format!("{v:.0}")),
+        ),
+        ("CLS", number("cls").map(|v| format!("{v:.0}"))),
+        (
+            "elapsed (s)",
+            number("elapsed_s").map(|v| format!("{v:.2}")),
+        ),
+        (
+            "throughput (msg/s)",
+            number("throughput_msg_s").map(|v| format!("{v:.0}")),
+        ),
+        (
+            "CLS latency p50 / p99 (ms)",
+            summary.get("latency_ms").map(|l| {
+                format!(
+                    "{:.1} / {:.1}",
+                    l.get("p50")
+                        .and_then(serde_json::Value::as_f64)
+                        .unwrap_or_default(),
+                    l.get("p99")
+                        .and_then(serde_json::Value::as_f64)
+                        .unwrap_or_default()
+                )
+            }),
+        ),
+        ("conserved", summary.get("conserved").map(|v| v.to_string())),
+        (
+            "store",
+            summary
+                .get("store")
+                .and_then(serde_json::Value::as_str)
+                .map(str::to_owned),
+        ),
+    ];
+    for (name, value) in rows {
+        if let Some(value) = value {
+            let _ = write!(
+                html,
+                "<tr><th>{}</th><td>{}</td></tr>",
+                escape(name),
+                escape(&value)
+            );
+        }
+    }
+    html.push_str("</table>");
+    Ok(())
+}
+
+fn stations_section(samples: &[crate::Sample], html: &mut String) -> Result<(), ReportError> {
+    let metrics = analyze(samples);
+    html.push_str("<h2>Stations (operational analysis of samples.csv)</h2>");
+    if let Some(worst) = bottleneck(&metrics) {
+        let _ = write!(
+            html,
+            "<p id=\"bottleneck\">Bottleneck (largest demand): <b>{}</b>, U = {:.3}</p>",
+            escape(&worst.station),
+            worst.U
+        );
+    }
+    html.push_str(
+        "<table id=\"stations\"><tr><th>station</th><th>T (s)</th><th>A</th><th>C</th>\
+         <th>λ (/s)</th><th>X (/s)</th><th>U</th><th>S (ms)</th><th>N</th><th>R (ms)</th></tr>",
+    );
+    for m in &metrics {
+        let _ = write!(
+            html,
+            "<tr><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{:.1}</td><td>{:.1}</td>\
+             <td>{:.3}</td><td>{:.4}</td><td>{:.2}</td><td>{:.3}</td></tr>",
+            escape(&m.station),
+            m.T_s,
+            m.A,
+            m.C,
+            m.lambda,
+            m.X,
+            m.U,
+            m.S_s * 1e3,
+            m.N,
+            m.R_s * 1e3
+        );
+    }
+    html.push_str("</table>");
+    if !samples.is_empty() {
+        let svg = crate::chart::timeline_svg(samples).map_err(ReportError::Chart)?;
+        let _ = write!(
+            html,
+            "<div class=\"figure\" id=\"timeline\">{}</div>",
+            inline_svg(&svg)
+        );
+    }
+    Ok(())
+}
+
+fn sweep_section(dir: &Path, html: &mut String) -> Result<(), ReportError> {
+    let Some(serde_json::Value::Array(points)) = read_json(&dir.join("sweep.json"))? else {
+        return Ok(());
+    };
+    html.push_str(
+        "<h2>Little's law over the sweep</h2><table id=\"sweep\"><tr><th>level</th>\
+         <th>window</th><th>rate (msg/s)</th><th>X (msg/s)</th><th>N</th><th>R = N/X (ms)</th>\
+         <th>R measured (ms)</th><th>MVA X (msg/s)</th><th>MVA R (ms)</th><th>bottleneck</th></tr>",
+    );
+    let cell = |point: &serde_json::Value, key: &str, decimals: usize| {
+        point
+            .get(key)
+            .and_then(serde_json::Value::as_f64)
+            .map(|v| format!("{v:.decimals$}"))
+            .unwrap_or_default()
+    };
+    for point in &points {
+        let _ = write!(
+            html,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
+             <td>{}</td><td>{}</td><td>{}</td></tr>",
+            cell(point, "level", 0),
+            cell(point, "window", 0),
+            cell(point, "rate_msg_s", 0),
+            cell(point, "X", 0),
+            cell(point, "N", 1),
+            cell(point, "R_ms", 3),
+            cell(point, "R_direct_ms", 3),
+            cell(point, "X_mva", 0),
+            cell(point, "R_mva_ms", 3),
+            escape(
+                point
+                    .get("bottleneck")
+                    .and_then(serde_json::Value::as_str)
+                    .unwrap_or("")
+            )
+        );
+    }
+    html.push_str("</table>");
+    let chart = dir.join("littles-law.svg");
+    if let Ok(svg) = std::fs::read_to_string(&chart) {
+        let _ = write!(
+            html,
+            "<div class=\"figure\" id=\"littles-law\">{}</div>",
+            inline_svg(&svg)
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_is_escaped() {
+        assert_eq!(
+            escape("<a href=\"x\">&'"),
+            "&lt;a href=&quot;x&quot;&gt;&amp;&#39;"
+        );
+    }
+
+    #[test]
+    fn a_folder_without_samples_or_sweep_is_refused() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        assert!(matches!(
+            render(dir.path(), None),
+            Err(ReportError::NotARun(_))
+        ));
+    }
+
+    #[test]
+    fn a_run_in_progress_is_drawn_from_its_samples() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        // The sampler is mid-line: the torn last row is left out.
+        std::fs::write(
+            dir.path().join("samples.csv"),
+            "t_ms,station,queue_len,arrivals,completions,busy_ms\n\
+             0,inbound.0,0,0,0,0\n10,inbound.0,4,10,6,5\n20,inbound.0,2,20,18,12\n30,inbou",
+        )
+        .expect("writes");
+        let html = render(dir.path(), Some(2)).expect("renders");
+        assert!(html.contains("http-equiv=\"refresh\" content=\"2\""));
+        assert!(html.contains("Run in progress"));
+        assert!(html.contains("<td>inbound.0</td>"));
+        // C = 18 completions over T = 0.02 s: X = 900/s.
+        assert!(html.contains("<td>900.0</td>"), "{html}");
+        assert!(html.contains("<svg"));
+        assert!(!html.contains("<?xml"));
+    }
+}

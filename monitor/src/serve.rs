@@ -1,0 +1,275 @@
+//! The dashboard: a small HTTP server on localhost over one run (or sweep) directory.
+//!
+//! - `/` — the live page: the report of [`crate::report`], refreshed every two seconds while
+//!   the run writes its samples;
+//! - `/report` — the same page without the refresh;
+//! - `/metrics` — the stations' counters in Prometheus' text exposition format;
+//! - `/api/stations` — the operational metrics as JSON.
+//!
+//! Requests are few and small: one thread serves them, each reading the directory afresh.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tiny_http::{Header, Response, Server};
+
+use crate::{analyze, read_samples, Sample};
+
+/// Seconds between two refreshes of the live page.
+pub const REFRESH_S: u32 = 2;
+
+/// Why the dashboard could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot listen on {address}: {reason}")]
+pub struct ServeError {
+    address: String,
+    reason: String,
+}
+
+/// A running dashboard; dropping it stops the server.
+pub struct Dashboard {
+    address: std::net::SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Dashboard {
+    /// Starts serving `dir` on `address` (e.g. `127.0.0.1:8686`; port 0 picks a free one).
+    pub fn start(dir: &Path, address: &str) -> Result<Self, ServeError> {
+        let error = |reason: String| ServeError {
+            address: address.to_owned(),
+            reason,
+        };
+        let server = Server::http(address).map_err(|e| error(e.to_string()))?;
+        let bound = server
+            .server_addr()
+            .to_ip()
+            .ok_or_else(|| error("not an IP address".to_owned()))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let stop = stop.clone();
+            let dir = dir.to_path_buf();
+            std::thread::Builder::new()
+                .name("dashboard".to_owned())
+                .spawn(move || serve_until(&server, &dir, &stop))
+                .map_err(|e| error(e.to_string()))?
+        };
+        Ok(Self {
+            address: bound,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The address it listens on.
+    pub fn address(&self) -> std::net::SocketAddr {
+        self.address
+    }
+
+    /// Serves until the process ends.
+    pub fn wait(mut self) {
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Dashboard {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn serve_until(server: &Server, dir: &Path, stop: &AtomicBool) {
+    while !stop.load(Ordering::Relaxed) {
+        let request = match server.recv_timeout(Duration::from_millis(100)) {
+            Ok(Some(request)) => request,
+            Ok(None) => continue,
+            Err(error) => {
+                tracing::warn!(%error, "dashboard: receiving a request failed");
+                continue;
+            }
+        };
+        let path = request.url().split('?').next().unwrap_or("/").to_owned();
+        let response = respond(dir, &path);
+        if let Err(error) = request.respond(response) {
+            tracing::debug!(%error, "dashboard: the client went away");
+        }
+    }
+}
+
+fn header(name: &str, value: &str) -> Header {
+    Header::from_bytes(name.as_bytes(), value.as_bytes())
+        .unwrap_or_else(|()| Header::from_bytes(&b"X-Invalid"[..], &b"1"[..]).expect("static"))
+}
+
+fn respond(dir: &Path, path: &str) -> Response<std::io::Cursor<Vec<u8>>> {
+    let (status, content_type, body) = match path {
+        "/" => page(dir, Some(REFRESH_S)),
+        "/report" => page(dir, None),
+        "/metrics" => match samples(dir) {
+            Ok(samples) => (
+                200,
+                "text/plain; version=0.0.4; charset=utf-8",
+                prometheus(&samples),
+            ),
+            Err(error) => (503, "text/plain; charset=utf-8", error),
+        },
+        "/api/stations" => match samples(dir) {
+            Ok(samples) => (
+                200,
+                "application/json",
+                serde_json::to_string(&analyze(&samples)).unwrap_or_else(|_| "[]".to_owned()),
+            ),
+            Err(error) => (503, "text/plain; charset=utf-8", error),
+        },
+        _ => (404, "text/plain; charset=utf-8", "not found\n".to_owned()),
+    };
+    Response::from_data(body.into_bytes())
+        .with_status_code(status)
+        .with_header(header("Content-Type", content_type))
+        .with_header(header("Cache-Control", "no-store"))
+}
+
+fn page(dir: &Path, refresh_s: Option<u32>) -> (u16, &'static str, String) {
+    match crate::report::render(dir, refresh_s) {
+        Ok(html) => (200, "text/html; charset=utf-8", html),
+        Err(error) => {
+            // Before the run has written anything, say so and keep refreshing.
+            let body = format!(
+                "<!DOCTYPE html><html><head><meta charset=\"utf-8\">\
+                 <meta http-equiv=\"refresh\" content=\"{REFRESH_S}\"><title>STE</title></head>\
+                 <body><p>Waiting for the run: {}</p></body></html>",
+                error.to_string().replace('<', "&lt;")
+            );
+            (503, "text/html; charset=utf-8", body)
+        }
+    }
+}
+
+fn samples(dir: &Path) -> Result<Vec<Sample>, String> {
+    let path: PathBuf = dir.join("samples.csv");
+    read_samples(&path).map_err(|error| format!("{}: {error}\n", path.display()))
+}
+
+/// A metric family: name, type, help, and its value in a sample.
+type MetricFamily = (&'static str, &'static str, &'static str, fn(&Sample) -> f64);
+
+/// The newest sample of every station as Prometheus metrics.
+pub fn prometheus(samples: &[Sample]) -> String {
+    let mut newest: std::collections::BTreeMap<&str, &Sample> = Default::default();
+    for sample in samples {
+        let entry = newest.entry(sample.station.as_str()).or_insert(sample);
+        if sample.t_ms >= entry.t_ms {
+            *entry = sample;
+        }
+    }
+    let mut out = String::new();
+    let families: [MetricFamily; 4] = [
+        (
+            "ste_station_arrivals_total",
+            "counter",
+            "Messages that arrived at the station.",
+            |s| s.arrivals as f64,
+        ),
+        (
+            "ste_station_completions_total",
+            "counter",
+            "Messages the station completed.",
+            |s| s.completions as f64,
+        ),
+        (
+            "ste_station_busy_seconds_total",
+            "counter",
+            "Time the station spent serving.",
+            |s| s.busy_ms / 1000.0,
+        ),
+        (
+            "ste_station_queue_length",
+            "gauge",
+            "Messages at the station: waiting or in service.",
+            |s| s.queue_len as f64,
+        ),
+    ];
+    for (name, kind, help, value) in families {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (station, sample) in &newest {
+            let _ = writeln!(out, "{name}{{station=\"{station}\"}} {}", value(sample));
+        }
+    }
+    if let Some(t) = newest.values().map(|s| s.t_ms).reduce(f64::max) {
+        let _ = writeln!(
+            out,
+            "# HELP ste_run_seconds Run time at the newest sample.\n# TYPE ste_run_seconds gauge\nste_run_seconds {}",
+            t / 1000.0
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn get(address: std::net::SocketAddr, path: &str) -> (u16, String) {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(address).expect("connects");
+        write!(
+            stream,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .expect("writes");
+        let mut text = String::new();
+        stream.read_to_string(&mut text).expect("reads");
+        let status = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|code| code.parse().ok())
+            .unwrap_or(0);
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        (status, body)
+    }
+
+    #[test]
+    fn the_dashboard_serves_the_page_metrics_and_json() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        let dashboard = Dashboard::start(dir.path(), "127.0.0.1:0").expect("listens");
+        let address = dashboard.address();
+        // Nothing written yet: the page waits, the metrics are unavailable.
+        let (status, body) = get(address, "/");
+        assert_eq!(status, 503);
+        assert!(body.contains("Waiting for the run"));
+        assert_eq!(get(address, "/metrics").0, 503);
+        std::fs::write(
+            dir.path().join("samples.csv"),
+            "t_ms,station,queue_len,arrivals,completions,busy_ms\n\
+             0,store.0,0,0,0,0\n1000,store.0,3,40,37,250.5\n",
+        )
+        .expect("writes");
+        let (status, body) = get(address, "/");
+        assert_eq!(status, 200);
+        assert!(body.contains("<td>store.0</td>") && body.contains("<svg"));
+        let (status, metrics) = get(address, "/metrics");
+        assert_eq!(status, 200);
+        assert!(
+            metrics.contains("ste_station_completions_total{station=\"store.0\"} 37"),
+            "{metrics}"
+        );
+        assert!(metrics.contains("ste_station_busy_seconds_total{station=\"store.0\"} 0.2505"));
+        assert!(metrics.contains("ste_station_queue_length{station=\"store.0\"} 3"));
+        let (status, json) = get(address, "/api/stations");
+        assert_eq!(status, 200);
+        let stations: serde_json::Value = serde_json::from_str(&json).expect("JSON");
+        assert_eq!(stations[0]["C"], 37);
+        assert_eq!(get(address, "/nothing").0, 404);
+    }
+}
