@@ -335,6 +335,9 @@ fn spawn_progress(
     })
 }
 
+/// How far ahead of an open-loop schedule the injector runs before it sleeps.
+const RATE_SLACK: Duration = Duration::from_millis(1);
+
 /// How messages are paced into the pipeline.
 struct Pacing<'a> {
     /// Open loop: messages per second.
@@ -358,7 +361,9 @@ fn inject(
         if let Some(rate) = pacing.rate {
             let due = Duration::from_secs_f64(count as f64 / rate);
             let elapsed = started.elapsed();
-            if due > elapsed {
+            // Sleep only when a millisecond or more ahead: a sleep costs tens of microseconds
+            // whatever its length, so sleeping before every message would cap the rate there.
+            if due > elapsed + RATE_SLACK {
                 // Ahead of schedule: what is batched goes now rather than after the pause.
                 submitter.flush().context("submitting to the pipeline")?;
                 std::thread::sleep(due - elapsed);
