@@ -646,6 +646,9 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     let summary_path = config.run_dir.join("summary.json");
     std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
         .with_context(|| format!("writing {}", summary_path.display()))?;
+    let latency_path = config.run_dir.join("latency.csv");
+    std::fs::write(&latency_path, sink_report.latency_csv())
+        .with_context(|| format!("writing {}", latency_path.display()))?;
     Ok(summary)
 }
 

@@ -355,3 +355,72 @@ fn a_sweep_of_closed_loop_windows_draws_a_littles_law_series() {
         "{most} messages in the stations with a window of one"
     );
 }
+
+#[test]
+fn a_real_run_obeys_the_operational_laws_and_littles_law_matches_direct_measurement() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let config = config(
+        Source::Generated(GeneratorConfig::clean(10_000)),
+        StoreChoice::Memory,
+        dir.path(),
+    );
+    let summary = ste_driver::run(&config, refdata()).expect("runs");
+    let mut checked_direct = 0;
+    for s in summary.stations.iter().filter(|s| s.C > 0) {
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0);
+        // Utilisation law and Little's law, from the samples.
+        assert!(
+            close(s.U, s.X * s.S_ms / 1e3),
+            "{}: U {} X·S {}",
+            s.name,
+            s.U,
+            s.X * s.S_ms / 1e3
+        );
+        assert!(
+            close(s.N, s.X * s.R_ms / 1e3),
+            "{}: N {} X·R {}",
+            s.name,
+            s.N,
+            s.X * s.R_ms / 1e3
+        );
+        // R from the sampled queue lengths against R from every message's own timestamps.
+        if s.B_s > 1.0 {
+            let gap = (s.R_ms - s.R_direct_ms).abs() / s.R_direct_ms;
+            assert!(
+                gap <= 0.05,
+                "{}: R {} ms from samples, {} ms measured",
+                s.name,
+                s.R_ms,
+                s.R_direct_ms
+            );
+            checked_direct += 1;
+        }
+    }
+    assert!(
+        checked_direct >= 1,
+        "no station was busy for more than a second"
+    );
+    // The latency distribution is kept beside the summary.
+    let latency = std::fs::read_to_string(dir.path().join("latency.csv")).expect("latency.csv");
+    let rows: Vec<(f64, f64)> = latency
+        .lines()
+        .skip(1)
+        .map(|line| {
+            let mut columns = line.split(',');
+            let percentile = columns
+                .next()
+                .and_then(|v| v.parse().ok())
+                .expect("percentile");
+            let ms = columns
+                .next()
+                .and_then(|v| v.parse().ok())
+                .expect("latency");
+            (percentile, ms)
+        })
+        .collect();
+    assert!(rows.len() > 10);
+    assert!(rows
+        .windows(2)
+        .all(|w| w[0].0 <= w[1].0 && w[0].1 <= w[1].1));
+    assert!((rows.last().expect("rows").0 - 100.0).abs() < 1e-9);
+}

@@ -52,6 +52,21 @@ pub struct SinkReport {
 }
 
 impl SinkReport {
+    /// The latency distribution as CSV, `percentile,latency_ms,count`: one row per step of
+    /// HdrHistogram's percentile iteration (finer towards the tail), for plotting.
+    pub fn latency_csv(&self) -> String {
+        let mut csv = String::from("percentile,latency_ms,count\n");
+        for step in self.latency.iter_quantiles(2) {
+            csv.push_str(&format!(
+                "{:.6},{:.3},{}\n",
+                step.percentile(),
+                step.value_iterated_to() as f64 / 1000.0,
+                step.count_since_last_iteration()
+            ));
+        }
+        csv
+    }
+
     /// Latency percentiles of the CLS received.
     pub fn latency_ms(&self) -> LatencyMs {
         if self.latency.is_empty() {
