@@ -431,7 +431,8 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         batch_linger: config.batch_linger,
         store,
         sample_interval: config.sample_interval,
-        samples_path: Some(samples_path.clone()),
+        // A zero interval turns sampling off (to measure what sampling costs).
+        samples_path: (!config.sample_interval.is_zero()).then(|| samples_path.clone()),
         recover: config.resume,
         retention_days: config.retention_days,
         ..PipelineConfig::default()
@@ -543,7 +544,11 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     let report = report.context("the pipeline failed")?;
     let messages_in = injected?;
 
-    let samples = ste_monitor::read_samples(&samples_path).context("reading samples")?;
+    let samples = if config.sample_interval.is_zero() {
+        Vec::new()
+    } else {
+        ste_monitor::read_samples(&samples_path).context("reading samples")?
+    };
     let metrics = ste_monitor::analyze(&samples);
     let bottleneck = ste_monitor::bottleneck(&metrics).map(|m| m.station.clone());
     let edge_rates = ste_monitor::edge_rates(&samples, "store.", 0.1);

@@ -149,7 +149,8 @@ struct RunArgs {
     /// Run directory (summary.json, samples.csv, store files); default runs/<time>.
     #[arg(long)]
     run_dir: Option<PathBuf>,
-    /// Station sampling interval in milliseconds.
+    /// Station sampling interval in milliseconds; 0 turns sampling off (no samples.csv and no
+    /// station table: for measuring what sampling costs).
     #[arg(long, default_value_t = 10)]
     sample_ms: u64,
     /// Matching profile (JSON); default: the T2S-style tolerances.
@@ -746,7 +747,7 @@ fn run_config(args: RunArgs) -> anyhow::Result<RunConfig> {
         rate_msgs_per_s: args.rate.filter(|rate| *rate > 0.0),
         cls_out: args.cls_out,
         run_dir: args.run_dir.unwrap_or_else(default_run_dir),
-        sample_interval: Duration::from_millis(args.sample_ms.max(1)),
+        sample_interval: Duration::from_millis(args.sample_ms),
         progress: !args.quiet,
         tolerances: Tolerances::from_profile(&profile).context("reading the matching profile")?,
         resume: args.resume,
