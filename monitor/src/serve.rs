@@ -273,3 +273,49 @@ mod tests {
         assert_eq!(get(address, "/nothing").0, 404);
     }
 }
+
+#[cfg(test)]
+mod grafana {
+    /// The Grafana dashboard in `deploy/` queries only metrics that `/metrics` exposes.
+    #[test]
+    fn the_grafana_dashboard_uses_the_exposed_metrics() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/grafana-dashboard.json"
+        );
+        let dashboard: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).expect("the dashboard file"))
+                .expect("valid JSON");
+        let exposed = super::prometheus(&[crate::Sample {
+            t_ms: 1.0,
+            station: "store.0".to_owned(),
+            queue_len: 1,
+            arrivals: 1,
+            completions: 1,
+            busy_ms: 1.0,
+        }]);
+        let names: Vec<&str> = exposed
+            .lines()
+            .filter(|line| line.starts_with("# TYPE "))
+            .filter_map(|line| line.split_whitespace().nth(2))
+            .collect();
+        let panels = dashboard["panels"].as_array().expect("panels");
+        assert!(panels.len() >= 4);
+        for panel in panels {
+            for target in panel["targets"].as_array().expect("targets") {
+                let expr = target["expr"].as_str().expect("expr");
+                let used: Vec<&str> = expr
+                    .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .filter(|word| word.starts_with("ste_"))
+                    .collect();
+                assert!(!used.is_empty(), "{expr}");
+                for metric in used {
+                    assert!(
+                        names.contains(&metric),
+                        "{metric} is not exposed: {names:?}"
+                    );
+                }
+            }
+        }
+    }
+}
