@@ -50,23 +50,26 @@ enum Command {
         #[arg(long)]
         refdata: Option<PathBuf>,
     },
-    /// Run the same load at rising levels — closed-loop windows or open-loop rates — one run
-    /// each, and tabulate throughput X, mean population N and response time R of the system per
-    /// level: the points of a Little's-law curve (sweep.csv and sweep.json in --out).
+    /// Run the same load at rising levels — closed-loop windows, open-loop rates, shard or
+    /// validator counts — one run each, and tabulate throughput X, mean population N and
+    /// response time R of the system per level: the points of a Little's-law curve (sweep.csv,
+    /// sweep.json and littles-law.svg in --out).
+    #[command(group(clap::ArgGroup::new("levels").required(true).multiple(false)))]
     Sweep {
         #[command(flatten)]
         run: Box<RunArgs>,
         /// Closed-loop windows (messages in flight), comma-separated, e.g. 16,64,256,1024,4096.
-        #[arg(
-            long,
-            value_delimiter = ',',
-            conflicts_with = "rates",
-            required_unless_present = "rates"
-        )]
+        #[arg(long, value_delimiter = ',', group = "levels")]
         windows: Vec<u64>,
         /// Open-loop rates (messages per second), comma-separated.
-        #[arg(long, value_delimiter = ',')]
+        #[arg(long, value_delimiter = ',', group = "levels")]
         rates: Vec<f64>,
+        /// Shard counts, comma-separated (memory and embedded stores).
+        #[arg(long, value_delimiter = ',', group = "levels")]
+        shard_counts: Vec<u32>,
+        /// Validator counts, comma-separated.
+        #[arg(long, value_delimiter = ',', group = "levels")]
+        validator_counts: Vec<u32>,
         /// Folder of the series (one run directory per level); default runs/sweep-<time>.
         #[arg(long)]
         out: Option<PathBuf>,
@@ -361,8 +364,45 @@ fn run_cli() -> anyhow::Result<()> {
             run,
             windows,
             rates,
+            shard_counts,
+            validator_counts,
             out,
-        }) => sweep(*run, windows, rates, out),
+        }) => {
+            let levels: Vec<Level> = if !windows.is_empty() {
+                windows
+                    .iter()
+                    .map(|w| Level {
+                        window: Some(*w),
+                        ..Level::default()
+                    })
+                    .collect()
+            } else if !rates.is_empty() {
+                rates
+                    .iter()
+                    .map(|r| Level {
+                        rate: Some(*r),
+                        ..Level::default()
+                    })
+                    .collect()
+            } else if !shard_counts.is_empty() {
+                shard_counts
+                    .iter()
+                    .map(|n| Level {
+                        shards: Some(*n),
+                        ..Level::default()
+                    })
+                    .collect()
+            } else {
+                validator_counts
+                    .iter()
+                    .map(|n| Level {
+                        validators: Some(*n),
+                        ..Level::default()
+                    })
+                    .collect()
+            };
+            sweep(*run, &levels, out)
+        }
         None => run(cli.run),
     }
 }
@@ -402,6 +442,15 @@ fn check_summary(summary: &Summary) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What one level of a sweep sets; the rest comes from the run options.
+#[derive(Debug, Clone, Copy, Default)]
+struct Level {
+    window: Option<u64>,
+    rate: Option<f64>,
+    shards: Option<u32>,
+    validators: Option<u32>,
+}
+
 /// One point of a sweep.
 #[derive(serde::Serialize)]
 #[allow(non_snake_case)]
@@ -409,6 +458,8 @@ struct SweepPoint {
     level: usize,
     window: Option<u64>,
     rate_msg_s: Option<f64>,
+    shards: u32,
+    validators: u32,
     /// System throughput, messages per second.
     X: f64,
     /// Mean messages in the system: the sum of the stations' N.
@@ -480,12 +531,7 @@ fn sweep_model(first: &Summary, last: &Summary) -> Option<SweepModel> {
         .then_some(SweepModel { stations, think_s })
 }
 
-fn sweep(
-    args: RunArgs,
-    windows: Vec<u64>,
-    rates: Vec<f64>,
-    out: Option<PathBuf>,
-) -> anyhow::Result<()> {
+fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Result<()> {
     if args.run_dir.is_some() || args.resume {
         bail!("a sweep makes one fresh run directory per level under --out; --run-dir and --resume do not apply");
     }
@@ -501,23 +547,39 @@ fn sweep(
         dir
     });
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    let levels: Vec<(Option<u64>, Option<f64>)> = if windows.is_empty() {
-        rates.iter().map(|rate| (None, Some(*rate))).collect()
-    } else {
-        windows.iter().map(|window| (Some(*window), None)).collect()
-    };
     let base = run_config(args)?;
     let mut points = Vec::with_capacity(levels.len());
     let mut summaries = Vec::with_capacity(levels.len());
-    for (level, (window, rate)) in levels.into_iter().enumerate() {
-        let name = match (window, rate) {
-            (Some(window), _) => format!("level-{level}-window-{window}"),
-            (_, Some(rate)) => format!("level-{level}-rate-{rate}"),
+    if levels.iter().any(|l| l.shards.is_some()) && base.store == StoreChoice::Postgres {
+        bail!("the postgres store has one shard per database URL: sweep its shard count by running with other URLs");
+    }
+    for (level, spec) in levels.iter().enumerate() {
+        let name = match *spec {
+            Level {
+                window: Some(window),
+                ..
+            } => format!("level-{level}-window-{window}"),
+            Level {
+                rate: Some(rate), ..
+            } => format!("level-{level}-rate-{rate}"),
+            Level {
+                shards: Some(shards),
+                ..
+            } => format!("level-{level}-shards-{shards}"),
+            Level {
+                validators: Some(validators),
+                ..
+            } => {
+                format!("level-{level}-validators-{validators}")
+            }
             _ => format!("level-{level}"),
         };
+        let (window, rate) = (spec.window, spec.rate);
         let config = RunConfig {
-            window,
-            rate_msgs_per_s: rate.filter(|rate| *rate > 0.0),
+            window: window.or(base.window),
+            rate_msgs_per_s: rate.filter(|rate| *rate > 0.0).or(base.rate_msgs_per_s),
+            shards: spec.shards.unwrap_or(base.shards).max(1),
+            validators: spec.validators.unwrap_or(base.validators).max(1),
             run_dir: out.join(&name),
             ..base.clone()
         };
@@ -533,8 +595,10 @@ fn sweep(
             .sum();
         points.push(SweepPoint {
             level,
-            window,
-            rate_msg_s: rate,
+            window: config.window,
+            rate_msg_s: config.rate_msgs_per_s,
+            shards: config.shards,
+            validators: config.validators,
             X: summary.throughput_msg_s,
             N: population,
             R_ms: if summary.throughput_msg_s > 0.0 {
@@ -569,22 +633,28 @@ fn sweep(
             .collect(),
         ..Default::default()
     };
-    if let (Some(first), Some(last)) = (summaries.first(), summaries.last()) {
+    // The model is of load levels on one configuration: shard and worker counts change it.
+    let load_levels = levels
+        .iter()
+        .all(|l| l.window.is_some() || l.rate.is_some());
+    if let (true, Some(first), Some(last)) = (load_levels, summaries.first(), summaries.last()) {
         if let Some(model) = sweep_model(first, last) {
             predict(&model, &mut points, &mut curve)?;
         }
     }
     ste_monitor::chart::write_svg(&curve, &chart)?;
     let mut csv = String::from(
-        "level,window,rate_msg_s,X,N,R_ms,R_direct_ms,cls_p50_ms,cls_p99_ms,bottleneck,X_mva,R_mva_ms\n",
+        "level,window,rate_msg_s,shards,validators,X,N,R_ms,R_direct_ms,cls_p50_ms,cls_p99_ms,bottleneck,X_mva,R_mva_ms\n",
     );
     let optional = |value: Option<f64>| value.map(|v| format!("{v:.4}")).unwrap_or_default();
     for p in &points {
         csv.push_str(&format!(
-            "{},{},{},{:.1},{:.3},{:.4},{:.4},{:.3},{:.3},{},{},{}\n",
+            "{},{},{},{},{},{:.1},{:.3},{:.4},{:.4},{:.3},{:.3},{},{},{}\n",
             p.level,
             p.window.map(|w| w.to_string()).unwrap_or_default(),
             p.rate_msg_s.map(|r| r.to_string()).unwrap_or_default(),
+            p.shards,
+            p.validators,
             p.X,
             p.N,
             p.R_ms,
@@ -603,15 +673,27 @@ fn sweep(
     )
     .context("writing sweep.json")?;
     println!(
-        "{:>5} {:>8} {:>10} {:>12} {:>10} {:>10} {:>12} {:>12} {:>10}  bottleneck",
-        "level", "window", "rate", "X msg/s", "N", "R ms", "R_direct ms", "X_mva", "R_mva ms"
+        "{:>5} {:>8} {:>10} {:>6} {:>10} {:>12} {:>10} {:>10} {:>12} {:>12} {:>10}  bottleneck",
+        "level",
+        "window",
+        "rate",
+        "shards",
+        "validators",
+        "X msg/s",
+        "N",
+        "R ms",
+        "R_direct ms",
+        "X_mva",
+        "R_mva ms"
     );
     for p in &points {
         println!(
-            "{:>5} {:>8} {:>10} {:>12.0} {:>10.1} {:>10.3} {:>12.3} {:>12} {:>10}  {}",
+            "{:>5} {:>8} {:>10} {:>6} {:>10} {:>12.0} {:>10.1} {:>10.3} {:>12.3} {:>12} {:>10}  {}",
             p.level,
             p.window.map(|w| w.to_string()).unwrap_or_default(),
             p.rate_msg_s.map(|r| r.to_string()).unwrap_or_default(),
+            p.shards,
+            p.validators,
             p.X,
             p.N,
             p.R_ms,
