@@ -745,6 +745,22 @@ impl PgStore {
     }
 }
 
+/// Whether `error` is two sessions creating the same table at once: `CREATE TABLE IF NOT
+/// EXISTS` checks the name before it inserts into the catalogs, so the slower one meets the
+/// catalogs' unique keys (or `duplicate_table`).
+fn catalog_race(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(database) = error else {
+        return false;
+    };
+    match database.code().as_deref() {
+        Some("42P07") => true,
+        Some("23505") => database
+            .constraint()
+            .is_some_and(|constraint| constraint.starts_with("pg_")),
+        _ => false,
+    }
+}
+
 /// Finds the outbox ids of the batch's CLS that are already stored, by their key.
 async fn stored_outbox_ids(
     connection: &mut PgConnection,
@@ -950,9 +966,16 @@ impl Store for PgStore {
             .collect();
         new_partitions.sort_by_key(|&(table, month)| (month, table as u8));
         let create = create_partitions_sql(&new_partitions);
-        let result = self
-            .runtime
-            .block_on(write_pg_batch(&mut self.connection, batch, &create));
+        let mut result =
+            self.runtime
+                .block_on(write_pg_batch(&mut self.connection, batch, &create));
+        if !create.is_empty() && matches!(&result, Err(error) if catalog_race(error)) {
+            // Another writer of this database created the same partition at the same moment
+            // (shard 0's writer and the exceptions writer share `exceptions`): it exists now.
+            result = self
+                .runtime
+                .block_on(write_pg_batch(&mut self.connection, batch, &create));
+        }
         let error = match result {
             Ok(ids) => {
                 self.partitions.extend(new_partitions);
@@ -964,6 +987,7 @@ impl Store for PgStore {
         // broke: the transaction is all or nothing, so all of it is there.
         let already_committed = retrying
             && !batch.messages.is_empty()
+            && !catalog_race(&error)
             && matches!(&error, sqlx::Error::Database(database) if database.code().as_deref() == Some("23505"));
         let result = if already_committed {
             tracing::warn!(store = %self.name, "a retried batch had already been committed");

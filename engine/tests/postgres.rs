@@ -349,3 +349,66 @@ fn trades_are_kept_by_month_and_retention_drops_whole_months() {
     assert_eq!(report.shards[0].messages as i64, left);
     assert_eq!(report.shards[0].matched as i64, kept_before[2]);
 }
+
+#[test]
+fn two_writers_creating_the_same_partition_at_once_both_commit() {
+    use ste_engine::reason::ReasonCode;
+    use ste_engine::store::ExceptionRow;
+    let databases = TempDatabases::create("partition_race", 1);
+    let url = databases.urls()[0].clone();
+    // Shard 0's writer and the exceptions writer share `exceptions`: both may be first to write
+    // into a new month. Twenty new months, two writers released together into each.
+    let months = 20;
+    let barrier = Arc::new(std::sync::Barrier::new(2));
+    let writers: Vec<_> = (0..2)
+        .map(|writer| {
+            let url = url.clone();
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let mut store = PgStore::open(&url).expect("opens");
+                let mut failures = Vec::new();
+                for month in 0..months {
+                    let day = time::Date::from_calendar_date(
+                        2030 + month / 12,
+                        time::Month::try_from(1 + (month % 12) as u8).expect("month"),
+                        15,
+                    )
+                    .expect("date");
+                    let mut batch = Batch {
+                        exceptions: vec![ExceptionRow {
+                            received_on: day,
+                            trade_key: None,
+                            sender: None,
+                            msg_id: Some(format!("W{writer}-{month}")),
+                            code: ReasonCode::Parse,
+                            detail: "race".to_owned(),
+                            raw: vec![1],
+                        }],
+                        ..Batch::default()
+                    };
+                    barrier.wait();
+                    // A failure is recorded, not raised: the other writer must not wait at the
+                    // barrier for a thread that is gone.
+                    if let Err(error) = store.commit(&mut batch) {
+                        failures.push(format!("month {month}: {error:?}"));
+                    }
+                }
+                failures
+            })
+        })
+        .collect();
+    let failures: Vec<String> = writers
+        .into_iter()
+        .flat_map(|writer| writer.join().expect("the writer finishes"))
+        .collect();
+    assert!(failures.is_empty(), "{failures:#?}");
+    let mut connection = block_on(PgConnection::connect(&url)).expect("connects");
+    assert_eq!(
+        query_i64(&mut connection, "SELECT COUNT(*) FROM exceptions"),
+        2 * i64::from(months)
+    );
+    assert_eq!(
+        partition_months(&mut connection, "exceptions").len(),
+        months as usize
+    );
+}
