@@ -368,39 +368,27 @@ fn run_cli() -> anyhow::Result<()> {
             validator_counts,
             out,
         }) => {
-            let levels: Vec<Level> = if !windows.is_empty() {
-                windows
-                    .iter()
-                    .map(|w| Level {
-                        window: Some(*w),
-                        ..Level::default()
-                    })
-                    .collect()
-            } else if !rates.is_empty() {
-                rates
-                    .iter()
-                    .map(|r| Level {
-                        rate: Some(*r),
-                        ..Level::default()
-                    })
-                    .collect()
-            } else if !shard_counts.is_empty() {
-                shard_counts
-                    .iter()
-                    .map(|n| Level {
-                        shards: Some(*n),
-                        ..Level::default()
-                    })
-                    .collect()
-            } else {
-                validator_counts
-                    .iter()
-                    .map(|n| Level {
-                        validators: Some(*n),
-                        ..Level::default()
-                    })
-                    .collect()
-            };
+            // Exactly one of the four is given (clap's "levels" group).
+            let level = Level::default();
+            let levels: Vec<Level> = windows
+                .iter()
+                .map(|&w| Level {
+                    window: Some(w),
+                    ..level
+                })
+                .chain(rates.iter().map(|&r| Level {
+                    rate: Some(r),
+                    ..level
+                }))
+                .chain(shard_counts.iter().map(|&n| Level {
+                    shards: Some(n),
+                    ..level
+                }))
+                .chain(validator_counts.iter().map(|&n| Level {
+                    validators: Some(n),
+                    ..level
+                }))
+                .collect();
             sweep(*run, &levels, out)
         }
         None => run(cli.run),
