@@ -335,7 +335,7 @@ fn spawn_progress(
     })
 }
 
-/// How far ahead of an open-loop schedule the injector runs before it sleeps.
+/// How far ahead of its open-loop schedule the injector gets before it sleeps.
 const RATE_SLACK: Duration = Duration::from_millis(1);
 
 /// How messages are paced into the pipeline.
@@ -361,8 +361,8 @@ fn inject(
         if let Some(rate) = pacing.rate {
             let due = Duration::from_secs_f64(count as f64 / rate);
             let elapsed = started.elapsed();
-            // Sleep only when a millisecond or more ahead: a sleep costs tens of microseconds
-            // whatever its length, so sleeping before every message would cap the rate there.
+            // The schedule is absolute, so a late wake-up is made up by the messages after it;
+            // sleeping only when a millisecond or more ahead saves a wake-up per message.
             if due > elapsed + RATE_SLACK {
                 // Ahead of schedule: what is batched goes now rather than after the pause.
                 submitter.flush().context("submitting to the pipeline")?;
