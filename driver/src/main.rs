@@ -465,6 +465,47 @@ struct SweepPoint {
     run_dir: String,
 }
 
+impl SweepPoint {
+    /// The columns of `sweep.csv` and of the printed table.
+    const COLUMNS: [&'static str; 14] = [
+        "level",
+        "window",
+        "rate_msg_s",
+        "shards",
+        "validators",
+        "X",
+        "N",
+        "R_ms",
+        "R_direct_ms",
+        "cls_p50_ms",
+        "cls_p99_ms",
+        "bottleneck",
+        "X_mva",
+        "R_mva_ms",
+    ];
+
+    /// This point's cells, in the order of [`Self::COLUMNS`].
+    fn cells(&self) -> Vec<String> {
+        let optional = |value: Option<f64>| value.map(|v| format!("{v:.4}")).unwrap_or_default();
+        vec![
+            self.level.to_string(),
+            self.window.map(|w| w.to_string()).unwrap_or_default(),
+            self.rate_msg_s.map(|r| r.to_string()).unwrap_or_default(),
+            self.shards.to_string(),
+            self.validators.to_string(),
+            format!("{:.1}", self.X),
+            format!("{:.3}", self.N),
+            format!("{:.4}", self.R_ms),
+            format!("{:.4}", self.R_direct_ms),
+            format!("{:.3}", self.cls_p50_ms),
+            format!("{:.3}", self.cls_p99_ms),
+            self.bottleneck.clone().unwrap_or_default(),
+            optional(self.X_mva),
+            optional(self.R_mva_ms),
+        ]
+    }
+}
+
 /// The model of a sweep. Every station that serves messages is a load-independent queueing
 /// station with the demand measured at the most loaded level (busy time per message), plus a
 /// delay station for the rest of the time a message spent there at the least loaded level
@@ -631,28 +672,12 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
         }
     }
     ste_monitor::chart::write_svg(&curve, &chart)?;
-    let mut csv = String::from(
-        "level,window,rate_msg_s,shards,validators,X,N,R_ms,R_direct_ms,cls_p50_ms,cls_p99_ms,bottleneck,X_mva,R_mva_ms\n",
-    );
-    let optional = |value: Option<f64>| value.map(|v| format!("{v:.4}")).unwrap_or_default();
-    for p in &points {
-        csv.push_str(&format!(
-            "{},{},{},{},{},{:.1},{:.3},{:.4},{:.4},{:.3},{:.3},{},{},{}\n",
-            p.level,
-            p.window.map(|w| w.to_string()).unwrap_or_default(),
-            p.rate_msg_s.map(|r| r.to_string()).unwrap_or_default(),
-            p.shards,
-            p.validators,
-            p.X,
-            p.N,
-            p.R_ms,
-            p.R_direct_ms,
-            p.cls_p50_ms,
-            p.cls_p99_ms,
-            p.bottleneck.as_deref().unwrap_or(""),
-            optional(p.X_mva),
-            optional(p.R_mva_ms)
-        ));
+    let header: Vec<&str> = SweepPoint::COLUMNS.to_vec();
+    let rows: Vec<Vec<String>> = points.iter().map(SweepPoint::cells).collect();
+    let mut csv = header.join(",") + "\n";
+    for row in &rows {
+        csv.push_str(&row.join(","));
+        csv.push('\n');
     }
     std::fs::write(out.join("sweep.csv"), &csv).context("writing sweep.csv")?;
     std::fs::write(
@@ -660,36 +685,24 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
         serde_json::to_string_pretty(&points)?,
     )
     .context("writing sweep.json")?;
-    println!(
-        "{:>5} {:>8} {:>10} {:>6} {:>10} {:>12} {:>10} {:>10} {:>12} {:>12} {:>10}  bottleneck",
-        "level",
-        "window",
-        "rate",
-        "shards",
-        "validators",
-        "X msg/s",
-        "N",
-        "R ms",
-        "R_direct ms",
-        "X_mva",
-        "R_mva ms"
-    );
-    for p in &points {
-        println!(
-            "{:>5} {:>8} {:>10} {:>6} {:>10} {:>12.0} {:>10.1} {:>10.3} {:>12.3} {:>12} {:>10}  {}",
-            p.level,
-            p.window.map(|w| w.to_string()).unwrap_or_default(),
-            p.rate_msg_s.map(|r| r.to_string()).unwrap_or_default(),
-            p.shards,
-            p.validators,
-            p.X,
-            p.N,
-            p.R_ms,
-            p.R_direct_ms,
-            p.X_mva.map(|x| format!("{x:.0}")).unwrap_or_default(),
-            p.R_mva_ms.map(|r| format!("{r:.3}")).unwrap_or_default(),
-            p.bottleneck.as_deref().unwrap_or("")
-        );
+    // The same cells as a table, each column as wide as its widest cell.
+    let widths: Vec<usize> = (0..header.len())
+        .map(|k| {
+            rows.iter()
+                .map(|row| row[k].len())
+                .chain([header[k].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for row in std::iter::once(header.iter().map(|h| h.to_string()).collect::<Vec<_>>()).chain(rows)
+    {
+        let cells: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .map(|(cell, width)| format!("{cell:>width$}"))
+            .collect();
+        println!("{}", cells.join(" "));
     }
     eprintln!(
         "series written to {} (sweep.csv, sweep.json, {})",
