@@ -32,13 +32,17 @@ const JAIN_TABLE_34_1: [(u32, [f64; 8]); 9] = [
     (20, [0.373, 4.854, 0.300, 56.016, 0.333, 1.991, 16.177, 0.500]),
 ];
 
+/// The stations of Jain's Example 34.2.
+fn jain_stations() -> Vec<Station> {
+    ["cpu=0.125:16", "disk_a=0.3:10", "disk_b=0.2:5"]
+        .into_iter()
+        .map(station)
+        .collect()
+}
+
 #[test]
 fn closed_network_with_think_time_reproduces_jain_table_34_1() {
-    let stations = [
-        station("cpu=0.125:16"),
-        station("disk_a=0.3:10"),
-        station("disk_b=0.2:5"),
-    ];
+    let stations = jain_stations();
     let points = closed(&stations, 4.0, 20).expect("solves");
     assert_eq!(points.len(), 20);
     for (n, row) in JAIN_TABLE_34_1 {
@@ -73,11 +77,7 @@ fn closed_network_with_think_time_reproduces_jain_table_34_1() {
 fn delay_stations_act_as_think_time() {
     // A delay station of demand 4 in a network without think time gives the same throughput
     // as think time 4.
-    let mut stations = vec![
-        station("cpu=0.125:16"),
-        station("disk_a=0.3:10"),
-        station("disk_b=0.2:5"),
-    ];
+    let mut stations = jain_stations();
     let with_think = closed(&stations, 4.0, 12).expect("solves");
     stations.push(Station::parse("terminals=4", Kind::Delay).expect("a delay station"));
     let with_delay = closed(&stations, 0.0, 12).expect("solves");
@@ -137,11 +137,7 @@ fn exact_mva_lies_within_its_bounds() {
 #[test]
 fn open_network_follows_the_utilization_and_residence_laws() {
     // Jain's stations as an open network at 0.3 jobs/s: U = λD, R = S/(1 − U) per visit.
-    let stations = [
-        station("cpu=0.125:16"),
-        station("disk_a=0.3:10"),
-        station("disk_b=0.2:5"),
-    ];
+    let stations = jain_stations();
     let solution = open(&stations, 0.3).expect("solves");
     let expected_u = [0.6, 0.9, 0.3];
     let mut response = 0.0;
