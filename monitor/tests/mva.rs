@@ -180,3 +180,133 @@ fn closed_network_without_think_time_reproduces_menasce_section_12_2() {
     assert!((population - 2.0).abs() < 1e-12);
     assert!((two.X * two.R - 2.0).abs() < 1e-12, "Little's law");
 }
+
+/// Per-station figures of an open network as a textbook prints them, rounded to three
+/// decimals: (station, U, R per visit, Q, X); `None` where the book does not print one.
+type OpenRow = (
+    &'static str,
+    Option<f64>,
+    Option<f64>,
+    Option<f64>,
+    Option<f64>,
+);
+
+fn assert_open(solution: &ste_monitor::mva::OpenSolution, table: &[OpenRow], source: &str) {
+    assert_eq!(solution.stations.len(), table.len());
+    for (figures, (name, u, r, q, x)) in solution.stations.iter().zip(table) {
+        assert_eq!(figures.station, *name);
+        let columns = [
+            (figures.U, u, "U"),
+            (figures.R, r, "R"),
+            (figures.Q, q, "Q"),
+        ];
+        for (computed, published, column) in columns.into_iter().chain([(figures.X, x, "X")]) {
+            if let Some(published) = published {
+                assert_3dp(computed, *published, &format!("{source}: {column} {name}"));
+            }
+        }
+        // And whatever the book prints, Little's law holds at every station.
+        assert!((figures.Q - figures.X * figures.R).abs() < 1e-9, "{name}");
+    }
+}
+
+/// R. Jain, *The Art of Computer Systems Performance Analysis* (Wiley, 1991), Example 34.1: a
+/// file server as an open network at 3 jobs/s, CPU (S = 10 ms, V = 16), disk A (S = 20 ms,
+/// V = 7), disk B (S = 30 ms, V = 8). The book's device utilizations 0.48, 0.42, 0.72 and
+/// response times per visit 0.0192, 0.0345, 0.107 s; the same example in the Octave `queueing`
+/// package (M. Marzolla, `qnos` demonstration) prints R = 1.4062 s and N = 4.2186 for the system.
+const JAIN_EXAMPLE_34_1: [OpenRow; 3] = [
+    ("cpu", Some(0.48), Some(0.0192), None, None),
+    ("disk_a", Some(0.42), Some(0.0345), None, None),
+    ("disk_b", Some(0.72), Some(0.107), None, None),
+];
+
+fn jain_file_server() -> Vec<Station> {
+    ["cpu=0.01:16", "disk_a=0.02:7", "disk_b=0.03:8"]
+        .into_iter()
+        .map(station)
+        .collect()
+}
+
+#[test]
+fn open_network_reproduces_jain_example_34_1() {
+    let solution = open(&jain_file_server(), 3.0).expect("solves");
+    assert_open(&solution, &JAIN_EXAMPLE_34_1, "Jain 34.1");
+    assert!((solution.R - 1.4062).abs() <= 0.00005, "R = {}", solution.R);
+    assert!((solution.N - 4.2186).abs() <= 0.00005, "N = {}", solution.N);
+    // Disk B (D = 0.24 s) saturates at 1/0.24 jobs/s.
+    let d = demands(&jain_file_server(), 0.0).expect("demands");
+    assert_eq!(d.bottleneck, "disk_b");
+    assert_3dp(1.0 / d.D_max, 4.167, "X_max");
+}
+
+/// E. D. Lazowska, J. Zahorjan, G. S. Graham and K. C. Sevcik, *Quantitative System
+/// Performance* (Prentice Hall, 1984), the open model of p. 113: CPU (S = 5 ms, V = 121),
+/// disk 1 (S = 30 ms, V = 70), disk 2 (S = 27 ms, V = 50) at 0.3 jobs/s; the book gives the
+/// CPU's utilization 0.182, throughput 36.3 visits/s and queue length 0.222.
+#[test]
+fn open_network_reproduces_lazowska_page_113() {
+    let stations = ["cpu=0.005:121", "disk1=0.03:70", "disk2=0.027:50"].map(station);
+    let solution = open(&stations, 0.3).expect("solves");
+    let table: [OpenRow; 3] = [
+        ("cpu", Some(0.182), None, Some(0.222), Some(36.3)),
+        ("disk1", None, None, None, None),
+        ("disk2", None, None, None, None),
+    ];
+    assert_open(&solution, &table, "Lazowska p. 113");
+}
+
+/// G. Bolch, S. Greiner, H. de Meer and K. S. Trivedi, *Queueing Networks and Markov Chains*
+/// (Wiley, 1998), Example 7.4: a Jackson network of four single-server nodes (S = 0.04, 0.03,
+/// 0.06, 0.05 s), 4 jobs/s arriving at node 4, routing 4→1, 1→2 and 1→3 half each, 2→1, 3→1
+/// with probability 0.6 (else leave). The traffic equations give 20, 10, 10 and 4 jobs/s, i.e.
+/// 5, 2.5, 2.5 and 1 visits per job, the visit counts given here. The book's table: X, U,
+/// R per visit and Q per node.
+#[test]
+fn open_network_reproduces_bolch_example_7_4() {
+    let stations = ["n1=0.04:5", "n2=0.03:2.5", "n3=0.06:2.5", "n4=0.05:1"].map(station);
+    let solution = open(&stations, 4.0).expect("solves");
+    let table: [OpenRow; 4] = [
+        ("n1", Some(0.8), Some(0.2), Some(4.0), Some(20.0)),
+        ("n2", Some(0.3), Some(0.043), Some(0.429), Some(10.0)),
+        ("n3", Some(0.6), Some(0.15), Some(1.5), Some(10.0)),
+        ("n4", Some(0.2), Some(0.0625), Some(0.25), Some(4.0)),
+    ];
+    assert_open(&solution, &table, "Bolch 7.4");
+}
+
+/// The command line prints the same figures: `monitor mva --open … --json` on Jain's file server.
+#[test]
+fn monitor_mva_open_command_prints_the_published_figures() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_monitor"))
+        .args(["mva", "--open", "--arrival-rate", "3", "--json"])
+        .args(["--station", "cpu=0.01:16", "--station", "disk_a=0.02:7"])
+        .args(["--station", "disk_b=0.03:8"])
+        .output()
+        .expect("monitor runs");
+    assert!(output.status.success(), "{output:?}");
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    let open = &json["open"];
+    assert!((open["R"].as_f64().expect("R") - 1.4062).abs() <= 0.00005);
+    assert!((open["N"].as_f64().expect("N") - 4.2186).abs() <= 0.00005);
+    let stations = open["stations"].as_array().expect("stations");
+    for (row, (name, u, r, _, _)) in stations.iter().zip(JAIN_EXAMPLE_34_1) {
+        assert_eq!(row["station"], name);
+        assert_3dp(row["U"].as_f64().expect("U"), u.expect("U"), name);
+        assert_3dp(row["R"].as_f64().expect("R"), r.expect("R"), name);
+    }
+    assert_eq!(json["demands"]["bottleneck"], "disk_b");
+
+    // Saturation is refused with the station's name and a non-zero exit.
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_monitor"))
+        .args(["mva", "--open", "--arrival-rate", "4.2"])
+        .args(["--station", "cpu=0.01:16", "--station", "disk_a=0.02:7"])
+        .args(["--station", "disk_b=0.03:8"])
+        .output()
+        .expect("monitor runs");
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("disk_b"),
+        "{output:?}"
+    );
+}
