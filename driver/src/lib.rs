@@ -19,6 +19,8 @@ use ste_engine::refdata::RefData;
 use ste_engine::validate::MESSAGE_SIZE_MAX_BYTES;
 use ste_sink::Sink;
 
+pub mod remote;
+
 /// The first line of a message-set file.
 pub const MESSAGE_SET_OPEN: &str = "<MessageSet xmlns=\"urn:ste:trade:1\">";
 /// The last line of a message-set file.

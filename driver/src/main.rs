@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use ste_driver::remote::{run_remote as run_remote_load, RemoteConfig};
 use ste_driver::{RunConfig, Source, StoreChoice, Summary};
 use ste_engine::generator::{GeneratorConfig, DEFAULT_SEED};
 use ste_engine::profile::{MatchingProfile, Tolerances};
@@ -172,6 +173,13 @@ struct RunArgs {
     /// everything).
     #[arg(long, value_name = "DAYS")]
     retention_days: Option<u32>,
+    /// Send the load to a running engine node instead of running the pipeline in process:
+    /// tcp://HOST:PORT (its framed-XML listener). The store options then belong to the engine.
+    #[arg(long, value_name = "URL")]
+    target: Option<String>,
+    /// Connections to the --target engine; a trade's messages share one.
+    #[arg(long, default_value_t = 4)]
+    connections: usize,
     /// Print the summary as one JSON object.
     #[arg(long)]
     json: bool,
@@ -398,6 +406,9 @@ fn run_cli() -> anyhow::Result<()> {
 fn run(args: RunArgs) -> anyhow::Result<()> {
     let refdata = Arc::new(load_refdata(args.refdata.as_ref())?);
     let json = args.json;
+    if let Some(target) = args.target.clone() {
+        return run_remote(args, target, refdata);
+    }
     let dashboard_address = args.dashboard.clone();
     let config = run_config(args)?;
     let _dashboard = match dashboard_address {
@@ -418,6 +429,75 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         print_summary(&summary);
     }
     check_summary(&summary)
+}
+
+/// In-flight messages per connection to a --target engine unless --window says otherwise.
+const REMOTE_WINDOW: u64 = 4096;
+
+fn run_remote(args: RunArgs, target: String, refdata: Arc<RefData>) -> anyhow::Result<()> {
+    let json = args.json;
+    let config = RemoteConfig {
+        address: target,
+        connections: args.connections,
+        window: args.window.unwrap_or(REMOTE_WINDOW),
+        source: match &args.input {
+            Some(path) => Source::File(path.clone()),
+            None => Source::Generated(generator_config(&args.generation)?),
+        },
+        progress: !args.quiet,
+    };
+    let summary = run_remote_load(&config, refdata)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        let exceptions: Vec<String> = summary
+            .exceptions
+            .iter()
+            .map(|(code, count)| format!("{code}={count}"))
+            .collect();
+        println!(
+            "STE run against {} ({} connections, {} in flight each)",
+            summary.target, summary.connections, summary.window
+        );
+        println!(
+            "  messages in       {}  = accepted {} + duplicates {} + exceptions {}  [{}]",
+            summary.messages_in,
+            summary.accepted,
+            summary.duplicates,
+            summary.exceptions.values().sum::<u64>(),
+            if summary.conserved {
+                "conserved"
+            } else {
+                "NOT CONSERVED"
+            }
+        );
+        if !exceptions.is_empty() {
+            println!("  exceptions        {}", exceptions.join(" "));
+        }
+        println!("  CLS pushed        {}", summary.cls);
+        println!(
+            "  elapsed           {:.2} s, {:.0} msg/s",
+            summary.elapsed_s, summary.throughput_msg_s
+        );
+        let l = &summary.ack_latency_ms;
+        println!(
+            "  ACK latency ms    p50 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
+            l.p50, l.p99, l.p999, l.max
+        );
+        if let Some(matches) = summary.matches_expected {
+            println!(
+                "  expected outcome  {}",
+                if matches { "matched" } else { "DIFFERS" }
+            );
+        }
+    }
+    if !summary.conserved {
+        bail!("conservation violated: messages_in != accepted + duplicates + exceptions");
+    }
+    if summary.matches_expected == Some(false) {
+        bail!("the outcome differs from what the generator expected");
+    }
+    Ok(())
 }
 
 fn check_summary(summary: &Summary) -> anyhow::Result<()> {

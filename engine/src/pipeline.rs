@@ -49,6 +49,10 @@ pub struct Envelope {
     pub correlation: u64,
     /// When the message entered the engine, on the run clock.
     pub injected_ns: u64,
+    /// Set by a gateway that refuses the message before validation (e.g. a connection sending
+    /// as a participant it did not log on as): the validator rejects it with this, so it is
+    /// stored as an exception and NAKed like any other rejection.
+    pub refusal: Option<Rejection>,
 }
 
 /// The result of one inbound message, sent after the commit that holds it.
@@ -386,12 +390,13 @@ pub fn sign_line(
         signature,
         correlation,
         injected_ns,
+        refusal: None,
     }
 }
 
 /// The inbound queue of a message: by trade key when the bytes name one, so that a trade's
 /// messages stay in order; queue 0 otherwise.
-fn inbound_index(bytes: &[u8], queues: usize) -> usize {
+pub fn inbound_index(bytes: &[u8], queues: usize) -> usize {
     let text_of = |tag_open: &[u8], tag_close: &[u8]| -> Option<&[u8]> {
         let start = sign::find(bytes, tag_open)? + tag_open.len();
         let end = start + sign::find(&bytes[start..], tag_close)?;
@@ -903,12 +908,15 @@ fn run_validator(
         let mut to_match: Vec<Vec<Validated>> = (0..match_txs.len()).map(|_| Vec::new()).collect();
         let mut rejected = Vec::new();
         for envelope in envelopes {
-            let result = validate(
-                refdata,
-                &envelope.bytes,
-                envelope.sender.as_deref(),
-                envelope.signature.as_ref().map(|s| s.as_slice()),
-            );
+            let result = match envelope.refusal {
+                Some(refusal) => Err(refusal),
+                None => validate(
+                    refdata,
+                    &envelope.bytes,
+                    envelope.sender.as_deref(),
+                    envelope.signature.as_ref().map(|s| s.as_slice()),
+                ),
+            };
             match result {
                 Ok(msg) => {
                     let shard = shard_of_parts(&msg.broker, &msg.trade_ref, shards) as usize;

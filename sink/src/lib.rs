@@ -208,10 +208,23 @@ impl Sink {
 /// `outbound` station, and confirms each batch's CLS through `delivery` once they are written.
 pub fn run(
     events: Receiver<(Vec<OutboundEvent>, u64)>,
+    sink: Sink,
+    station: Arc<Station>,
+    clock: RunClock,
+    delivery: Option<Delivery>,
+) -> std::io::Result<SinkReport> {
+    run_with(events, sink, station, clock, delivery, |_| {})
+}
+
+/// [`run`], handing every event to `tap` first (a gateway pushes CLS and advices to the
+/// participants connected to it); `tap` must not block.
+pub fn run_with(
+    events: Receiver<(Vec<OutboundEvent>, u64)>,
     mut sink: Sink,
     station: Arc<Station>,
     clock: RunClock,
     delivery: Option<Delivery>,
+    mut tap: impl FnMut(&OutboundEvent),
 ) -> std::io::Result<SinkReport> {
     let mut confirmations: Vec<(u32, i64)> = Vec::new();
     for (batch, enqueued_ns) in events {
@@ -228,6 +241,7 @@ pub fn run(
             {
                 confirmations.push((*shard, *outbox_id));
             }
+            tap(&event);
             sink.accept(event, now_ns)?;
         }
         if let Some(delivery) = &delivery {

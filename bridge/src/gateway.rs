@@ -1,0 +1,541 @@
+//! The gateway between the listeners and the engine's pipeline.
+//!
+//! Listeners submit messages through a [`GatewayHandle`]; one ingress thread owns the pipeline's
+//! submitter and batches what the connections send. Every message gets a correlation id that
+//! routes its ACK or NAK, after commit, back to the connection that sent it. The outbound
+//! thread is the engine's sink (CLS file, repeats dropped, delivery confirmed) and pushes each
+//! CLS and status advice to the connections subscribed for a party of the trade.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::thread::JoinHandle;
+
+use ahash::{AHashMap, AHashSet};
+use ste_engine::pipeline::{
+    AckResult, Envelope, OutboundEvent, Pipeline, PipelineConfig, PipelineError, PipelineReport,
+    Submitter,
+};
+use ste_engine::profile::Tolerances;
+use ste_engine::reason::{ReasonCode, Rejection};
+use ste_engine::refdata::RefData;
+use ste_engine::sign::{self, SIGNATURE_LEN};
+use ste_engine::station::RunClock;
+use ste_sink::{Sink, SinkReport};
+use tokio::sync::{mpsc, watch};
+
+use crate::frame::{self, PushClass, NONCE_LEN};
+
+/// Envelopes the ingress thread takes from the channel before it flushes the submitter.
+const INGRESS_DRAIN_MAX: usize = 4096;
+
+/// How the gateway runs the engine.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    pub pipeline: PipelineConfig,
+    pub tolerances: Tolerances,
+    /// Every CLS, one per line, flushed before its delivery is confirmed.
+    pub cls_out: Option<PathBuf>,
+    /// Messages that may wait between the listeners and the ingress thread.
+    pub ingress_capacity: usize,
+}
+
+/// The answer to one message, for the connection that sent it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reply {
+    /// The sequence number the participant gave the message.
+    pub seq: u64,
+    pub result: AckResult,
+}
+
+/// A CLS or advice on its way to a subscriber.
+#[derive(Debug, Clone)]
+pub struct Pushed {
+    pub class: PushClass,
+    pub xml: Arc<[u8]>,
+}
+
+/// A connection subscribed for a participant's CLS and advices.
+#[derive(Debug, Clone)]
+pub struct Subscriber {
+    pub connection: u64,
+    pub push: mpsc::Sender<Pushed>,
+    /// Set when the subscriber falls behind: its connection closes.
+    pub kick: watch::Sender<bool>,
+}
+
+/// Counts kept by the gateway.
+#[derive(Debug, Default)]
+pub struct GatewayCounters {
+    pub submitted: AtomicU64,
+    pub accepted: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub rejected: AtomicU64,
+    /// Answers whose connection had gone (the participant re-sends and gets a duplicate ACK).
+    pub unrouted: AtomicU64,
+    pub pushed: AtomicU64,
+    /// Subscribers closed because they did not read their pushes.
+    pub slow_subscribers: AtomicU64,
+}
+
+struct Route {
+    seq: u64,
+    reply: mpsc::Sender<Reply>,
+}
+
+/// What listeners share.
+pub struct Shared {
+    refdata: Arc<RefData>,
+    clock: RunClock,
+    next_correlation: AtomicU64,
+    next_connection: AtomicU64,
+    routes: Mutex<AHashMap<u64, Route>>,
+    subscribers: RwLock<AHashMap<String, Vec<Subscriber>>>,
+    pub counters: GatewayCounters,
+}
+
+/// What a listener holds to submit messages and manage subscriptions.
+#[derive(Clone)]
+pub struct GatewayHandle {
+    shared: Arc<Shared>,
+    ingress: mpsc::Sender<Envelope>,
+}
+
+/// Why a submission did not reach the engine.
+#[derive(Debug, thiserror::Error)]
+#[error("the engine is shutting down")]
+pub struct ShuttingDown;
+
+impl GatewayHandle {
+    /// Reference data (participants and their keys).
+    pub fn refdata(&self) -> &RefData {
+        &self.shared.refdata
+    }
+
+    /// A new connection id.
+    pub fn connection_id(&self) -> u64 {
+        self.shared.next_connection.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> &GatewayCounters {
+        &self.shared.counters
+    }
+
+    /// Checks a logon: `participant` must have a key, and `mac` must be the logon MAC over
+    /// `nonce` with it.
+    pub fn authenticate(
+        &self,
+        participant: &str,
+        nonce: &[u8; NONCE_LEN],
+        mac: &[u8; SIGNATURE_LEN],
+    ) -> Result<(), Rejection> {
+        let Some((_, keyed)) = self.shared.refdata.participant_mac(participant) else {
+            return Err(Rejection::new(
+                ReasonCode::Auth,
+                format!("{participant} is not a participant"),
+            ));
+        };
+        // Constant time: the MAC's own verification.
+        if sign::verify_keyed(keyed, &frame::logon_covered(nonce, participant), mac) {
+            Ok(())
+        } else {
+            Err(Rejection::new(
+                ReasonCode::Sig,
+                format!("logon of {participant} is not signed with its key"),
+            ))
+        }
+    }
+
+    /// Whether `signature` is `sender`'s signature of `bytes`.
+    pub fn signed_by(&self, sender: &str, bytes: &[u8], signature: &[u8]) -> bool {
+        self.shared
+            .refdata
+            .participant_mac(sender)
+            .is_some_and(|(_, keyed)| sign::verify_keyed(keyed, bytes, signature))
+    }
+
+    /// Submits one message; its answer goes to `reply` tagged with `seq`. Waits while the
+    /// engine's inbound side is full.
+    pub async fn submit(
+        &self,
+        mut envelope: Envelope,
+        seq: u64,
+        reply: &mpsc::Sender<Reply>,
+    ) -> Result<(), ShuttingDown> {
+        let correlation = self.shared.next_correlation.fetch_add(1, Ordering::Relaxed);
+        envelope.correlation = correlation;
+        envelope.injected_ns = self.shared.clock.now_ns();
+        self.shared
+            .routes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(
+                correlation,
+                Route {
+                    seq,
+                    reply: reply.clone(),
+                },
+            );
+        if self.ingress.send(envelope).await.is_err() {
+            self.shared
+                .routes
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&correlation);
+            return Err(ShuttingDown);
+        }
+        self.shared
+            .counters
+            .submitted
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Subscribes a connection for the CLS and advices of `participant`.
+    pub fn subscribe(&self, participant: &str, subscriber: Subscriber) {
+        self.shared
+            .subscribers
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(participant.to_owned())
+            .or_default()
+            .push(subscriber);
+    }
+
+    /// Ends every subscription of a connection.
+    pub fn unsubscribe(&self, connection: u64) {
+        unsubscribe(&self.shared, &AHashSet::from_iter([connection]));
+    }
+}
+
+fn unsubscribe(shared: &Shared, connections: &AHashSet<u64>) {
+    if connections.is_empty() {
+        return;
+    }
+    let mut subscribers = shared
+        .subscribers
+        .write()
+        .unwrap_or_else(PoisonError::into_inner);
+    subscribers.retain(|_, list| {
+        list.retain(|s| !connections.contains(&s.connection));
+        !list.is_empty()
+    });
+}
+
+/// The engine behind the listeners.
+pub struct Gateway {
+    shared: Arc<Shared>,
+    ingress: Option<mpsc::Sender<Envelope>>,
+    pipeline: Option<Pipeline>,
+    ingress_thread: Option<JoinHandle<Result<(), PipelineError>>>,
+    ack_thread: Option<JoinHandle<()>>,
+    outbound_thread: Option<JoinHandle<std::io::Result<SinkReport>>>,
+}
+
+/// What a stopped gateway reports.
+#[derive(Debug)]
+pub struct GatewayReport {
+    pub pipeline: PipelineReport,
+    pub sink: SinkReport,
+    pub submitted: u64,
+    pub accepted: u64,
+    pub duplicates: u64,
+    pub rejected: u64,
+    pub unrouted: u64,
+    pub pushed: u64,
+    pub slow_subscribers: u64,
+}
+
+/// Why the gateway could not start or stopped badly.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
+    #[error("CLS output: {0}")]
+    Sink(#[from] std::io::Error),
+    #[error("a gateway thread panicked")]
+    Panicked,
+}
+
+impl Gateway {
+    /// Starts the pipeline and the gateway's threads.
+    pub fn start(config: &GatewayConfig, refdata: Arc<RefData>) -> Result<Self, GatewayError> {
+        let pipeline =
+            Pipeline::start(&config.pipeline, refdata.clone(), config.tolerances.clone())?;
+        let clock = pipeline.clock();
+        let shared = Arc::new(Shared {
+            refdata,
+            clock,
+            next_correlation: AtomicU64::new(0),
+            next_connection: AtomicU64::new(0),
+            routes: Mutex::new(AHashMap::new()),
+            subscribers: RwLock::new(AHashMap::new()),
+            counters: GatewayCounters::default(),
+        });
+        let (ingress_tx, ingress_rx) = mpsc::channel(config.ingress_capacity.max(1));
+        let submitter = pipeline.submitter();
+        let ingress_thread = spawn("gateway-ingress", move || {
+            run_ingress(ingress_rx, submitter)
+        });
+        let ack_thread = {
+            let acks = pipeline.acks();
+            let shared = shared.clone();
+            spawn("gateway-acks", move || {
+                for batch in acks {
+                    route_acks(&shared, &batch);
+                }
+            })
+        };
+        let sink = Sink::new(config.cls_out.as_deref(), true)?;
+        let outbound_thread = {
+            let events = pipeline.outbound();
+            let delivery = pipeline.delivery();
+            let station = pipeline
+                .station("outbound")
+                .unwrap_or_else(|| ste_engine::station::Station::new("outbound"));
+            let shared = shared.clone();
+            spawn("gateway-outbound", move || {
+                let result =
+                    ste_sink::run_with(events, sink, station, clock, Some(delivery), |event| {
+                        push(&shared, event)
+                    });
+                // Nothing more will be pushed: the subscribers' connections may close.
+                shared
+                    .subscribers
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clear();
+                result
+            })
+        };
+        Ok(Self {
+            shared,
+            ingress: Some(ingress_tx),
+            pipeline: Some(pipeline),
+            ingress_thread: Some(ingress_thread),
+            ack_thread: Some(ack_thread),
+            outbound_thread: Some(outbound_thread),
+        })
+    }
+
+    /// A handle for a listener.
+    pub fn handle(&self) -> GatewayHandle {
+        GatewayHandle {
+            shared: self.shared.clone(),
+            ingress: self
+                .ingress
+                .clone()
+                .expect("the ingress lives until finish"),
+        }
+    }
+
+    /// The pipeline's run clock.
+    pub fn clock(&self) -> RunClock {
+        self.shared.clock
+    }
+
+    /// Drains and stops: once every handle is dropped (the listeners have stopped reading),
+    /// what was submitted is committed and answered, outbound is drained, and the pipeline
+    /// reports. Blocks.
+    pub fn finish(mut self) -> Result<GatewayReport, GatewayError> {
+        self.ingress = None;
+        let ingress = join(self.ingress_thread.take());
+        let pipeline = self
+            .pipeline
+            .take()
+            .expect("the pipeline lives until finish")
+            .finish();
+        join(self.ack_thread.take()).map_err(|_| GatewayError::Panicked)?;
+        let sink = join(self.outbound_thread.take()).map_err(|_| GatewayError::Panicked)??;
+        ingress.map_err(|_| GatewayError::Panicked)??;
+        let pipeline = pipeline?;
+        let counters = &self.shared.counters;
+        Ok(GatewayReport {
+            pipeline,
+            sink,
+            submitted: counters.submitted.load(Ordering::Relaxed),
+            accepted: counters.accepted.load(Ordering::Relaxed),
+            duplicates: counters.duplicates.load(Ordering::Relaxed),
+            rejected: counters.rejected.load(Ordering::Relaxed),
+            unrouted: counters.unrouted.load(Ordering::Relaxed),
+            pushed: counters.pushed.load(Ordering::Relaxed),
+            slow_subscribers: counters.slow_subscribers.load(Ordering::Relaxed),
+        })
+    }
+}
+
+fn spawn<T: Send + 'static>(
+    name: &str,
+    body: impl FnOnce() -> T + Send + 'static,
+) -> JoinHandle<T> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(body)
+        .expect("the operating system can start a thread")
+}
+
+fn join<T>(handle: Option<JoinHandle<T>>) -> Result<T, GatewayError> {
+    handle
+        .ok_or(GatewayError::Panicked)?
+        .join()
+        .map_err(|_| GatewayError::Panicked)
+}
+
+/// Takes envelopes from the listeners and submits them, flushing whenever the channel runs dry.
+fn run_ingress(
+    mut rx: mpsc::Receiver<Envelope>,
+    mut submitter: Submitter,
+) -> Result<(), PipelineError> {
+    while let Some(envelope) = rx.blocking_recv() {
+        submitter.submit(envelope)?;
+        for _ in 0..INGRESS_DRAIN_MAX {
+            match rx.try_recv() {
+                Ok(envelope) => submitter.submit(envelope)?,
+                Err(_) => break,
+            }
+        }
+        submitter.flush()?;
+    }
+    submitter.flush()
+}
+
+fn route_acks(shared: &Shared, batch: &[ste_engine::pipeline::Ack]) {
+    let counters = &shared.counters;
+    let mut routes = shared.routes.lock().unwrap_or_else(PoisonError::into_inner);
+    for ack in batch {
+        match ack.result {
+            AckResult::Accepted => counters.accepted.fetch_add(1, Ordering::Relaxed),
+            AckResult::Duplicate => counters.duplicates.fetch_add(1, Ordering::Relaxed),
+            AckResult::Rejected(_) => counters.rejected.fetch_add(1, Ordering::Relaxed),
+        };
+        let Some(route) = routes.remove(&ack.correlation) else {
+            counters.unrouted.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        // The connection's reply channel holds its whole window, so this only fails when the
+        // connection has gone.
+        if route
+            .reply
+            .try_send(Reply {
+                seq: route.seq,
+                result: ack.result,
+            })
+            .is_err()
+        {
+            counters.unrouted.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The text of every `<tag>…</tag>` in `xml`.
+fn texts_of<'a>(xml: &'a str, tag: &str) -> Vec<&'a str> {
+    let open = format!("<{tag}>");
+    let close = format!("</{tag}>");
+    let mut found = Vec::new();
+    let mut rest = xml;
+    while let Some(start) = rest.find(&open) {
+        let after = &rest[start + open.len()..];
+        let Some(end) = after.find(&close) else { break };
+        found.push(&after[..end]);
+        rest = &after[end + close.len()..];
+    }
+    found
+}
+
+/// The status advice of a mismatched trade, as pushed to its broker.
+pub fn advice_xml(advice: &ste_engine::matcher::Advice) -> String {
+    let (broker, trade_ref) = advice
+        .trade_key
+        .split_once('/')
+        .unwrap_or((advice.trade_key.as_str(), ""));
+    let mut xml = format!(
+        "<Advice xmlns=\"{}\"><Status>MISMATCHED</Status><Broker>{broker}</Broker><TradeRef>{trade_ref}</TradeRef>",
+        ste_engine::codec::NAMESPACE
+    );
+    for criterion in &advice.failed {
+        xml.push_str(&format!(
+            "<Failed><Criterion>{criterion}</Criterion><Reason>{}</Reason></Failed>",
+            criterion.reason()
+        ));
+    }
+    xml.push_str("</Advice>");
+    xml
+}
+
+/// Pushes an outbound event to the connections subscribed for its parties, once per connection;
+/// a subscriber whose queue is full is closed.
+fn push(shared: &Shared, event: &OutboundEvent) {
+    let (class, xml, parties): (PushClass, Arc<[u8]>, Vec<String>) = match event {
+        OutboundEvent::Cls { body, .. } => {
+            let mut parties: Vec<String> = ["Broker", "InvMgr", "Custodian"]
+                .iter()
+                .flat_map(|tag| texts_of(body, tag))
+                .map(str::to_owned)
+                .collect();
+            parties.sort_unstable();
+            parties.dedup();
+            (PushClass::Cls, Arc::from(body.as_bytes()), parties)
+        }
+        OutboundEvent::Mismatched(advice) => {
+            let broker = advice
+                .trade_key
+                .split_once('/')
+                .map_or(advice.trade_key.as_str(), |(broker, _)| broker);
+            (
+                PushClass::Advice,
+                Arc::from(advice_xml(advice).into_bytes()),
+                vec![broker.to_owned()],
+            )
+        }
+    };
+    let mut sent_to = AHashSet::new();
+    let mut slow = AHashSet::new();
+    {
+        let subscribers = shared
+            .subscribers
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        for party in &parties {
+            for subscriber in subscribers.get(party).into_iter().flatten() {
+                if !sent_to.insert(subscriber.connection) {
+                    continue;
+                }
+                let pushed = Pushed {
+                    class,
+                    xml: xml.clone(),
+                };
+                match subscriber.push.try_send(pushed) {
+                    Ok(()) => {
+                        shared.counters.pushed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(mpsc::error::TrySendError::Full(_)) => {
+                        let _ = subscriber.kick.send(true);
+                        slow.insert(subscriber.connection);
+                    }
+                    Err(mpsc::error::TrySendError::Closed(_)) => {
+                        slow.insert(subscriber.connection);
+                    }
+                }
+            }
+        }
+    }
+    shared
+        .counters
+        .slow_subscribers
+        .fetch_add(slow.len() as u64, Ordering::Relaxed);
+    unsubscribe(shared, &slow);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parties_are_read_from_the_cls() {
+        let cls = "<Cls><Broker>B1</Broker><InvMgr>I1</InvMgr><Settlement><Custodian>C1</Custodian></Settlement><Settlement><Custodian>C2</Custodian></Settlement></Cls>";
+        assert_eq!(texts_of(cls, "Custodian"), vec!["C1", "C2"]);
+        assert_eq!(texts_of(cls, "Broker"), vec!["B1"]);
+        assert!(texts_of(cls, "Pset").is_empty());
+    }
+}

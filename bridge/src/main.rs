@@ -1,0 +1,250 @@
+//! `engine`: the STE engine as a long-lived node behind the bridge's listeners.
+//!
+//! Participants connect over framed XML on TCP (`--tcp`). Every message is answered with an
+//! ACK or NAK after the commit that holds it; CLS and status advices are pushed to the
+//! connections subscribed for a party of the trade. SIGTERM or Ctrl-C stops it gracefully: no
+//! new connections or messages, what is in flight is committed and answered, then it exits.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Parser, ValueEnum};
+use ste_bridge::gateway::{Gateway, GatewayConfig};
+use ste_bridge::tcp::{self, TcpConfig};
+use ste_engine::pipeline::{PipelineConfig, StoreConfig};
+use ste_engine::profile::{MatchingProfile, Tolerances};
+use ste_engine::refdata::RefData;
+use tracing::info;
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[derive(Copy, Clone, ValueEnum)]
+enum StoreArg {
+    Memory,
+    Embedded,
+    Postgres,
+}
+
+#[derive(Parser)]
+#[command(
+    name = "engine",
+    about = "The STE trade-matching engine as a server: participants connect over framed XML"
+)]
+struct Cli {
+    /// Address of the framed-XML listener (port 0: any free port; the bound address is printed).
+    #[arg(long, env = "STE_TCP_ADDR", default_value = "127.0.0.1:7400")]
+    tcp: String,
+    /// Where the shards keep their rows.
+    #[arg(long, value_enum, env = "STE_STORE", default_value = "embedded")]
+    store: StoreArg,
+    /// Database URL of each shard, in shard order (postgres store); or the comma-separated
+    /// STE_DATABASE_URLS.
+    #[arg(long = "db", env = "STE_DATABASE_URLS", value_delimiter = ',')]
+    db: Vec<String>,
+    /// Number of shards; with --store postgres, default: the number of database URLs.
+    #[arg(long, env = "STE_SHARDS")]
+    shards: Option<u32>,
+    /// Number of validators.
+    #[arg(long, env = "STE_VALIDATORS", default_value_t = 2)]
+    validators: u32,
+    /// Folder of the node's files: the embedded store, samples.csv.
+    #[arg(long, env = "STE_DATA_DIR", default_value = "ste-data")]
+    data_dir: PathBuf,
+    /// Append every CLS to this file, one per line (flushed before delivery is confirmed).
+    #[arg(long, env = "STE_CLS_OUT")]
+    cls_out: Option<PathBuf>,
+    /// Connections served at once.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Messages one connection may have in flight.
+    #[arg(long, default_value_t = 4096)]
+    window: usize,
+    /// Milliseconds allowed from a frame's first byte to its last.
+    #[arg(long, default_value_t = 10_000)]
+    frame_timeout_ms: u64,
+    /// Seconds a connection may stay silent (heartbeats count).
+    #[arg(long, default_value_t = 300)]
+    idle_timeout_s: u64,
+    /// Station sampling interval in milliseconds (samples.csv in --data-dir); 0: off.
+    #[arg(long, default_value_t = 10)]
+    sample_ms: u64,
+    /// Matching profile (JSON); default: the T2S-style tolerances.
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Keep trades this many days after their trade date (postgres store only).
+    #[arg(long, value_name = "DAYS")]
+    retention_days: Option<u32>,
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=error")),
+        )
+        .init();
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("engine: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
+    let profile = match &cli.profile {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str::<MatchingProfile>(&text)
+                .with_context(|| format!("parsing {}", path.display()))?
+        }
+        None => MatchingProfile::default(),
+    };
+    let urls: Vec<String> = cli
+        .db
+        .iter()
+        .map(|url| url.trim().to_owned())
+        .filter(|url| !url.is_empty())
+        .collect();
+    let store = match cli.store {
+        StoreArg::Memory => StoreConfig::Memory,
+        StoreArg::Embedded => StoreConfig::Embedded {
+            dir: cli.data_dir.join("store"),
+        },
+        StoreArg::Postgres if urls.is_empty() => {
+            bail!(
+                "the postgres store needs database URLs: --db URL per shard, or STE_DATABASE_URLS"
+            )
+        }
+        StoreArg::Postgres => StoreConfig::Postgres { urls: urls.clone() },
+    };
+    let shards = match (cli.shards, cli.store) {
+        (Some(shards), _) => shards,
+        (None, StoreArg::Postgres) => urls.len() as u32,
+        (None, _) => 2,
+    };
+    if shards == 0 || cli.validators == 0 {
+        bail!("--shards and --validators must be at least 1");
+    }
+    if cli.retention_days.is_some() && !matches!(cli.store, StoreArg::Postgres) {
+        bail!("--retention-days applies to the postgres store only");
+    }
+    std::fs::create_dir_all(&cli.data_dir)
+        .with_context(|| format!("creating {}", cli.data_dir.display()))?;
+    let sample_interval = Duration::from_millis(cli.sample_ms);
+    Ok(GatewayConfig {
+        pipeline: PipelineConfig {
+            shards,
+            validators: cli.validators,
+            store,
+            sample_interval,
+            samples_path: (!sample_interval.is_zero()).then(|| cli.data_dir.join("samples.csv")),
+            // A node restarts on its own data: matchers are rebuilt from the shards and
+            // unconfirmed CLS are emitted again.
+            recover: true,
+            retention_days: cli.retention_days,
+            ..PipelineConfig::default()
+        },
+        tolerances: Tolerances::from_profile(&profile).context("reading the matching profile")?,
+        cls_out: cli.cls_out.clone(),
+        ingress_capacity: 16_384,
+    })
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let config = gateway_config(&cli)?;
+    let refdata = Arc::new(RefData::embedded().context("loading the compiled-in reference data")?);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    let gateway = Gateway::start(&config, refdata).context("starting the engine")?;
+    let handle = gateway.handle();
+    let tcp_config = TcpConfig {
+        max_connections: cli.max_connections.max(1),
+        window: cli.window.max(1),
+        frame_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
+        idle_timeout: Duration::from_secs(cli.idle_timeout_s.max(1)),
+        ..TcpConfig::default()
+    };
+    let report = runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(&cli.tcp)
+            .await
+            .with_context(|| format!("listening on {}", cli.tcp))?;
+        let address = listener.local_addr().context("the listener's address")?;
+        // On stdout, for whoever started the node (tests bind port 0 and read it here).
+        println!("tcp {address}");
+        info!(%address, "framed-XML listener ready");
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let counters = handle.clone();
+        let server = tokio::spawn(tcp::serve(listener, handle, tcp_config, stop_rx));
+        let status = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(10));
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let c = counters.counters();
+                info!(
+                    submitted = c.submitted.load(Ordering::Relaxed),
+                    accepted = c.accepted.load(Ordering::Relaxed),
+                    duplicates = c.duplicates.load(Ordering::Relaxed),
+                    rejected = c.rejected.load(Ordering::Relaxed),
+                    pushed = c.pushed.load(Ordering::Relaxed),
+                    "status"
+                );
+            }
+        });
+        shutdown_signal().await;
+        info!("stopping: no new messages; answering what is in flight");
+        let _ = stop_tx.send(true);
+        let _ = server.await;
+        status.abort();
+        tokio::task::spawn_blocking(move || gateway.finish())
+            .await
+            .context("the shutdown task")?
+            .context("draining the engine")
+    })?;
+    let shards: Vec<String> = report
+        .pipeline
+        .shards
+        .iter()
+        .map(|s| s.messages.to_string())
+        .collect();
+    info!(
+        submitted = report.submitted,
+        accepted = report.accepted,
+        duplicates = report.duplicates,
+        rejected = report.rejected,
+        cls = report.sink.cls,
+        pushed = report.pushed,
+        shards = shards.join(","),
+        "stopped"
+    );
+    Ok(())
+}
+
+/// SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing the SIGTERM handler");
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

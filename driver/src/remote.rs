@@ -1,0 +1,413 @@
+//! Load against a running engine node over framed XML (`driver --target tcp://HOST:PORT`).
+//!
+//! The driver acts as a service bureau: each of its connections logs on as every participant,
+//! a trade's messages always go over the same connection (so they keep their order), and each
+//! connection keeps up to `window` messages in flight. The first connection subscribes, so
+//! every CLS is pushed to the driver once.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::BufReader;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ahash::AHashSet;
+use anyhow::{bail, Context};
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use ste_bridge::client::{self, FrameWriter, Logon};
+use ste_bridge::frame::{Frame, PushClass};
+use ste_engine::generator::{Generator, RunOutcome};
+use ste_engine::pipeline::{inbound_index, sign_line};
+use ste_engine::refdata::RefData;
+
+use crate::{spawn_progress, LatencySummary, MessageSetReader, Source, Tally};
+
+/// How long the driver waits for CLS that are still due once every message is answered.
+const CLS_WAIT: Duration = Duration::from_secs(60);
+
+/// A run against an engine node.
+#[derive(Debug, Clone)]
+pub struct RemoteConfig {
+    /// `HOST:PORT` of the engine's framed-XML listener.
+    pub address: String,
+    pub connections: usize,
+    /// Messages in flight per connection.
+    pub window: u64,
+    pub source: Source,
+    pub progress: bool,
+}
+
+/// What a run against an engine node measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct RemoteSummary {
+    pub target: String,
+    pub connections: usize,
+    pub window: u64,
+    pub trades: Option<u64>,
+    pub messages_in: u64,
+    pub accepted: u64,
+    pub duplicates: u64,
+    pub exceptions: BTreeMap<String, u64>,
+    /// Distinct CLS pushed to the driver.
+    pub cls: u64,
+    pub mismatched_advices: u64,
+    pub elapsed_s: f64,
+    pub throughput_msg_s: f64,
+    /// From sending a message to its ACK or NAK (after the engine's commit).
+    pub ack_latency_ms: LatencySummary,
+    /// messages_in = accepted + duplicates + exceptions.
+    pub conserved: bool,
+    pub expected: Option<RunOutcome>,
+    /// Messages, ACKs, NAKs by code and CLS as the generator expected.
+    pub matches_expected: Option<bool>,
+}
+
+/// What the reader of one connection counts.
+#[derive(Default)]
+struct Counts {
+    duplicates: u64,
+    exceptions: BTreeMap<String, u64>,
+    cls: AHashSet<u128>,
+    advices: u64,
+    refused: Option<String>,
+}
+
+/// One connection's shared state.
+struct Link {
+    answered: AtomicU64,
+    cls: AtomicU64,
+}
+
+/// Runs the source against the engine at `config.address`.
+pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Result<RemoteSummary> {
+    let address = config
+        .address
+        .strip_prefix("tcp://")
+        .with_context(|| format!("--target {} is not tcp://HOST:PORT", config.address))?
+        .to_owned();
+    let connections = config.connections.max(1);
+    let window = config.window.max(1);
+    let participants: Vec<String> = refdata
+        .participants()
+        .iter()
+        .map(|p| p.bic.clone())
+        .collect();
+    let started = Instant::now();
+    let tally = Arc::new(Tally::default());
+    let mut writers = Vec::with_capacity(connections);
+    let mut readers = Vec::with_capacity(connections);
+    let mut links = Vec::with_capacity(connections);
+    for index in 0..connections {
+        let logons: Vec<Logon<'_>> = participants
+            .iter()
+            .filter_map(|bic| {
+                refdata.participant_mac(bic).map(|(_, key)| Logon {
+                    participant: bic,
+                    key,
+                    subscribe: index == 0,
+                })
+            })
+            .collect();
+        let (writer, mut reader) = client::connect(address.as_str(), &logons)
+            .with_context(|| format!("connecting to {address}"))?;
+        let link = Arc::new(Link {
+            answered: AtomicU64::new(0),
+            cls: AtomicU64::new(0),
+        });
+        let (tally, link_for_reader) = (tally.clone(), link.clone());
+        readers.push(std::thread::spawn(move || {
+            let mut counts = Counts::default();
+            let mut latency =
+                Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("a histogram");
+            loop {
+                let frame = match reader.next_frame() {
+                    Ok(Some(frame)) => frame,
+                    Ok(None) => break,
+                    Err(error) => {
+                        counts.refused = Some(format!("reading: {error}"));
+                        break;
+                    }
+                };
+                let seq = match &frame {
+                    Frame::Ack { seq, duplicate } => {
+                        if *duplicate {
+                            counts.duplicates += 1;
+                            tally.duplicates.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            tally.accepted.fetch_add(1, Ordering::Relaxed);
+                        }
+                        *seq
+                    }
+                    Frame::Nak { seq, code, .. } => {
+                        *counts
+                            .exceptions
+                            .entry(code.as_str().to_owned())
+                            .or_default() += 1;
+                        *seq
+                    }
+                    Frame::Push {
+                        class: PushClass::Cls,
+                        xml,
+                    } => {
+                        if counts.cls.insert(xxhash_rust::xxh3::xxh3_128(cls_id(xml))) {
+                            link_for_reader.cls.fetch_add(1, Ordering::Relaxed);
+                        }
+                        continue;
+                    }
+                    Frame::Push {
+                        class: PushClass::Advice,
+                        ..
+                    } => {
+                        counts.advices += 1;
+                        continue;
+                    }
+                    Frame::Heartbeat => continue,
+                    Frame::Error { code, detail } => {
+                        counts.refused = Some(format!("{code} {detail}"));
+                        break;
+                    }
+                    other => {
+                        counts.refused = Some(format!("unexpected frame {other:?}"));
+                        break;
+                    }
+                };
+                // The sequence number of a message is its send time (see `Sender::send`).
+                let now_ns = started.elapsed().as_nanos() as u64;
+                latency.saturating_record((now_ns.saturating_sub(seq) / 1000).max(1));
+                link_for_reader.answered.fetch_add(1, Ordering::Relaxed);
+                tally.acked.fetch_add(1, Ordering::Relaxed);
+                tally.last_ack_ns.store(now_ns, Ordering::Relaxed);
+            }
+            (counts, latency)
+        }));
+        writers.push(writer);
+        links.push(link);
+    }
+
+    let submitted = Arc::new(AtomicU64::new(0));
+    let total_estimate = match &config.source {
+        Source::Generated(generator) => {
+            generator.trades * ste_engine::generator::MESSAGES_PER_TRADE as u64
+        }
+        Source::File(_) => 0,
+    };
+    let stop_progress = Arc::new(AtomicBool::new(false));
+    let progress = config.progress.then(|| {
+        spawn_progress(
+            tally.clone(),
+            submitted.clone(),
+            total_estimate,
+            stop_progress.clone(),
+        )
+    });
+
+    let mut sender = Sender {
+        refdata: &refdata,
+        writers: &mut writers,
+        links: &links,
+        sent: vec![0; connections],
+        window,
+        started,
+        submitted: &submitted,
+    };
+    let sent = match &config.source {
+        Source::Generated(generator_config) => {
+            let mut generator = Generator::new(&refdata, generator_config.clone());
+            generator
+                .by_ref()
+                .try_for_each(|line| sender.send(line))
+                .and_then(|()| sender.finish())
+                .map(|count| (count, Some(generator.expected().clone())))
+        }
+        Source::File(path) => {
+            let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+            MessageSetReader::new(BufReader::new(file))
+                .try_for_each(|line| sender.send(line.context("reading the message set")?))
+                .and_then(|()| sender.finish())
+                .map(|count| (count, None))
+        }
+    };
+    let (messages_in, expected) = match sent {
+        Ok(sent) => sent,
+        Err(error) => {
+            // A connection the engine closed says why on its reader.
+            std::thread::sleep(Duration::from_millis(100));
+            for reader in readers.into_iter().filter(|r| r.is_finished()) {
+                if let Ok((
+                    Counts {
+                        refused: Some(why), ..
+                    },
+                    _,
+                )) = reader.join()
+                {
+                    return Err(error.context(format!("the engine closed a connection: {why}")));
+                }
+            }
+            return Err(error);
+        }
+    };
+
+    // Every message answered; the last CLS may still be on their way.
+    let answered = || {
+        links
+            .iter()
+            .map(|l| l.answered.load(Ordering::Relaxed))
+            .sum::<u64>()
+    };
+    let cls_seen = || {
+        links
+            .iter()
+            .map(|l| l.cls.load(Ordering::Relaxed))
+            .sum::<u64>()
+    };
+    let readers_done = || readers.iter().all(|r| r.is_finished());
+    while answered() < messages_in && !readers_done() {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let elapsed_s = match tally.last_ack_ns.load(Ordering::Relaxed) {
+        0 => started.elapsed().as_secs_f64(),
+        last => last as f64 / 1e9,
+    };
+    let cls_due = expected.as_ref().map(|e| e.cls);
+    let mut last_progress = (cls_seen(), Instant::now());
+    loop {
+        let seen = cls_seen();
+        if Some(seen) == cls_due || readers_done() {
+            break;
+        }
+        if seen != last_progress.0 {
+            last_progress = (seen, Instant::now());
+        }
+        let quiet = last_progress.1.elapsed();
+        if quiet > CLS_WAIT || (cls_due.is_none() && quiet > Duration::from_secs(2)) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for writer in writers {
+        let _ = writer.bye();
+    }
+    stop_progress.store(true, Ordering::Relaxed);
+    if let Some(progress) = progress {
+        let _ = progress.join();
+    }
+
+    let mut latency = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("a histogram");
+    let mut exceptions = BTreeMap::new();
+    let (mut duplicates, mut advices) = (0, 0);
+    let mut cls = AHashSet::new();
+    for reader in readers {
+        let (counts, histogram) = reader
+            .join()
+            .map_err(|_| anyhow::anyhow!("a reader thread panicked"))?;
+        if let Some(refused) = counts.refused {
+            bail!("the engine closed a connection: {refused}");
+        }
+        latency.add(&histogram).context("merging latencies")?;
+        for (code, count) in counts.exceptions {
+            *exceptions.entry(code).or_default() += count;
+        }
+        duplicates += counts.duplicates;
+        advices += counts.advices;
+        cls.extend(counts.cls);
+    }
+    let accepted = tally.accepted.load(Ordering::Relaxed);
+    let exceptions_total: u64 = exceptions.values().sum();
+    let matches_expected = expected.as_ref().map(|e| {
+        e.messages_in == messages_in
+            && e.accepted == accepted
+            && e.duplicates == duplicates
+            && e.exceptions == exceptions
+            && e.cls == cls.len() as u64
+    });
+    let ms = |us: u64| us as f64 / 1000.0;
+    Ok(RemoteSummary {
+        target: config.address.clone(),
+        connections,
+        window,
+        trades: expected.as_ref().map(|e| e.trades),
+        messages_in,
+        accepted,
+        duplicates,
+        exceptions,
+        cls: cls.len() as u64,
+        mismatched_advices: advices,
+        elapsed_s,
+        throughput_msg_s: messages_in as f64 / elapsed_s.max(1e-9),
+        ack_latency_ms: LatencySummary {
+            p50: ms(latency.value_at_quantile(0.50)),
+            p99: ms(latency.value_at_quantile(0.99)),
+            p999: ms(latency.value_at_quantile(0.999)),
+            max: ms(latency.max()),
+            mean: latency.mean() / 1000.0,
+        },
+        conserved: messages_in == accepted + duplicates + exceptions_total,
+        expected,
+        matches_expected,
+    })
+}
+
+/// The ClsId of a pushed CLS.
+fn cls_id(xml: &[u8]) -> &[u8] {
+    const OPEN: &[u8] = b"<ClsId>";
+    const CLOSE: &[u8] = b"</ClsId>";
+    let Some(start) = ste_engine::sign::find(xml, OPEN).map(|at| at + OPEN.len()) else {
+        return xml;
+    };
+    match ste_engine::sign::find(&xml[start..], CLOSE) {
+        Some(len) => &xml[start..start + len],
+        None => xml,
+    }
+}
+
+/// Sends messages over the connections, a trade's messages always over the same one.
+struct Sender<'a> {
+    refdata: &'a RefData,
+    writers: &'a mut Vec<FrameWriter>,
+    links: &'a [Arc<Link>],
+    sent: Vec<u64>,
+    window: u64,
+    started: Instant,
+    submitted: &'a AtomicU64,
+}
+
+impl Sender<'_> {
+    fn send(&mut self, line: Vec<u8>) -> anyhow::Result<()> {
+        let index = inbound_index(&line, self.writers.len());
+        let link = &self.links[index];
+        let sent = self.sent[index];
+        if sent.saturating_sub(link.answered.load(Ordering::Relaxed)) >= self.window {
+            // The window is full: what is buffered must go, or its answers never come.
+            self.writers[index].flush().context("sending")?;
+            while sent.saturating_sub(link.answered.load(Ordering::Relaxed)) >= self.window {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+        // The engine only echoes the sequence number, so it carries the send time: the answer
+        // then tells its own latency, whatever order answers come in.
+        let seq = self.started.elapsed().as_nanos() as u64;
+        let envelope = sign_line(self.refdata, line, seq, 0);
+        // An unsigned line (no sender, or one without a key) goes with what it has and a zero
+        // signature: the engine rejects it with E_SIG, as in process.
+        let frame = Frame::Message {
+            seq,
+            sender: envelope.sender.unwrap_or_default(),
+            signature: envelope.signature.unwrap_or([0; 32]),
+            xml: envelope.bytes,
+        };
+        self.writers[index].send(&frame).context("sending")?;
+        self.sent[index] += 1;
+        self.submitted.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Flushes every connection; the number of messages sent.
+    fn finish(&mut self) -> anyhow::Result<u64> {
+        for writer in self.writers.iter_mut() {
+            writer.flush().context("sending")?;
+        }
+        Ok(self.sent.iter().sum())
+    }
+}
