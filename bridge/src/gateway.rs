@@ -155,6 +155,19 @@ impl GatewayHandle {
             .is_some_and(|(_, keyed)| sign::verify_keyed(keyed, bytes, signature))
     }
 
+    /// E_AUTH for a message correctly signed by `signer` that names another participant as its
+    /// Sender: a participant may only send as itself. (A wrong signature is left to the
+    /// validator's E_SIG, which comes first in the order of checks.)
+    pub fn impersonation(&self, signer: &str, bytes: &[u8], signature: &[u8]) -> Option<Rejection> {
+        let claimed = sign::claimed_sender(bytes)?;
+        (claimed != signer && self.signed_by(signer, bytes, signature)).then(|| {
+            Rejection::new(
+                ReasonCode::Auth,
+                format!("{signer} may not send as {claimed}"),
+            )
+        })
+    }
+
     /// Submits one message; its answer goes to `reply` tagged with `seq`. Waits while the
     /// engine's inbound side is full.
     pub async fn submit(

@@ -4,9 +4,11 @@
 //! - [`frame`]: the framed-XML wire format over TCP;
 //! - [`gateway`]: submission, ACK/NAK routing after commit, pushes of CLS and advices;
 //! - [`tcp`]: the framed-XML listener;
+//! - [`soap`]: SOAP 1.1/1.2 over HTTP/1.1, with its WSDL and MTOM;
 //! - [`client`]: a blocking framed-XML client (the driver's `--target tcp://`).
 
 pub mod client;
 pub mod frame;
 pub mod gateway;
+pub mod soap;
 pub mod tcp;

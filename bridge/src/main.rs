@@ -1,6 +1,6 @@
 //! `engine`: the STE engine as a long-lived node behind the bridge's listeners.
 //!
-//! Participants connect over framed XML on TCP (`--tcp`). Every message is answered with an
+//! Participants connect over framed XML on TCP (`--tcp`) or SOAP over HTTP (`--http`). Every message is answered with an
 //! ACK or NAK after the commit that holds it; CLS and status advices are pushed to the
 //! connections subscribed for a party of the trade. SIGTERM or Ctrl-C stops it gracefully: no
 //! new connections or messages, what is in flight is committed and answered, then it exits.
@@ -13,6 +13,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
 use ste_bridge::gateway::{Gateway, GatewayConfig};
+use ste_bridge::soap::{self, SoapConfig};
 use ste_bridge::tcp::{self, TcpConfig};
 use ste_engine::pipeline::{PipelineConfig, StoreConfig};
 use ste_engine::profile::{MatchingProfile, Tolerances};
@@ -38,6 +39,12 @@ struct Cli {
     /// Address of the framed-XML listener (port 0: any free port; the bound address is printed).
     #[arg(long, env = "STE_TCP_ADDR", default_value = "127.0.0.1:7400")]
     tcp: String,
+    /// Address of the SOAP/HTTP listener (`POST /soap`, `GET /soap?wsdl`; port 0: any free port).
+    #[arg(long, env = "STE_HTTP_ADDR", default_value = "127.0.0.1:7480")]
+    http: String,
+    /// Largest SOAP request body in bytes.
+    #[arg(long, default_value_t = 1024 * 1024)]
+    max_body_bytes: usize,
     /// Where the shards keep their rows.
     #[arg(long, value_enum, env = "STE_STORE", default_value = "embedded")]
     store: StoreArg,
@@ -63,7 +70,8 @@ struct Cli {
     /// Messages one connection may have in flight.
     #[arg(long, default_value_t = 4096)]
     window: usize,
-    /// Milliseconds allowed from a frame's first byte to its last.
+    /// Milliseconds allowed from a frame's first byte to its last (framed XML), and for a
+    /// request's headers and for its body (SOAP).
     #[arg(long, default_value_t = 10_000)]
     frame_timeout_ms: u64,
     /// Seconds a connection may stay silent (heartbeats count).
@@ -176,16 +184,36 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         idle_timeout: Duration::from_secs(cli.idle_timeout_s.max(1)),
         ..TcpConfig::default()
     };
+    let soap_config = SoapConfig {
+        max_connections: cli.max_connections.max(1),
+        max_body_bytes: cli.max_body_bytes.max(1024),
+        header_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
+        body_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
+    };
     let report = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&cli.tcp)
             .await
             .with_context(|| format!("listening on {}", cli.tcp))?;
+        let http_listener = tokio::net::TcpListener::bind(&cli.http)
+            .await
+            .with_context(|| format!("listening on {}", cli.http))?;
         let address = listener.local_addr().context("the listener's address")?;
+        let http_address = http_listener
+            .local_addr()
+            .context("the listener's address")?;
         // On stdout, for whoever started the node (tests bind port 0 and read it here).
         println!("tcp {address}");
+        println!("http {http_address}");
         info!(%address, "framed-XML listener ready");
+        info!(%http_address, "SOAP listener ready: POST /soap, GET /soap?wsdl");
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let counters = handle.clone();
+        let soap_server = tokio::spawn(soap::serve(
+            http_listener,
+            handle.clone(),
+            soap_config,
+            stop_rx.clone(),
+        ));
         let server = tokio::spawn(tcp::serve(listener, handle, tcp_config, stop_rx));
         let status = tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(10));
@@ -207,6 +235,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         info!("stopping: no new messages; answering what is in flight");
         let _ = stop_tx.send(true);
         let _ = server.await;
+        let _ = soap_server.await;
         status.abort();
         tokio::task::spawn_blocking(move || gateway.finish())
             .await

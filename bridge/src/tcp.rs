@@ -267,16 +267,19 @@ impl Reader<'_> {
                     let Ok(permit) = permit else { return None };
                     permit.forget();
                     // A message signed with the key of a participant this connection did not
-                    // log on as is refused E_AUTH; a bad signature is left to the validator,
-                    // whose E_SIG comes first in the order of checks.
-                    let foreign = !self.identities.contains(&sender)
-                        && self.gateway.signed_by(&sender, &xml, &signature);
-                    let refusal = foreign.then(|| {
-                        Rejection::new(
+                    // log on as, or signed by one that names another as its Sender, is refused
+                    // E_AUTH; a bad signature is left to the validator, whose E_SIG comes
+                    // first in the order of checks.
+                    let refusal = if !self.identities.contains(&sender)
+                        && self.gateway.signed_by(&sender, &xml, &signature)
+                    {
+                        Some(Rejection::new(
                             ReasonCode::Auth,
                             format!("this connection has not logged on as {sender}"),
-                        )
-                    });
+                        ))
+                    } else {
+                        self.gateway.impersonation(&sender, &xml, &signature)
+                    };
                     let envelope = Envelope {
                         bytes: xml,
                         sender: Some(sender),

@@ -18,6 +18,7 @@ use ste_engine::refdata::RefData;
 pub struct Engine {
     child: Option<Child>,
     pub tcp: SocketAddr,
+    pub http: SocketAddr,
     _data_dir: Option<tempfile::TempDir>,
 }
 
@@ -40,7 +41,14 @@ impl Engine {
 
     fn launch(dir: &Path, args: &[&str], owned: Option<tempfile::TempDir>) -> Engine {
         let mut child = Command::new(env!("CARGO_BIN_EXE_engine"))
-            .args(["--tcp", "127.0.0.1:0", "--sample-ms", "0"])
+            .args([
+                "--tcp",
+                "127.0.0.1:0",
+                "--http",
+                "127.0.0.1:0",
+                "--sample-ms",
+                "0",
+            ])
             .arg("--data-dir")
             .arg(dir)
             .args(args)
@@ -49,19 +57,23 @@ impl Engine {
             .spawn()
             .expect("the engine starts");
         let stdout = child.stdout.take().expect("stdout");
-        let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .expect("the engine prints its address");
-        let tcp = line
-            .trim()
-            .strip_prefix("tcp ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .parse()
-            .expect("an address");
+        let mut lines = BufReader::new(stdout);
+        let mut address_of = |label: &str| -> SocketAddr {
+            let mut line = String::new();
+            lines
+                .read_line(&mut line)
+                .expect("the engine prints its addresses");
+            line.trim()
+                .strip_prefix(label)
+                .and_then(|rest| rest.trim().parse().ok())
+                .unwrap_or_else(|| panic!("expected {label} ADDRESS, got {line:?}"))
+        };
+        let tcp = address_of("tcp");
+        let http = address_of("http");
         Engine {
             child: Some(child),
             tcp,
+            http,
             _data_dir: owned,
         }
     }

@@ -1,0 +1,836 @@
+//! SOAP over HTTP/1.1: `POST /soap` (SOAP 1.1 or 1.2, document/literal), `GET /soap?wsdl`.
+//!
+//! The request's Body holds `Submit` with one `Message`: the canonical XML bytes of one
+//! message as `xs:base64Binary` — inline, or in an MTOM/XOP attachment that an `xop:Include`
+//! references, which spares base64's third. The Header holds `Auth`: the `Participant` and the
+//! hex HMAC-SHA256 `Signature` of those bytes under its key. The answer comes after the commit
+//! that holds the message: `SubmitResponse` with `Status` ACCEPTED or DUPLICATE, or a SOAP Fault
+//! whose faultstring (SOAP 1.2: Reason) starts with the reason code and whose detail holds a
+//! `Rejection` with the `Code`. A request that is not a SOAP envelope with a message is still
+//! recorded by the engine (as an exception, E_PARSE) and answered with a Fault.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use quick_xml::events::Event;
+use quick_xml::name::ResolveResult;
+use ste_engine::pipeline::{AckResult, Envelope};
+use ste_engine::reason::{ReasonCode, Rejection};
+use ste_engine::sign::SIGNATURE_LEN;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+use tracing::{info, warn};
+
+use crate::gateway::{GatewayHandle, Reply};
+
+/// The namespace of the bridge's SOAP elements.
+pub const BRIDGE_NS: &str = "urn:ste:bridge:1";
+/// SOAP 1.1 envelope namespace.
+pub const SOAP11_NS: &str = "http://schemas.xmlsoap.org/soap/envelope/";
+/// SOAP 1.2 envelope namespace.
+pub const SOAP12_NS: &str = "http://www.w3.org/2003/05/soap-envelope";
+/// XOP namespace.
+const XOP_NS: &str = "http://www.w3.org/2004/08/xop/include";
+/// Elements deeper than this are refused (the envelope needs five levels).
+const DEPTH_MAX: usize = 16;
+
+/// Limits of the SOAP listener.
+#[derive(Debug, Clone)]
+pub struct SoapConfig {
+    pub max_connections: usize,
+    /// Largest request body; a longer declared or sent body is refused with 413.
+    pub max_body_bytes: usize,
+    /// Time allowed to send a request's headers (and to start the next one on a kept-alive
+    /// connection).
+    pub header_timeout: Duration,
+    /// Time allowed to send a request's body.
+    pub body_timeout: Duration,
+}
+
+impl Default for SoapConfig {
+    fn default() -> Self {
+        Self {
+            max_connections: 1024,
+            max_body_bytes: 1024 * 1024,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The SOAP version of a request, which its answer uses too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SoapVersion {
+    V11,
+    V12,
+}
+
+impl SoapVersion {
+    fn namespace(self) -> &'static str {
+        match self {
+            SoapVersion::V11 => SOAP11_NS,
+            SoapVersion::V12 => SOAP12_NS,
+        }
+    }
+
+    fn content_type(self) -> &'static str {
+        match self {
+            SoapVersion::V11 => "text/xml; charset=utf-8",
+            SoapVersion::V12 => "application/soap+xml; charset=utf-8",
+        }
+    }
+}
+
+/// What a SOAP request carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SoapRequest {
+    pub version: SoapVersion,
+    pub participant: Option<String>,
+    pub signature: Option<[u8; SIGNATURE_LEN]>,
+    pub message: Vec<u8>,
+}
+
+/// Why a request carries no message (answered with a Fault, recorded as E_PARSE).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SoapError {
+    pub version: SoapVersion,
+    pub code: ReasonCode,
+    pub detail: String,
+}
+
+impl SoapError {
+    fn parse(version: SoapVersion, detail: impl Into<String>) -> Self {
+        Self {
+            version,
+            code: ReasonCode::Parse,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// Where the reader is in the envelope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    Participant,
+    Signature,
+    Message,
+    Other,
+}
+
+/// Parses a SOAP envelope (`attachments` by Content-ID, for MTOM). No DOCTYPE, no entity but
+/// the predefined ones, at most [`DEPTH_MAX`] levels.
+pub fn parse_envelope(
+    body: &[u8],
+    attachments: &HashMap<String, Bytes>,
+) -> Result<SoapRequest, SoapError> {
+    let mut reader = quick_xml::NsReader::from_reader(body);
+    reader.config_mut().check_end_names = true;
+    let mut version: Option<SoapVersion> = None;
+    // (namespace, local name) of the open elements.
+    let mut path: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+    let mut slot = Slot::Other;
+    let (mut participant, mut signature_hex, mut message) = (None, None, None::<Vec<u8>>);
+    let fail = |version: Option<SoapVersion>, detail: String| {
+        SoapError::parse(version.unwrap_or(SoapVersion::V11), detail)
+    };
+    loop {
+        let (resolved, event) = reader
+            .read_resolved_event()
+            .map_err(|error| fail(version, format!("not well-formed xml: {error}")))?;
+        let namespace = match resolved {
+            ResolveResult::Bound(ns) => ns.as_ref().to_vec(),
+            _ => Vec::new(),
+        };
+        let is_empty = matches!(event, Event::Empty(_));
+        match event {
+            Event::DocType(_) => return Err(fail(version, "a DOCTYPE is not allowed".into())),
+            Event::Start(start) | Event::Empty(start) => {
+                let local = start.local_name().as_ref().to_vec();
+                if path.len() >= DEPTH_MAX {
+                    return Err(fail(version, "the envelope is nested too deeply".into()));
+                }
+                let depth = path.len();
+                if depth == 0 {
+                    version = match (namespace.as_slice(), local.as_slice()) {
+                        (ns, b"Envelope") if ns == SOAP11_NS.as_bytes() => Some(SoapVersion::V11),
+                        (ns, b"Envelope") if ns == SOAP12_NS.as_bytes() => Some(SoapVersion::V12),
+                        _ => {
+                            return Err(fail(
+                                None,
+                                "the root element is not a SOAP Envelope".into(),
+                            ))
+                        }
+                    };
+                }
+                let in_bridge = namespace == BRIDGE_NS.as_bytes();
+                slot = match (depth, local.as_slice()) {
+                    (3, b"Participant") if in_bridge && under(&path, b"Header", b"Auth") => {
+                        Slot::Participant
+                    }
+                    (3, b"Signature") if in_bridge && under(&path, b"Header", b"Auth") => {
+                        Slot::Signature
+                    }
+                    (3, b"Message") if in_bridge && under(&path, b"Body", b"Submit") => {
+                        Slot::Message
+                    }
+                    (4, b"Include")
+                        if namespace == XOP_NS.as_bytes()
+                            && path.last().is_some_and(|(_, l)| l == b"Message") =>
+                    {
+                        let href = start
+                            .try_get_attribute("href")
+                            .ok()
+                            .flatten()
+                            .map(|a| String::from_utf8_lossy(&a.value).into_owned())
+                            .ok_or_else(|| fail(version, "xop:Include without href".into()))?;
+                        let id = content_id(&href);
+                        let part = attachments.get(&id).ok_or_else(|| {
+                            fail(version, format!("xop:Include names no attachment ({href})"))
+                        })?;
+                        message = Some(part.to_vec());
+                        Slot::Other
+                    }
+                    _ => Slot::Other,
+                };
+                if is_empty {
+                    slot = Slot::Other;
+                } else {
+                    path.push((namespace, local));
+                }
+            }
+            Event::End(_) => {
+                path.pop();
+                slot = Slot::Other;
+            }
+            Event::Text(text) => {
+                let raw = text.as_ref();
+                if raw.iter().all(u8::is_ascii_whitespace) {
+                    continue;
+                }
+                let text = text
+                    .unescape()
+                    .map_err(|error| fail(version, format!("bad text: {error}")))?;
+                match slot {
+                    Slot::Participant => participant = Some(text.trim().to_owned()),
+                    Slot::Signature => signature_hex = Some(text.trim().to_owned()),
+                    Slot::Message => {
+                        let compact: Vec<u8> =
+                            text.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
+                        let decoded = base64::engine::general_purpose::STANDARD
+                            .decode(compact)
+                            .map_err(|error| {
+                                fail(version, format!("Message is not base64: {error}"))
+                            })?;
+                        message = Some(decoded);
+                    }
+                    Slot::Other => {}
+                }
+            }
+            Event::Eof => break,
+            _ => {}
+        }
+    }
+    let version = version.ok_or_else(|| fail(None, "empty request".into()))?;
+    let message =
+        message.ok_or_else(|| SoapError::parse(version, "no Submit/Message in the Body"))?;
+    let signature = match signature_hex {
+        Some(hex_text) => {
+            let bytes = hex::decode(&hex_text)
+                .ok()
+                .and_then(|b| <[u8; SIGNATURE_LEN]>::try_from(b).ok());
+            // A signature that is not 32 hex bytes is a wrong signature: E_SIG from the validator.
+            Some(bytes.unwrap_or([0; SIGNATURE_LEN]))
+        }
+        None => None,
+    };
+    Ok(SoapRequest {
+        version,
+        participant,
+        signature,
+        message,
+    })
+}
+
+/// Whether the open elements are `Envelope / outer / inner` (outer in the SOAP namespace).
+fn under(path: &[(Vec<u8>, Vec<u8>)], outer: &[u8], inner: &[u8]) -> bool {
+    path.len() == 3
+        && path[1].1 == outer
+        && (path[1].0 == SOAP11_NS.as_bytes() || path[1].0 == SOAP12_NS.as_bytes())
+        && path[2].1 == inner
+        && path[2].0 == BRIDGE_NS.as_bytes()
+}
+
+/// The Content-ID an `href="cid:…"` names, as the part's `Content-ID: <…>` header gives it.
+fn content_id(href: &str) -> String {
+    let id = href.strip_prefix("cid:").unwrap_or(href);
+    percent_decode(id)
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("");
+            if let Ok(byte) = u8::from_str_radix(hex, 16) {
+                out.push(byte);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn escape(text: &str) -> String {
+    quick_xml::escape::escape(text).into_owned()
+}
+
+/// The answer to an accepted or duplicate message.
+pub fn ack_envelope(version: SoapVersion, duplicate: bool) -> String {
+    let status = if duplicate { "DUPLICATE" } else { "ACCEPTED" };
+    format!(
+        "<?xml version=\"1.0\" encoding=\"utf-8\"?><soap:Envelope xmlns:soap=\"{}\"><soap:Body><ste:SubmitResponse xmlns:ste=\"{BRIDGE_NS}\"><ste:Status>{status}</ste:Status></ste:SubmitResponse></soap:Body></soap:Envelope>",
+        version.namespace()
+    )
+}
+
+/// The Fault of a rejected message: the reason code first in the fault string, and in the
+/// detail's `Rejection`.
+pub fn fault_envelope(version: SoapVersion, code: ReasonCode, detail: &str) -> String {
+    let text = if detail.is_empty() {
+        code.as_str().to_owned()
+    } else {
+        format!("{code}: {}", escape(detail))
+    };
+    let rejection = format!(
+        "<ste:Rejection xmlns:ste=\"{BRIDGE_NS}\"><ste:Code>{code}</ste:Code><ste:Detail>{}</ste:Detail></ste:Rejection>",
+        escape(detail)
+    );
+    let fault = match version {
+        SoapVersion::V11 => format!(
+            "<soap:Fault><faultcode>soap:Client</faultcode><faultstring>{text}</faultstring><detail>{rejection}</detail></soap:Fault>"
+        ),
+        SoapVersion::V12 => format!(
+            "<soap:Fault><soap:Code><soap:Value>soap:Sender</soap:Value></soap:Code><soap:Reason><soap:Text xml:lang=\"en\">{text}</soap:Text></soap:Reason><soap:Detail>{rejection}</soap:Detail></soap:Fault>"
+        ),
+    };
+    format!(
+        "<?xml version=\"1.0\" encoding=\"utf-8\"?><soap:Envelope xmlns:soap=\"{}\"><soap:Body>{fault}</soap:Body></soap:Envelope>",
+        version.namespace()
+    )
+}
+
+/// The WSDL (with its XSD) of the service at `location`.
+pub fn wsdl(location: &str) -> String {
+    let location = escape(location);
+    format!(
+        r#"<?xml version="1.0" encoding="utf-8"?>
+<definitions name="STE" targetNamespace="{BRIDGE_NS}"
+    xmlns="http://schemas.xmlsoap.org/wsdl/"
+    xmlns:tns="{BRIDGE_NS}"
+    xmlns:xsd="http://www.w3.org/2001/XMLSchema"
+    xmlns:soap="http://schemas.xmlsoap.org/wsdl/soap/"
+    xmlns:soap12="http://schemas.xmlsoap.org/wsdl/soap12/">
+  <documentation>STE trade matching: submit one signed trade message (NOE, ALC, NPR or SET in
+  the canonical XML of namespace urn:ste:trade:1). The answer comes after the message is
+  committed: ACCEPTED or DUPLICATE, or a Fault whose Rejection carries the reason code.</documentation>
+  <types>
+    <xsd:schema targetNamespace="{BRIDGE_NS}" elementFormDefault="qualified">
+      <xsd:element name="Auth">
+        <xsd:annotation><xsd:documentation>The participant and the hex HMAC-SHA256 of the Message bytes under its key.</xsd:documentation></xsd:annotation>
+        <xsd:complexType>
+          <xsd:sequence>
+            <xsd:element name="Participant" type="xsd:string"/>
+            <xsd:element name="Signature" type="xsd:string"/>
+          </xsd:sequence>
+        </xsd:complexType>
+      </xsd:element>
+      <xsd:element name="Submit">
+        <xsd:complexType>
+          <xsd:sequence>
+            <xsd:element name="Message" type="xsd:base64Binary"/>
+          </xsd:sequence>
+        </xsd:complexType>
+      </xsd:element>
+      <xsd:simpleType name="Status">
+        <xsd:restriction base="xsd:string">
+          <xsd:enumeration value="ACCEPTED"/>
+          <xsd:enumeration value="DUPLICATE"/>
+        </xsd:restriction>
+      </xsd:simpleType>
+      <xsd:element name="SubmitResponse">
+        <xsd:complexType>
+          <xsd:sequence>
+            <xsd:element name="Status" type="tns:Status"/>
+          </xsd:sequence>
+        </xsd:complexType>
+      </xsd:element>
+      <xsd:element name="Rejection">
+        <xsd:complexType>
+          <xsd:sequence>
+            <xsd:element name="Code" type="xsd:string"/>
+            <xsd:element name="Detail" type="xsd:string"/>
+          </xsd:sequence>
+        </xsd:complexType>
+      </xsd:element>
+    </xsd:schema>
+  </types>
+  <message name="SubmitRequest"><part name="parameters" element="tns:Submit"/></message>
+  <message name="SubmitResponse"><part name="parameters" element="tns:SubmitResponse"/></message>
+  <message name="AuthHeader"><part name="Auth" element="tns:Auth"/></message>
+  <message name="RejectionFault"><part name="Rejection" element="tns:Rejection"/></message>
+  <portType name="STEPortType">
+    <operation name="Submit">
+      <input message="tns:SubmitRequest"/>
+      <output message="tns:SubmitResponse"/>
+      <fault name="Rejection" message="tns:RejectionFault"/>
+    </operation>
+  </portType>
+  <binding name="STESoap11" type="tns:STEPortType">
+    <soap:binding style="document" transport="http://schemas.xmlsoap.org/soap/http"/>
+    <operation name="Submit">
+      <soap:operation soapAction="{BRIDGE_NS}#Submit" style="document"/>
+      <input>
+        <soap:header message="tns:AuthHeader" part="Auth" use="literal"/>
+        <soap:body parts="parameters" use="literal"/>
+      </input>
+      <output><soap:body use="literal"/></output>
+      <fault name="Rejection"><soap:fault name="Rejection" use="literal"/></fault>
+    </operation>
+  </binding>
+  <binding name="STESoap12" type="tns:STEPortType">
+    <soap12:binding style="document" transport="http://schemas.xmlsoap.org/soap/http"/>
+    <operation name="Submit">
+      <soap12:operation soapAction="{BRIDGE_NS}#Submit" style="document"/>
+      <input>
+        <soap12:header message="tns:AuthHeader" part="Auth" use="literal"/>
+        <soap12:body parts="parameters" use="literal"/>
+      </input>
+      <output><soap12:body use="literal"/></output>
+      <fault name="Rejection"><soap12:fault name="Rejection" use="literal"/></fault>
+    </operation>
+  </binding>
+  <service name="STE">
+    <port name="STESoap11" binding="tns:STESoap11"><soap:address location="{location}"/></port>
+    <port name="STESoap12" binding="tns:STESoap12"><soap12:address location="{location}"/></port>
+  </service>
+</definitions>
+"#
+    )
+}
+
+type Body = Full<Bytes>;
+
+fn respond(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
+    let mut response = Response::new(Full::new(body.into()));
+    *response.status_mut() = status;
+    if let Ok(value) = HeaderValue::from_str(content_type) {
+        response.headers_mut().insert(CONTENT_TYPE, value);
+    }
+    response
+}
+
+fn fault_response(version: SoapVersion, code: ReasonCode, detail: &str) -> Response<Body> {
+    // SOAP 1.1 answers every Fault with 500; SOAP 1.2 a Sender fault with 400.
+    let status = match version {
+        SoapVersion::V11 => StatusCode::INTERNAL_SERVER_ERROR,
+        SoapVersion::V12 => StatusCode::BAD_REQUEST,
+    };
+    respond(
+        status,
+        version.content_type(),
+        fault_envelope(version, code, detail),
+    )
+}
+
+/// The SOAP version a request's Content-Type announces (for answers before the body is read).
+fn version_of(request: &Request<Incoming>) -> SoapVersion {
+    let content_type = request
+        .headers()
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if content_type.contains("application/soap+xml") {
+        SoapVersion::V12
+    } else {
+        SoapVersion::V11
+    }
+}
+
+/// Splits an MTOM/XOP `multipart/related` body into its root part and its attachments by
+/// Content-ID.
+async fn split_multipart(
+    content_type: &str,
+    body: Bytes,
+) -> Result<(Bytes, HashMap<String, Bytes>), String> {
+    // multer's own boundary parser accepts multipart/form-data only; the parameters of
+    // multipart/related are read here.
+    let parameter = |name: &str| {
+        content_type
+            .split(';')
+            .filter_map(|p| p.trim().split_once('='))
+            .find(|(key, _)| key.trim().eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.trim().trim_matches('"').to_owned())
+    };
+    let boundary = parameter("boundary").ok_or("no boundary in the Content-Type")?;
+    let start =
+        parameter("start").map(|v| v.trim_start_matches('<').trim_end_matches('>').to_owned());
+    let stream = futures_util::stream::once(async move { Ok::<Bytes, Infallible>(body) });
+    let mut multipart = multer::Multipart::new(stream, boundary);
+    let mut root: Option<Bytes> = None;
+    let mut parts = HashMap::new();
+    while let Some(field) = multipart.next_field().await.map_err(|e| e.to_string())? {
+        let id = field
+            .headers()
+            .get("content-id")
+            .and_then(|v| v.to_str().ok())
+            .map(|v| {
+                v.trim()
+                    .trim_start_matches('<')
+                    .trim_end_matches('>')
+                    .to_owned()
+            });
+        let bytes = field.bytes().await.map_err(|e| e.to_string())?;
+        let is_root = match (&start, &id) {
+            (Some(start), Some(id)) => start == id,
+            _ => root.is_none(),
+        };
+        if is_root && root.is_none() {
+            root = Some(bytes);
+        } else if let Some(id) = id {
+            parts.insert(id, bytes);
+        }
+    }
+    let root = root.ok_or("the multipart request has no root part")?;
+    Ok((root, parts))
+}
+
+struct Service {
+    gateway: GatewayHandle,
+    config: SoapConfig,
+}
+
+impl Service {
+    async fn handle(&self, request: Request<Incoming>) -> Response<Body> {
+        if request.uri().path() != "/soap" {
+            return respond(
+                StatusCode::NOT_FOUND,
+                "text/plain",
+                "only /soap is served here\n",
+            );
+        }
+        if request.method() == Method::GET {
+            if request
+                .uri()
+                .query()
+                .is_some_and(|q| q.eq_ignore_ascii_case("wsdl"))
+            {
+                let host = request
+                    .headers()
+                    .get(hyper::header::HOST)
+                    .and_then(|h| h.to_str().ok())
+                    .unwrap_or("127.0.0.1")
+                    .to_owned();
+                return respond(
+                    StatusCode::OK,
+                    "text/xml; charset=utf-8",
+                    wsdl(&format!("http://{host}/soap")),
+                );
+            }
+            return respond(
+                StatusCode::NOT_FOUND,
+                "text/plain",
+                "GET /soap?wsdl for the WSDL\n",
+            );
+        }
+        if request.method() != Method::POST {
+            return respond(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "text/plain",
+                "POST a SOAP envelope\n",
+            );
+        }
+        let version = version_of(&request);
+        let declared = request
+            .headers()
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|length| length > self.config.max_body_bytes as u64) {
+            let mut response = too_large(version, self.config.max_body_bytes);
+            response
+                .headers_mut()
+                .insert(CONNECTION, HeaderValue::from_static("close"));
+            return response;
+        }
+        let content_type = request
+            .headers()
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        let limited = Limited::new(request.into_body(), self.config.max_body_bytes);
+        let body = match tokio::time::timeout(self.config.body_timeout, limited.collect()).await {
+            Err(_) => {
+                let mut response = respond(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "text/plain",
+                    "the request body did not arrive in time\n",
+                );
+                response
+                    .headers_mut()
+                    .insert(CONNECTION, HeaderValue::from_static("close"));
+                return response;
+            }
+            Ok(Err(_)) => {
+                let mut response = too_large(version, self.config.max_body_bytes);
+                response
+                    .headers_mut()
+                    .insert(CONNECTION, HeaderValue::from_static("close"));
+                return response;
+            }
+            Ok(Ok(collected)) => collected.to_bytes(),
+        };
+        let parsed = if content_type
+            .to_ascii_lowercase()
+            .starts_with("multipart/related")
+        {
+            match split_multipart(&content_type, body.clone()).await {
+                Ok((root, parts)) => parse_envelope(&root, &parts),
+                Err(detail) => Err(SoapError::parse(
+                    version,
+                    format!("bad MTOM request: {detail}"),
+                )),
+            }
+        } else {
+            parse_envelope(&body, &HashMap::new())
+        };
+        let (version, envelope) = match parsed {
+            Ok(request) => {
+                let refusal = request.participant.as_deref().and_then(|participant| {
+                    request.signature.and_then(|signature| {
+                        self.gateway
+                            .impersonation(participant, &request.message, &signature)
+                    })
+                });
+                (
+                    request.version,
+                    Envelope {
+                        bytes: request.message,
+                        sender: request.participant,
+                        signature: request.signature,
+                        correlation: 0,
+                        injected_ns: 0,
+                        refusal,
+                    },
+                )
+            }
+            // Not a message: recorded all the same, raw, as an exception.
+            Err(error) => (
+                error.version,
+                Envelope {
+                    bytes: body.to_vec(),
+                    sender: None,
+                    signature: None,
+                    correlation: 0,
+                    injected_ns: 0,
+                    refusal: Some(Rejection::new(error.code, error.detail)),
+                },
+            ),
+        };
+        let detail = envelope.refusal.as_ref().map(|r| r.detail.clone());
+        let (tx, mut rx) = mpsc::channel::<Reply>(1);
+        if self.gateway.submit(envelope, 0, &tx).await.is_err() {
+            return respond(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain",
+                "the engine is shutting down\n",
+            );
+        }
+        drop(tx);
+        match rx.recv().await.map(|reply| reply.result) {
+            Some(AckResult::Accepted) => respond(
+                StatusCode::OK,
+                version.content_type(),
+                ack_envelope(version, false),
+            ),
+            Some(AckResult::Duplicate) => respond(
+                StatusCode::OK,
+                version.content_type(),
+                ack_envelope(version, true),
+            ),
+            Some(AckResult::Rejected(code)) => {
+                fault_response(version, code, detail.as_deref().unwrap_or(""))
+            }
+            None => respond(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain",
+                "the engine stopped before answering\n",
+            ),
+        }
+    }
+}
+
+fn too_large(version: SoapVersion, max: usize) -> Response<Body> {
+    let mut response = fault_response(
+        version,
+        ReasonCode::Size,
+        &format!("the request is larger than {max} bytes"),
+    );
+    *response.status_mut() = StatusCode::PAYLOAD_TOO_LARGE;
+    response
+}
+
+/// Serves SOAP until `shutdown` turns true, then lets every connection finish the request it
+/// is in and closes it.
+pub async fn serve(
+    listener: TcpListener,
+    gateway: GatewayHandle,
+    config: SoapConfig,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let service = Arc::new(Service { gateway, config });
+    let active = Arc::new(AtomicUsize::new(0));
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, _) = match accepted {
+                    Ok(accepted) => accepted,
+                    Err(error) => {
+                        warn!(%error, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                if active.load(Ordering::Relaxed) >= service.config.max_connections {
+                    connections.spawn(async move {
+                        use tokio::io::AsyncWriteExt;
+                        let mut stream = stream;
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(1),
+                            stream.write_all(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"),
+                        ).await;
+                    });
+                    continue;
+                }
+                active.fetch_add(1, Ordering::Relaxed);
+                let (service, active, mut stop) = (service.clone(), active.clone(), shutdown.clone());
+                connections.spawn(async move {
+                    let handler = service.clone();
+                    let connection = http1::Builder::new()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(handler.config.header_timeout)
+                        .keep_alive(true)
+                        .max_buf_size(64 * 1024)
+                        .serve_connection(
+                            TokioIo::new(stream),
+                            service_fn(move |request| {
+                                let handler = handler.clone();
+                                async move { Ok::<_, Infallible>(handler.handle(request).await) }
+                            }),
+                        );
+                    tokio::pin!(connection);
+                    tokio::select! {
+                        _ = connection.as_mut() => {}
+                        _ = stop.changed() => {
+                            connection.as_mut().graceful_shutdown();
+                            let _ = connection.as_mut().await;
+                        }
+                    }
+                    active.fetch_sub(1, Ordering::Relaxed);
+                });
+            }
+            _ = shutdown.changed() => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    drop(service);
+    info!(
+        connections = connections.len(),
+        "SOAP listener stopped; draining"
+    );
+    while connections.join_next().await.is_some() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn envelope(ns: &str, body: &str) -> String {
+        format!(
+            "<s:Envelope xmlns:s=\"{ns}\" xmlns:b=\"{BRIDGE_NS}\"><s:Header><b:Auth><b:Participant>BRKAAU21XXX</b:Participant><b:Signature>{}</b:Signature></b:Auth></s:Header><s:Body><b:Submit>{body}</b:Submit></s:Body></s:Envelope>",
+            "ab".repeat(32)
+        )
+    }
+
+    #[test]
+    fn both_versions_inline_and_xop() {
+        let inline = envelope(SOAP11_NS, "<b:Message>PE1zZy8+</b:Message>");
+        let parsed = parse_envelope(inline.as_bytes(), &HashMap::new()).expect("parses");
+        assert_eq!(parsed.version, SoapVersion::V11);
+        assert_eq!(parsed.message, b"<Msg/>");
+        assert_eq!(parsed.participant.as_deref(), Some("BRKAAU21XXX"));
+        assert_eq!(parsed.signature, Some([0xab; 32]));
+
+        let xop = envelope(
+            SOAP12_NS,
+            &format!("<b:Message><x:Include xmlns:x=\"{XOP_NS}\" href=\"cid:m%401\"/></b:Message>"),
+        );
+        let parts = HashMap::from([("m@1".to_owned(), Bytes::from_static(b"<Msg/>"))]);
+        let parsed = parse_envelope(xop.as_bytes(), &parts).expect("parses");
+        assert_eq!(parsed.version, SoapVersion::V12);
+        assert_eq!(parsed.message, b"<Msg/>");
+    }
+
+    #[test]
+    fn hostile_envelopes_are_parse_errors() {
+        let doctype = format!(
+            "<!DOCTYPE x [<!ENTITY a \"aaaa\">]>{}",
+            envelope(SOAP11_NS, "<b:Message>&a;</b:Message>")
+        );
+        let error = parse_envelope(doctype.as_bytes(), &HashMap::new()).expect_err("refused");
+        assert!(error.detail.contains("DOCTYPE"), "{error:?}");
+        let entity = envelope(SOAP11_NS, "<b:Message>&a;</b:Message>");
+        assert!(parse_envelope(entity.as_bytes(), &HashMap::new()).is_err());
+        let deep = format!(
+            "<s:Envelope xmlns:s=\"{SOAP11_NS}\">{}{}</s:Envelope>",
+            "<a>".repeat(40),
+            "</a>".repeat(40)
+        );
+        let error = parse_envelope(deep.as_bytes(), &HashMap::new()).expect_err("refused");
+        assert!(error.detail.contains("deeply"), "{error:?}");
+        let no_message = envelope(SOAP11_NS, "");
+        assert!(parse_envelope(no_message.as_bytes(), &HashMap::new()).is_err());
+        let missing = envelope(SOAP11_NS, "<b:Message><x:Include xmlns:x=\"http://www.w3.org/2004/08/xop/include\" href=\"cid:nothing\"/></b:Message>");
+        assert!(parse_envelope(missing.as_bytes(), &HashMap::new()).is_err());
+    }
+
+    #[test]
+    fn faults_carry_the_code() {
+        let fault = fault_envelope(SoapVersion::V12, ReasonCode::Auth, "a < b");
+        assert!(fault.contains("<soap:Value>soap:Sender</soap:Value>"));
+        assert!(fault.contains("E_AUTH: a &lt; b"));
+        assert!(fault.contains("<ste:Code>E_AUTH</ste:Code>"));
+        let wsdl = wsdl("http://h/soap");
+        assert!(wsdl.contains("soap12:address location=\"http://h/soap\""));
+    }
+}
