@@ -5,9 +5,11 @@
 //! - [`gateway`]: submission, ACK/NAK routing after commit, pushes of CLS and advices;
 //! - [`tcp`]: the framed-XML listener;
 //! - [`soap`]: SOAP 1.1/1.2 over HTTP/1.1, with its WSDL and MTOM;
+//! - [`fix`]: FIX 4.4 sessions and the mapping of STE messages to FIX;
 //! - [`client`]: a blocking framed-XML client (the driver's `--target tcp://`).
 
 pub mod client;
+pub mod fix;
 pub mod frame;
 pub mod gateway;
 pub mod soap;

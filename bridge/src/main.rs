@@ -1,6 +1,7 @@
 //! `engine`: the STE engine as a long-lived node behind the bridge's listeners.
 //!
-//! Participants connect over framed XML on TCP (`--tcp`) or SOAP over HTTP (`--http`). Every message is answered with an
+//! Participants connect over framed XML on TCP (`--tcp`), SOAP over HTTP (`--http`) or FIX 4.4
+//! (`--fix`). Every message is answered with an
 //! ACK or NAK after the commit that holds it; CLS and status advices are pushed to the
 //! connections subscribed for a party of the trade. SIGTERM or Ctrl-C stops it gracefully: no
 //! new connections or messages, what is in flight is committed and answered, then it exits.
@@ -12,6 +13,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
+use ste_bridge::fix::{self, FixConfig};
 use ste_bridge::gateway::{Gateway, GatewayConfig};
 use ste_bridge::soap::{self, SoapConfig};
 use ste_bridge::tcp::{self, TcpConfig};
@@ -42,6 +44,9 @@ struct Cli {
     /// Address of the SOAP/HTTP listener (`POST /soap`, `GET /soap?wsdl`; port 0: any free port).
     #[arg(long, env = "STE_HTTP_ADDR", default_value = "127.0.0.1:7480")]
     http: String,
+    /// Address of the FIX 4.4 listener (port 0: any free port).
+    #[arg(long, env = "STE_FIX_ADDR", default_value = "127.0.0.1:9878")]
+    fix: String,
     /// Largest SOAP request body in bytes.
     #[arg(long, default_value_t = 1024 * 1024)]
     max_body_bytes: usize,
@@ -190,6 +195,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         header_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
         body_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
     };
+    let fix_config = FixConfig {
+        max_connections: cli.max_connections.max(1),
+        window: cli.window.max(1),
+        message_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
+        ..FixConfig::default()
+    };
     let report = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&cli.tcp)
             .await
@@ -197,13 +208,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         let http_listener = tokio::net::TcpListener::bind(&cli.http)
             .await
             .with_context(|| format!("listening on {}", cli.http))?;
+        let fix_listener = tokio::net::TcpListener::bind(&cli.fix)
+            .await
+            .with_context(|| format!("listening on {}", cli.fix))?;
         let address = listener.local_addr().context("the listener's address")?;
         let http_address = http_listener
+            .local_addr()
+            .context("the listener's address")?;
+        let fix_address = fix_listener
             .local_addr()
             .context("the listener's address")?;
         // On stdout, for whoever started the node (tests bind port 0 and read it here).
         println!("tcp {address}");
         println!("http {http_address}");
+        println!("fix {fix_address}");
+        info!(%fix_address, "FIX 4.4 listener ready");
         info!(%address, "framed-XML listener ready");
         info!(%http_address, "SOAP listener ready: POST /soap, GET /soap?wsdl");
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -212,6 +231,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             http_listener,
             handle.clone(),
             soap_config,
+            stop_rx.clone(),
+        ));
+        let fix_server = tokio::spawn(fix::serve(
+            fix_listener,
+            handle.clone(),
+            fix_config,
             stop_rx.clone(),
         ));
         let server = tokio::spawn(tcp::serve(listener, handle, tcp_config, stop_rx));
@@ -236,6 +261,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         let _ = stop_tx.send(true);
         let _ = server.await;
         let _ = soap_server.await;
+        let _ = fix_server.await;
         status.abort();
         tokio::task::spawn_blocking(move || gateway.finish())
             .await

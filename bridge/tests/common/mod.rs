@@ -19,6 +19,7 @@ pub struct Engine {
     child: Option<Child>,
     pub tcp: SocketAddr,
     pub http: SocketAddr,
+    pub fix: SocketAddr,
     _data_dir: Option<tempfile::TempDir>,
 }
 
@@ -46,6 +47,8 @@ impl Engine {
                 "127.0.0.1:0",
                 "--http",
                 "127.0.0.1:0",
+                "--fix",
+                "127.0.0.1:0",
                 "--sample-ms",
                 "0",
             ])
@@ -70,10 +73,12 @@ impl Engine {
         };
         let tcp = address_of("tcp");
         let http = address_of("http");
+        let fix = address_of("fix");
         Engine {
             child: Some(child),
             tcp,
             http,
+            fix,
             _data_dir: owned,
         }
     }

@@ -1,0 +1,397 @@
+//! The `engine` binary over FIX 4.4, driven by simplefix (a FIX library from PyPI): full trades
+//! through sessions of each party, a sequence gap recovered by ResendRequest, refused logons and
+//! messages, and one trade whose messages come over FIX, SOAP and framed XML.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use base64::Engine as _;
+use common::{connect_as, everyone, message, refdata, trade_lines, Engine};
+use ste_bridge::frame::{Frame, PushClass};
+use ste_bridge::soap::{BRIDGE_NS, SOAP11_NS};
+use ste_engine::refdata::RefData;
+use ste_engine::sign;
+
+fn python() -> PathBuf {
+    std::env::var_os("STE_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("python3"))
+}
+
+fn key_hex(refdata: &RefData, bic: &str) -> String {
+    hex::encode(
+        &refdata
+            .participants()
+            .iter()
+            .find(|p| p.bic == bic)
+            .expect("a participant")
+            .key,
+    )
+}
+
+fn fix_pairs(line: &[u8]) -> serde_json::Value {
+    let pairs = ste_bridge::fix::to_fix(line).expect("maps to FIX");
+    serde_json::Value::Array(
+        pairs
+            .into_iter()
+            .map(|(tag, value)| serde_json::json!([tag, value]))
+            .collect(),
+    )
+}
+
+/// Runs the simplefix participant on a scenario; its JSON result.
+fn simplefix(engine: &Engine, scenario: serde_json::Value) -> serde_json::Value {
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let path = dir.path().join("scenario.json");
+    let mut scenario = scenario;
+    scenario["host"] = "127.0.0.1".into();
+    scenario["port"] = engine.fix.port().into();
+    std::fs::write(&path, serde_json::to_vec(&scenario).expect("JSON")).expect("writes");
+    let output = Command::new(python())
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/clients/fix_simplefix.py"
+        ))
+        .arg(&path)
+        .output()
+        .expect(
+            "python3 runs (with simplefix: pip install -r bridge/tests/clients/requirements.txt)",
+        );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("JSON")
+}
+
+fn sender_of(line: &[u8]) -> &str {
+    sign::claimed_sender(line).expect("a sender")
+}
+
+fn type_of(line: &[u8]) -> String {
+    let text = std::str::from_utf8(line).expect("UTF-8");
+    let start = text.find("<Type>").expect("Type") + 6;
+    text[start..start + 3].to_owned()
+}
+
+#[test]
+fn simplefix_sessions_trade_recover_a_gap_and_are_refused_when_they_should_be() {
+    let engine = Engine::start(&[]);
+    let refdata = refdata();
+    let lines = trade_lines(&refdata, 2, 61);
+    let (first, second) = lines.split_at(7);
+
+    // A whole trade, each party over its own FIX session, in the order the parties send; the
+    // last session waits for the CLS, pushed to it as an XML message.
+    let mut senders: Vec<&str> = Vec::new();
+    for line in first {
+        if !senders.contains(&sender_of(line)) {
+            senders.push(sender_of(line));
+        }
+    }
+    for (index, sender) in senders.iter().enumerate() {
+        let messages: Vec<serde_json::Value> = first
+            .iter()
+            .filter(|line| sender_of(line) == *sender)
+            .map(|line| fix_pairs(line))
+            .collect();
+        let count = messages.len();
+        let last = index + 1 == senders.len();
+        let result = simplefix(
+            &engine,
+            serde_json::json!({
+                "participant": sender,
+                "key_hex": key_hex(&refdata, sender),
+                "mode": "trade",
+                "messages": messages,
+                "cls": if last { 1 } else { 0 },
+            }),
+        );
+        let answers = result["answers"].as_array().expect("answers");
+        assert_eq!(answers.len(), count, "{result}");
+        for answer in answers {
+            let status = answer[2].as_str().expect("a status");
+            assert!(
+                status == "0" || status == "3",
+                "accepted (AR/P 0, AU 3): {result}"
+            );
+        }
+        if last {
+            assert_eq!(result["cls"], 1, "the CLS pushed over FIX: {result}");
+        }
+    }
+
+    // A sequence gap: MsgSeqNum 3 skipped; the engine asks for it and then takes 4 as well.
+    let broker = sender_of(&second[0]);
+    let broker_messages: Vec<serde_json::Value> = second
+        .iter()
+        .filter(|line| sender_of(line) == broker)
+        .map(|line| fix_pairs(line))
+        .collect();
+    assert_eq!(broker_messages.len(), 3, "NOE and two NPRs");
+    let result = simplefix(
+        &engine,
+        serde_json::json!({
+            "participant": broker,
+            "key_hex": key_hex(&refdata, broker),
+            "mode": "gap",
+            "messages": broker_messages,
+        }),
+    );
+    assert_eq!(
+        result["resend_request"],
+        serde_json::json!([3, 0]),
+        "{result}"
+    );
+    let answers = result["answers"].as_array().expect("answers");
+    assert_eq!(answers.len(), 3, "{result}");
+    assert!(answers.iter().all(|a| a[2] == "0"), "{result}");
+
+    // A wrong logon password: Logout with E_SIG.
+    let result = simplefix(
+        &engine,
+        serde_json::json!({
+            "participant": broker,
+            "key_hex": key_hex(&refdata, broker),
+            "mode": "badpass",
+            "messages": [],
+        }),
+    );
+    assert!(
+        result["logout_text"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("E_SIG")),
+        "{result}"
+    );
+
+    // On the broker's session: a message of another participant signed with that
+    // participant's key (E_AUTH), and the broker's own message with a forged signature (E_SIG).
+    let other_line = second
+        .iter()
+        .find(|line| sender_of(line) != broker)
+        .expect("another participant's message");
+    let other = sender_of(other_line);
+    let result = simplefix(
+        &engine,
+        serde_json::json!({
+            "participant": broker,
+            "key_hex": key_hex(&refdata, broker),
+            "mode": "trade",
+            "messages": [fix_pairs(other_line), fix_pairs(&second[0])],
+            "senders": [other, broker],
+            "signers": [key_hex(&refdata, other), "00".repeat(32)],
+        }),
+    );
+    let answers = result["answers"].as_array().expect("answers");
+    assert_eq!(answers.len(), 2, "{result}");
+    let texts: Vec<&str> = answers
+        .iter()
+        .map(|a| a[3].as_str().unwrap_or(""))
+        .collect();
+    assert!(texts.iter().any(|t| t.starts_with("E_AUTH")), "{result}");
+    assert!(texts.iter().any(|t| t.starts_with("E_SIG")), "{result}");
+    assert!(engine.stop().success());
+}
+
+#[test]
+fn one_trade_over_fix_soap_and_framed_xml() {
+    let engine = Engine::start(&[]);
+    let refdata = refdata();
+    let lines = trade_lines(&refdata, 1, 71);
+    let bics = everyone(&refdata);
+    let bic_refs: Vec<&str> = bics.iter().map(String::as_str).collect();
+    let (mut writer, mut reader) = connect_as(&engine, &refdata, &bic_refs, true);
+
+    // NOE and NPRs over FIX (the broker's session).
+    let broker = sender_of(&lines[0]).to_owned();
+    let fix_lines: Vec<&Vec<u8>> = lines
+        .iter()
+        .filter(|l| matches!(type_of(l).as_str(), "NOE" | "NPR"))
+        .collect();
+    let result = simplefix(
+        &engine,
+        serde_json::json!({
+            "participant": broker,
+            "key_hex": key_hex(&refdata, &broker),
+            "mode": "trade",
+            "messages": fix_lines.iter().map(|l| fix_pairs(l)).collect::<Vec<_>>(),
+        }),
+    );
+    assert_eq!(
+        result["answers"].as_array().map(Vec::len),
+        Some(3),
+        "{result}"
+    );
+    assert!(result["answers"]
+        .as_array()
+        .expect("answers")
+        .iter()
+        .all(|a| a[2] == "0"));
+
+    // ALCs over SOAP.
+    for line in lines.iter().filter(|l| type_of(l) == "ALC") {
+        let signer = sender_of(line);
+        let key = refdata.participant_mac(signer).expect("a participant").1;
+        let envelope = format!(
+            "<s:Envelope xmlns:s=\"{SOAP11_NS}\" xmlns:b=\"{BRIDGE_NS}\"><s:Header><b:Auth><b:Participant>{signer}</b:Participant><b:Signature>{}</b:Signature></b:Auth></s:Header><s:Body><b:Submit><b:Message>{}</b:Message></b:Submit></s:Body></s:Envelope>",
+            hex::encode(sign::sign_keyed(key, line)),
+            base64::engine::general_purpose::STANDARD.encode(line)
+        );
+        let mut stream = std::net::TcpStream::connect(engine.http).expect("connects");
+        use std::io::{Read, Write};
+        write!(
+            stream,
+            "POST /soap HTTP/1.1\r\nHost: localhost\r\nContent-Type: text/xml\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{envelope}",
+            envelope.len()
+        )
+        .expect("writes");
+        let mut response = String::new();
+        stream.read_to_string(&mut response).expect("reads");
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        assert!(response.contains("ACCEPTED"), "{response}");
+    }
+
+    // SETs over framed XML; the CLS arrives there.
+    let sets: Vec<&Vec<u8>> = lines.iter().filter(|l| type_of(l) == "SET").collect();
+    for (seq, line) in sets.iter().enumerate() {
+        writer
+            .send(&message(&refdata, seq as u64, (*line).clone()))
+            .expect("sends");
+    }
+    writer.flush().expect("flushes");
+    let (mut acks, mut cls) = (0, 0);
+    while acks < sets.len() || cls < 1 {
+        match reader.next_frame().expect("reads").expect("open") {
+            Frame::Ack {
+                duplicate: false, ..
+            } => acks += 1,
+            Frame::Push {
+                class: PushClass::Cls,
+                ..
+            } => cls += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(engine.stop().success());
+}
+
+/// A raw FIX session for the timing and size tests.
+struct RawSession {
+    stream: std::net::TcpStream,
+    buffer: Vec<u8>,
+}
+
+impl RawSession {
+    fn logon(
+        engine: &Engine,
+        refdata: &RefData,
+        participant: &str,
+        heartbeat_s: u32,
+    ) -> RawSession {
+        use std::io::Write;
+        let mut stream = std::net::TcpStream::connect(engine.fix).expect("connects");
+        stream
+            .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .expect("timeout");
+        let sending_time = ste_bridge::fix::utc_timestamp();
+        let key = refdata
+            .participant_mac(participant)
+            .expect("a participant")
+            .1;
+        let password = ste_bridge::fix::logon_password(key, &sending_time, participant);
+        let logon = ste_bridge::fix::encode(&[
+            (35, "A".into()),
+            (49, participant.into()),
+            (56, "STE".into()),
+            (34, "1".into()),
+            (52, sending_time),
+            (98, "0".into()),
+            (108, heartbeat_s.to_string()),
+            (554, password),
+        ]);
+        stream.write_all(&logon).expect("writes");
+        let mut session = RawSession {
+            stream,
+            buffer: Vec::new(),
+        };
+        let answer = session.next().expect("a logon answer");
+        assert_eq!(answer.msg_type(), "A", "{answer:?}");
+        session
+    }
+
+    /// The next whole message from the engine; `None` once it has closed.
+    fn next(&mut self) -> Option<ste_bridge::fix::FixMessage> {
+        use std::io::Read;
+        loop {
+            if let Some(end) = sign::find(&self.buffer, b"\x0110=").map(|at| at + 8) {
+                if self.buffer.len() >= end {
+                    let raw: Vec<u8> = self.buffer.drain(..end).collect();
+                    return Some(ste_bridge::fix::parse(&raw).expect("a valid FIX message"));
+                }
+            }
+            let mut chunk = [0_u8; 4096];
+            match self.stream.read(&mut chunk) {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => self.buffer.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+}
+
+#[test]
+fn silent_slow_and_oversized_fix_sessions_are_logged_out() {
+    use std::io::Write;
+    let engine = Engine::start(&["--frame-timeout-ms", "500"]);
+    let refdata = refdata();
+    let bics = everyone(&refdata);
+
+    // Silence: a TestRequest after HeartBtInt + 20%, then a Logout if still nothing comes.
+    let mut silent = RawSession::logon(&engine, &refdata, &bics[0], 1);
+    let mut seen = Vec::new();
+    while let Some(message) = silent.next() {
+        let msg_type = message.msg_type().to_owned();
+        seen.push(msg_type.clone());
+        if msg_type == "5" {
+            assert!(
+                message.get(58).is_some_and(|t| t.starts_with("E_TIMEOUT")),
+                "{message:?}"
+            );
+            break;
+        }
+    }
+    assert!(
+        seen.contains(&"1".to_owned()),
+        "a TestRequest first: {seen:?}"
+    );
+    assert_eq!(seen.last().map(String::as_str), Some("5"), "{seen:?}");
+
+    // A message that stops half way: logged out when the message timeout passes.
+    let mut slow = RawSession::logon(&engine, &refdata, &bics[1], 30);
+    slow.stream
+        .write_all(b"8=FIX.4.4\x019=200\x0135=AE\x01")
+        .expect("writes");
+    let logout = std::iter::from_fn(|| slow.next())
+        .find(|m| m.msg_type() == "5")
+        .expect("a Logout");
+    assert!(
+        logout.get(58).is_some_and(|t| t.starts_with("E_TIMEOUT")),
+        "{logout:?}"
+    );
+
+    // A 10 MiB body: refused from its BodyLength.
+    let mut big = RawSession::logon(&engine, &refdata, &bics[2], 30);
+    big.stream
+        .write_all(b"8=FIX.4.4\x019=10485760\x0135=AE\x01")
+        .expect("writes");
+    let logout = std::iter::from_fn(|| big.next())
+        .find(|m| m.msg_type() == "5")
+        .expect("a Logout");
+    assert!(
+        logout.get(58).is_some_and(|t| t.starts_with("E_SIZE")),
+        "{logout:?}"
+    );
+    assert!(engine.stop().success());
+}
