@@ -476,7 +476,7 @@ fn version_of(request: &Request<Incoming>) -> SoapVersion {
 
 /// Splits an MTOM/XOP `multipart/related` body into its root part and its attachments by
 /// Content-ID.
-async fn split_multipart(
+pub async fn split_multipart(
     content_type: &str,
     body: Bytes,
 ) -> Result<(Bytes, HashMap<String, Bytes>), String> {
