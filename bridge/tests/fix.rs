@@ -348,6 +348,9 @@ fn silent_slow_and_oversized_fix_sessions_are_logged_out() {
     let refdata = refdata();
     let bics = everyone(&refdata);
 
+    // A well-behaved session, open throughout.
+    let mut good = RawSession::logon(&engine, &refdata, &bics[3], 30);
+
     // Silence: a TestRequest after HeartBtInt + 20%, then a Logout if still nothing comes.
     let mut silent = RawSession::logon(&engine, &refdata, &bics[0], 1);
     let mut seen = Vec::new();
@@ -393,5 +396,21 @@ fn silent_slow_and_oversized_fix_sessions_are_logged_out() {
         logout.get(58).is_some_and(|t| t.starts_with("E_SIZE")),
         "{logout:?}"
     );
+
+    // The well-behaved session still answers: a TestRequest gets its Heartbeat.
+    let test_request = ste_bridge::fix::encode(&[
+        (35, "1".into()),
+        (49, bics[3].clone()),
+        (56, "STE".into()),
+        (34, "2".into()),
+        (52, ste_bridge::fix::utc_timestamp()),
+        (112, "STILL-THERE".into()),
+    ]);
+    good.stream.write_all(&test_request).expect("writes");
+    let heartbeat = std::iter::from_fn(|| good.next())
+        .find(|m| m.get(112).is_some())
+        .expect("a Heartbeat");
+    assert_eq!(heartbeat.msg_type(), "0");
+    assert_eq!(heartbeat.get(112), Some("STILL-THERE"));
     assert!(engine.stop().success());
 }
