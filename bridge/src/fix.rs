@@ -751,7 +751,18 @@ pub async fn serve(
                 };
                 let _ = stream.set_nodelay(true);
                 if active.load(Ordering::Relaxed) >= config.max_connections {
-                    drop(stream);
+                    let max = config.max_connections;
+                    sessions.spawn(async move {
+                        let logout = encode(&[
+                            (35, "5".into()),
+                            (49, ENGINE_COMP_ID.into()),
+                            (34, "1".into()),
+                            (52, utc_timestamp()),
+                            (58, format!("E_BUSY the engine serves at most {max} sessions")),
+                        ]);
+                        let mut stream = stream;
+                        let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(&logout)).await;
+                    });
                     continue;
                 }
                 active.fetch_add(1, Ordering::Relaxed);

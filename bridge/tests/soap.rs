@@ -304,6 +304,24 @@ fn wsdl_mtom_keep_alive_and_a_trade_over_two_protocols() {
     );
     assert_eq!(status, 200);
     assert!(body.contains("DUPLICATE"), "{body}");
+
+    // HTTP/1.1 pipelining: two requests sent before either answer is read.
+    let request = inline_request(&refdata, alc);
+    let head = format!(
+        "POST /soap HTTP/1.1\r\nHost: localhost\r\nContent-Type: text/xml\r\nContent-Length: {}\r\n\r\n",
+        request.len()
+    );
+    let mut both = Vec::new();
+    for _ in 0..2 {
+        both.extend_from_slice(head.as_bytes());
+        both.extend_from_slice(&request);
+    }
+    http.writer.write_all(&both).expect("writes");
+    for _ in 0..2 {
+        let (status, _, body) = http.read_response();
+        assert_eq!(status, 200);
+        assert!(body.contains("DUPLICATE"), "{body}");
+    }
     assert!(engine.stop().success());
 }
 
