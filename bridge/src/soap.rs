@@ -340,6 +340,16 @@ pub fn fault_envelope(version: SoapVersion, code: ReasonCode, detail: &str) -> S
 /// The WSDL (with its XSD) of the service at `location`.
 pub fn wsdl(location: &str) -> String {
     let location = escape(location);
+    const TRADE_NS: &str = ste_engine::codec::NAMESPACE;
+    let msg_fields: String = ste_engine::codec::Field::ALL
+        .iter()
+        .map(|field| {
+            format!(
+                "            <xsd:element name=\"{}\" type=\"xsd:string\" minOccurs=\"0\"/>\n",
+                field.name()
+            )
+        })
+        .collect();
     format!(
         r#"<?xml version="1.0" encoding="utf-8"?>
 <definitions name="STE" targetNamespace="{BRIDGE_NS}"
@@ -388,6 +398,15 @@ pub fn wsdl(location: &str) -> String {
             <xsd:element name="Code" type="xsd:string"/>
             <xsd:element name="Detail" type="xsd:string"/>
           </xsd:sequence>
+        </xsd:complexType>
+      </xsd:element>
+    </xsd:schema>
+    <xsd:schema targetNamespace="{TRADE_NS}" elementFormDefault="qualified">
+      <xsd:annotation><xsd:documentation>The canonical trade message that Submit/Message carries as bytes (signed as they are): one Msg whose children come in any order; which are mandatory depends on its Type (NOE, ALC, NPR, SET) and Function (NEW, CAN, AMD).</xsd:documentation></xsd:annotation>
+      <xsd:element name="Msg">
+        <xsd:complexType>
+          <xsd:all>
+{msg_fields}          </xsd:all>
         </xsd:complexType>
       </xsd:element>
     </xsd:schema>

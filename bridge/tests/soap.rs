@@ -246,6 +246,10 @@ fn wsdl_mtom_keep_alive_and_a_trade_over_two_protocols() {
         .iter()
         .any(|(n, v)| n == "content-type" && v.starts_with("text/xml")));
     assert!(wsdl.contains("<definitions") && wsdl.contains("xsd:base64Binary"));
+    assert!(
+        wsdl.contains("<xsd:element name=\"Msg\">") && wsdl.contains("name=\"SettleAmount\""),
+        "the WSDL's XSD describes the carried message too"
+    );
     assert!(wsdl.contains("location=\"http://localhost/soap\""));
 
     // A trade: NOE and NPRs over framed XML, ALCs inline over SOAP 1.1, SETs by MTOM over SOAP
