@@ -294,9 +294,14 @@ fn run_framed(node: &Node, refdata: &RefData, lines: &[Vec<u8>]) -> anyhow::Resu
             writer.flush()?;
             std::thread::sleep(Duration::from_micros(50));
         }
-        writer.send(&Frame::decode(
-            &encode_framed(refdata, seq as u64, line)[4..],
-        )?)?;
+        let sender = sender_of(line);
+        let key = refdata.participant_mac(sender).context("a participant")?.1;
+        writer.send(&Frame::Message {
+            seq: seq as u64,
+            sender: sender.to_owned(),
+            signature: sign::sign_keyed(key, line),
+            xml: line.clone(),
+        })?;
     }
     writer.flush()?;
     reading
