@@ -668,7 +668,23 @@ impl Outbound {
         ];
         fields.extend(body);
         self.next_seq += 1;
-        self.output.write_all(&encode(&fields)).await
+        self.write(&encode(&fields)).await
+    }
+
+    /// Sends what is buffered, within the same time limit as a write.
+    async fn flush(&mut self) -> std::io::Result<()> {
+        match tokio::time::timeout(crate::tcp::WRITE_TIMEOUT, self.output.flush()).await {
+            Ok(result) => result,
+            Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
+        }
+    }
+
+    /// A write that a participant who stops reading cannot hold up for ever.
+    async fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        match tokio::time::timeout(crate::tcp::WRITE_TIMEOUT, self.output.write_all(bytes)).await {
+            Ok(result) => result,
+            Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
+        }
     }
 
     /// A SequenceReset-GapFill over `begin..next_seq`: sent with MsgSeqNum `begin` and
@@ -686,7 +702,7 @@ impl Outbound {
             (123, "Y".to_owned()),
             (36, self.next_seq.to_string()),
         ];
-        self.output.write_all(&encode(&fields)).await
+        self.write(&encode(&fields)).await
     }
 }
 
@@ -823,7 +839,7 @@ async fn session(
     if let Err(text) = check_logon(&gateway, &logon, &participant) {
         warn!(%participant, %text, "FIX logon refused");
         let _ = outbound.send(vec![(35, "5".into()), (58, text)]).await;
-        let _ = outbound.output.flush().await;
+        let _ = outbound.flush().await;
         return;
     }
     let _ = outbound
@@ -833,7 +849,7 @@ async fn session(
             (108, heartbeat.as_secs().to_string()),
         ])
         .await;
-    let _ = outbound.output.flush().await;
+    let _ = outbound.flush().await;
 
     // The reader runs on its own, so that a message is never cut by the session's other work;
     // it hands over whole messages (or why it stopped).
@@ -1014,7 +1030,7 @@ async fn session(
         {
             break;
         }
-        if replies.is_empty() && pushes.is_empty() && outbound.output.flush().await.is_err() {
+        if replies.is_empty() && pushes.is_empty() && outbound.flush().await.is_err() {
             break;
         }
     }
@@ -1028,7 +1044,7 @@ async fn session(
         logout.push((58, text));
     }
     let _ = outbound.send(logout).await;
-    let _ = outbound.output.flush().await;
+    let _ = outbound.flush().await;
     let _ = outbound.output.shutdown().await;
 }
 

@@ -23,6 +23,9 @@ use tracing::{debug, info, warn};
 use crate::frame::{check_length, Frame, FrameError, LENGTH_PREFIX_BYTES, NONCE_LEN};
 use crate::gateway::{GatewayHandle, Pushed, Reply, Subscriber};
 
+/// How long one write to a participant may take before its connection is closed.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Limits of the framed-XML listener.
 #[derive(Debug, Clone)]
 pub struct TcpConfig {
@@ -145,7 +148,7 @@ async fn connection(
         push_rx,
         control_rx,
         window.clone(),
-        kick_rx.clone(),
+        (kick_tx.clone(), kick_rx.clone()),
     ));
     let mut reader = Reader {
         input: BufReader::with_capacity(64 * 1024, read),
@@ -396,9 +399,14 @@ async fn write_loop(
     mut pushes: mpsc::Receiver<Pushed>,
     mut control: mpsc::Receiver<Frame>,
     window: Arc<Semaphore>,
-    mut kicked: watch::Receiver<bool>,
+    (kick, mut kicked): (watch::Sender<bool>, watch::Receiver<bool>),
 ) {
     let mut output = BufWriter::with_capacity(64 * 1024, write);
+    // A participant that stops reading cannot hold the connection (and its reader, waiting
+    // for window permits) for ever: a write that does not finish in time closes it.
+    let failed = |kick: &watch::Sender<bool>| {
+        let _ = kick.send(true);
+    };
     let mut buffer = Vec::with_capacity(LENGTH_PREFIX_BYTES + 64);
     let (mut replies_open, mut control_open) = (true, true);
     // The error that closes the connection goes last, after the answers still due.
@@ -436,15 +444,23 @@ async fn write_loop(
         };
         buffer.clear();
         buffer.extend_from_slice(&frame.encode());
-        if output.write_all(&buffer).await.is_err() {
+        if !matches!(
+            tokio::time::timeout(WRITE_TIMEOUT, output.write_all(&buffer)).await,
+            Ok(Ok(()))
+        ) {
+            failed(&kick);
             return;
         }
         // Flush only when nothing else is ready: answers of one commit go out together.
         if replies.is_empty()
             && control.is_empty()
             && pushes.is_empty()
-            && output.flush().await.is_err()
+            && !matches!(
+                tokio::time::timeout(WRITE_TIMEOUT, output.flush()).await,
+                Ok(Ok(()))
+            )
         {
+            failed(&kick);
             return;
         }
     }
