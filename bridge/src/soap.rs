@@ -341,6 +341,27 @@ pub fn fault_envelope(version: SoapVersion, code: ReasonCode, detail: &str) -> S
 pub fn wsdl(location: &str) -> String {
     let location = escape(location);
     const TRADE_NS: &str = ste_engine::codec::NAMESPACE;
+    // The same document/literal binding for SOAP 1.1 (prefix soap) and 1.2 (prefix soap12).
+    let bindings: String = [("STESoap11", "soap"), ("STESoap12", "soap12")]
+        .iter()
+        .map(|(name, ns)| {
+            format!(
+                r#"  <binding name="{name}" type="tns:STEPortType">
+    <{ns}:binding style="document" transport="http://schemas.xmlsoap.org/soap/http"/>
+    <operation name="Submit">
+      <{ns}:operation soapAction="{BRIDGE_NS}#Submit" style="document"/>
+      <input>
+        <{ns}:header message="tns:AuthHeader" part="Auth" use="literal"/>
+        <{ns}:body parts="parameters" use="literal"/>
+      </input>
+      <output><{ns}:body use="literal"/></output>
+      <fault name="Rejection"><{ns}:fault name="Rejection" use="literal"/></fault>
+    </operation>
+  </binding>
+"#
+            )
+        })
+        .collect();
     let msg_fields: String = ste_engine::codec::Field::ALL
         .iter()
         .map(|field| {
@@ -422,31 +443,7 @@ pub fn wsdl(location: &str) -> String {
       <fault name="Rejection" message="tns:RejectionFault"/>
     </operation>
   </portType>
-  <binding name="STESoap11" type="tns:STEPortType">
-    <soap:binding style="document" transport="http://schemas.xmlsoap.org/soap/http"/>
-    <operation name="Submit">
-      <soap:operation soapAction="{BRIDGE_NS}#Submit" style="document"/>
-      <input>
-        <soap:header message="tns:AuthHeader" part="Auth" use="literal"/>
-        <soap:body parts="parameters" use="literal"/>
-      </input>
-      <output><soap:body use="literal"/></output>
-      <fault name="Rejection"><soap:fault name="Rejection" use="literal"/></fault>
-    </operation>
-  </binding>
-  <binding name="STESoap12" type="tns:STEPortType">
-    <soap12:binding style="document" transport="http://schemas.xmlsoap.org/soap/http"/>
-    <operation name="Submit">
-      <soap12:operation soapAction="{BRIDGE_NS}#Submit" style="document"/>
-      <input>
-        <soap12:header message="tns:AuthHeader" part="Auth" use="literal"/>
-        <soap12:body parts="parameters" use="literal"/>
-      </input>
-      <output><soap12:body use="literal"/></output>
-      <fault name="Rejection"><soap12:fault name="Rejection" use="literal"/></fault>
-    </operation>
-  </binding>
-  <service name="STE">
+{bindings}  <service name="STE">
     <port name="STESoap11" binding="tns:STESoap11"><soap:address location="{location}"/></port>
     <port name="STESoap12" binding="tns:STESoap12"><soap12:address location="{location}"/></port>
   </service>

@@ -4,32 +4,14 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::Command;
 
 use base64::Engine as _;
-use common::{connect_as, everyone, message, refdata, trade_lines, Engine};
+use common::{connect_as, everyone, key_hex, message, python, refdata, trade_lines, Engine};
 use ste_bridge::frame::{Frame, PushClass};
 use ste_bridge::soap::{BRIDGE_NS, SOAP11_NS};
 use ste_engine::refdata::RefData;
 use ste_engine::sign;
-
-fn python() -> PathBuf {
-    std::env::var_os("STE_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("python3"))
-}
-
-fn key_hex(refdata: &RefData, bic: &str) -> String {
-    hex::encode(
-        &refdata
-            .participants()
-            .iter()
-            .find(|p| p.bic == bic)
-            .expect("a participant")
-            .key,
-    )
-}
 
 fn fix_pairs(line: &[u8]) -> serde_json::Value {
     let pairs = ste_bridge::fix::to_fix(line).expect("maps to FIX");

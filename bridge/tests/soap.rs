@@ -7,12 +7,11 @@ mod common;
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use common::{connect_as, everyone, message, refdata, trade_lines, Engine};
+use common::{connect_as, everyone, key_hex, message, python, refdata, trade_lines, Engine};
 use ste_bridge::frame::{Frame, PushClass};
 use ste_bridge::soap::{BRIDGE_NS, SOAP11_NS, SOAP12_NS};
 use ste_engine::refdata::RefData;
@@ -123,12 +122,6 @@ fn mtom_request(refdata: &RefData, line: &[u8]) -> (String, Vec<u8>) {
     (content_type, body)
 }
 
-fn python() -> PathBuf {
-    std::env::var_os("STE_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("python3"))
-}
-
 /// Reads pushed CLS on a subscribed connection until `count` distinct ones have come.
 fn await_cls(reader: &mut ste_bridge::client::FrameReader, count: usize) -> BTreeSet<String> {
     let mut ids = BTreeSet::new();
@@ -158,20 +151,10 @@ fn zeep_builds_a_client_from_the_wsdl_and_submits_over_both_soap_versions() {
     let bic_refs: Vec<&str> = bics.iter().map(String::as_str).collect();
     let (_subscriber_writer, mut subscriber) = connect_as(&engine, &refdata, &bic_refs, true);
     let lines = trade_lines(&refdata, 2, 31);
-    let key_hex = |bic: &str| {
-        hex::encode(
-            &refdata
-                .participants()
-                .iter()
-                .find(|p| p.bic == bic)
-                .expect("a participant")
-                .key,
-        )
-    };
     let entry = |line: &[u8], signer: &str, forge: bool| {
         serde_json::json!({
             "signer": signer,
-            "key_hex": key_hex(signer),
+            "key_hex": key_hex(&refdata, signer),
             "xml": String::from_utf8(line.to_vec()).expect("UTF-8"),
             "forge": forge,
         })

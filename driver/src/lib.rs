@@ -337,6 +337,55 @@ fn spawn_progress(
     })
 }
 
+/// The progress display of a run, and the count of messages sent that it shows.
+struct Progress {
+    submitted: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Progress {
+    /// Starts the display when `enabled`; the total is known for a generated set.
+    fn start(tally: &Arc<Tally>, source: &Source, enabled: bool) -> Progress {
+        let submitted = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let total_estimate = match source {
+            Source::Generated(generator) => {
+                generator.trades * ste_engine::generator::MESSAGES_PER_TRADE as u64
+            }
+            Source::File(_) => 0,
+        };
+        let thread = enabled.then(|| {
+            spawn_progress(
+                tally.clone(),
+                submitted.clone(),
+                total_estimate,
+                stop.clone(),
+            )
+        });
+        Progress {
+            submitted,
+            stop,
+            thread,
+        }
+    }
+
+    /// Stops the display.
+    fn finish(self) {
+        drop(self);
+    }
+}
+
+impl Drop for Progress {
+    /// A run that fails half way stops its display too.
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
 /// How far ahead of its open-loop schedule the injector gets before it sleeps.
 const RATE_SLACK: Duration = Duration::from_millis(1);
 
@@ -487,22 +536,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         })
     };
 
-    let submitted = Arc::new(AtomicU64::new(0));
-    let total_estimate = match &config.source {
-        Source::Generated(generator) => {
-            generator.trades * ste_engine::generator::MESSAGES_PER_TRADE as u64
-        }
-        Source::File(_) => 0,
-    };
-    let stop_progress = Arc::new(AtomicBool::new(false));
-    let progress = config.progress.then(|| {
-        spawn_progress(
-            tally.clone(),
-            submitted.clone(),
-            total_estimate,
-            stop_progress.clone(),
-        )
-    });
+    let progress = Progress::start(&tally, &config.source, config.progress);
 
     let mut submitter = pipeline.submitter();
     let pacing = Pacing {
@@ -514,13 +548,25 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         Source::Generated(generator_config) => {
             let mut generator = Generator::new(&refdata, generator_config.clone());
             let lines = generator.by_ref().map(Ok);
-            let count = inject(&mut submitter, &refdata, lines, &pacing, &submitted);
+            let count = inject(
+                &mut submitter,
+                &refdata,
+                lines,
+                &pacing,
+                &progress.submitted,
+            );
             (count, Some(generator.expected().clone()))
         }
         Source::File(path) => {
             let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
             let lines = MessageSetReader::new(BufReader::new(file));
-            let count = inject(&mut submitter, &refdata, lines, &pacing, &submitted);
+            let count = inject(
+                &mut submitter,
+                &refdata,
+                lines,
+                &pacing,
+                &progress.submitted,
+            );
             (count, None)
         }
     };
@@ -533,10 +579,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         0 => started.elapsed().as_secs_f64(),
         last_ack_ns => last_ack_ns as f64 / 1e9,
     };
-    stop_progress.store(true, Ordering::Relaxed);
-    if let Some(progress) = progress {
-        let _ = progress.join();
-    }
+    progress.finish();
     let _ = ack_thread.join();
     let sink_report = sink_thread
         .join()

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::BufReader;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,7 +22,7 @@ use ste_engine::generator::{Generator, RunOutcome};
 use ste_engine::pipeline::{inbound_index, sign_line};
 use ste_engine::refdata::RefData;
 
-use crate::{spawn_progress, LatencySummary, MessageSetReader, Source, Tally};
+use crate::{LatencySummary, MessageSetReader, Progress, Source, Tally};
 
 /// How long the driver waits for CLS that are still due once every message is answered.
 const CLS_WAIT: Duration = Duration::from_secs(60);
@@ -186,22 +186,7 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
         links.push(link);
     }
 
-    let submitted = Arc::new(AtomicU64::new(0));
-    let total_estimate = match &config.source {
-        Source::Generated(generator) => {
-            generator.trades * ste_engine::generator::MESSAGES_PER_TRADE as u64
-        }
-        Source::File(_) => 0,
-    };
-    let stop_progress = Arc::new(AtomicBool::new(false));
-    let progress = config.progress.then(|| {
-        spawn_progress(
-            tally.clone(),
-            submitted.clone(),
-            total_estimate,
-            stop_progress.clone(),
-        )
-    });
+    let progress = Progress::start(&tally, &config.source, config.progress);
 
     let mut sender = Sender {
         refdata: &refdata,
@@ -210,7 +195,7 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
         sent: vec![0; connections],
         window,
         started,
-        submitted: &submitted,
+        submitted: &progress.submitted,
     };
     let sent = match &config.source {
         Source::Generated(generator_config) => {
@@ -289,10 +274,7 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
     for writer in writers {
         let _ = writer.bye();
     }
-    stop_progress.store(true, Ordering::Relaxed);
-    if let Some(progress) = progress {
-        let _ = progress.join();
-    }
+    progress.finish();
 
     let mut latency = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("a histogram");
     let mut exceptions = BTreeMap::new();

@@ -175,3 +175,22 @@ pub fn everyone(refdata: &RefData) -> Vec<String> {
         .map(|p| p.bic.clone())
         .collect()
 }
+
+/// The Python that runs the third-party clients (`STE_PYTHON`, else `python3`).
+pub fn python() -> std::path::PathBuf {
+    std::env::var_os("STE_PYTHON")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("python3"))
+}
+
+/// A participant's signing key, hex, as a third-party client is given it.
+pub fn key_hex(refdata: &RefData, bic: &str) -> String {
+    hex::encode(
+        &refdata
+            .participants()
+            .iter()
+            .find(|p| p.bic == bic)
+            .expect("a participant")
+            .key,
+    )
+}
