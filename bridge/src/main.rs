@@ -35,7 +35,7 @@ enum StoreArg {
 #[derive(Parser)]
 #[command(
     name = "engine",
-    about = "The STE trade-matching engine as a server: participants connect over framed XML"
+    about = "The STE trade-matching engine as a server: participants connect over framed XML, SOAP/HTTP and FIX 4.4"
 )]
 struct Cli {
     /// Address of the framed-XML listener (port 0: any free port; the bound address is printed).
@@ -69,14 +69,14 @@ struct Cli {
     /// Append every CLS to this file, one per line (flushed before delivery is confirmed).
     #[arg(long, env = "STE_CLS_OUT")]
     cls_out: Option<PathBuf>,
-    /// Connections served at once.
+    /// Connections (FIX: sessions) each listener serves at once.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
-    /// Messages one connection may have in flight.
+    /// Messages one connection or FIX session may have in flight.
     #[arg(long, default_value_t = 4096)]
     window: usize,
-    /// Milliseconds allowed from a frame's first byte to its last (framed XML), and for a
-    /// request's headers and for its body (SOAP).
+    /// Milliseconds allowed from a frame's first byte to its last (framed XML), for a
+    /// request's headers and for its body (SOAP), and for a whole message (FIX).
     #[arg(long, default_value_t = 10_000)]
     frame_timeout_ms: u64,
     /// Seconds a connection may stay silent (heartbeats count).
