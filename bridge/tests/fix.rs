@@ -396,3 +396,28 @@ fn silent_slow_and_oversized_fix_sessions_are_logged_out() {
     assert_eq!(heartbeat.get(112), Some("STILL-THERE"));
     assert!(engine.stop().success());
 }
+
+/// More sessions than allowed are told E_BUSY in a Logout.
+#[test]
+fn fix_sessions_are_bounded() {
+    let engine = Engine::start(&["--max-connections", "2"]);
+    let refdata = refdata();
+    let bics = everyone(&refdata);
+    let _first = RawSession::logon(&engine, &refdata, &bics[0], 30);
+    let _second = RawSession::logon(&engine, &refdata, &bics[1], 30);
+    let mut third = RawSession {
+        stream: std::net::TcpStream::connect(engine.fix).expect("connects"),
+        buffer: Vec::new(),
+    };
+    third
+        .stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("timeout");
+    let logout = third.next().expect("a Logout");
+    assert_eq!(logout.msg_type(), "5");
+    assert!(
+        logout.get(58).is_some_and(|t| t.starts_with("E_BUSY")),
+        "{logout:?}"
+    );
+    assert!(engine.stop().success());
+}

@@ -444,3 +444,22 @@ fn hostile_requests_get_their_refusal_and_other_connections_keep_working() {
     assert!(body.contains("ACCEPTED"));
     assert!(engine.stop().success());
 }
+
+/// More connections than allowed get 503 and are closed.
+#[test]
+fn soap_connections_are_bounded() {
+    let engine = Engine::start(&["--max-connections", "2"]);
+    let mut first = Http::connect(engine.http);
+    let mut second = Http::connect(engine.http);
+    for http in [&mut first, &mut second] {
+        let (status, _, _) = http.exchange("GET", "/soap?wsdl", "text/plain", b"");
+        assert_eq!(status, 200);
+    }
+    let mut third = Http::connect(engine.http);
+    let (status, _, _) = third.read_response();
+    assert_eq!(status, 503);
+    // The two admitted connections are still served.
+    let (status, _, _) = first.exchange("GET", "/soap?wsdl", "text/plain", b"");
+    assert_eq!(status, 200);
+    assert!(engine.stop().success());
+}
