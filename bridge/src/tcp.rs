@@ -158,7 +158,7 @@ async fn connection(
         nonce,
         identities: AHashSet::new(),
         reply: reply_tx,
-        push: Some(push_tx),
+        push: push_tx,
         control: control_tx.clone(),
         kick: kick_tx,
         window,
@@ -192,7 +192,7 @@ struct Reader<'a> {
     /// The participants this connection logged on as.
     identities: AHashSet<String>,
     reply: mpsc::Sender<Reply>,
-    push: Option<mpsc::Sender<Pushed>>,
+    push: mpsc::Sender<Pushed>,
     control: mpsc::Sender<Frame>,
     kick: watch::Sender<bool>,
     window: Arc<Semaphore>,
@@ -231,16 +231,14 @@ impl Reader<'_> {
                         return Some(Closing::new(rejection.code.as_str(), rejection.detail));
                     }
                     if subscribe {
-                        if let Some(push) = &self.push {
-                            self.gateway.subscribe(
-                                &participant,
-                                Subscriber {
-                                    connection: self.connection,
-                                    push: push.clone(),
-                                    kick: self.kick.clone(),
-                                },
-                            );
-                        }
+                        self.gateway.subscribe(
+                            &participant,
+                            Subscriber {
+                                connection: self.connection,
+                                push: self.push.clone(),
+                                kick: self.kick.clone(),
+                            },
+                        );
                     }
                     let _ = self
                         .control
