@@ -202,6 +202,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         ..FixConfig::default()
     };
     let report = runtime.block_on(async move {
+        let shutdown = ShutdownSignal::install().context("installing the signal handlers")?;
         let listener = tokio::net::TcpListener::bind(&cli.tcp)
             .await
             .with_context(|| format!("listening on {}", cli.tcp))?;
@@ -256,7 +257,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
         });
-        shutdown_signal().await;
+        shutdown.wait().await;
         info!("stopping: no new messages; answering what is in flight");
         let _ = stop_tx.send(true);
         let _ = server.await;
@@ -287,19 +288,39 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// SIGTERM or Ctrl-C.
-async fn shutdown_signal() {
+/// SIGTERM or Ctrl-C. Installed before the listeners announce their addresses: a signal that
+/// comes right after them must already find the handler, not the default action (death).
+struct ShutdownSignal {
     #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("installing the SIGTERM handler");
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignal {
+    fn install() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(Self {
+                term: signal(SignalKind::terminate())?,
+                interrupt: signal(SignalKind::interrupt())?,
+            })
         }
+        #[cfg(not(unix))]
+        Ok(Self {})
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+
+    async fn wait(mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.interrupt.recv() => {}
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = &mut self;
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
