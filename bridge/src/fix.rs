@@ -37,7 +37,6 @@
 //! Field by field, see [`TAGS`].
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -49,11 +48,11 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWrit
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, Semaphore};
-use tokio::task::JoinSet;
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use crate::frame::PushClass;
 use crate::gateway::{GatewayHandle, Pushed, Reply, Subscriber};
+use crate::listener::accept_loop;
 
 /// The field separator.
 pub const SOH: u8 = 0x01;
@@ -754,49 +753,26 @@ pub async fn serve(
     listener: TcpListener,
     gateway: GatewayHandle,
     config: FixConfig,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) {
-    let active = Arc::new(AtomicUsize::new(0));
-    let mut sessions = JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let Ok((stream, peer)) = accepted else {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                };
-                let _ = stream.set_nodelay(true);
-                if active.load(Ordering::Relaxed) >= config.max_connections {
-                    let max = config.max_connections;
-                    sessions.spawn(async move {
-                        let logout = encode(&[
-                            (35, "5".into()),
-                            (49, ENGINE_COMP_ID.into()),
-                            (34, "1".into()),
-                            (52, utc_timestamp()),
-                            (58, format!("E_BUSY the engine serves at most {max} sessions")),
-                        ]);
-                        let mut stream = stream;
-                        let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(&logout)).await;
-                    });
-                    continue;
-                }
-                active.fetch_add(1, Ordering::Relaxed);
-                let (gateway, config, shutdown, active) =
-                    (gateway.clone(), config.clone(), shutdown.clone(), active.clone());
-                sessions.spawn(async move {
-                    debug!(%peer, "FIX connection");
-                    session(stream, gateway, config, shutdown).await;
-                    active.fetch_sub(1, Ordering::Relaxed);
-                });
-            }
-            _ = shutdown.changed() => break,
-            Some(_) = sessions.join_next(), if !sessions.is_empty() => {}
-        }
-    }
-    drop(gateway);
-    info!(sessions = sessions.len(), "FIX listener stopped; draining");
-    while sessions.join_next().await.is_some() {}
+    let max = config.max_connections;
+    let refusal = || {
+        encode(&[
+            (35, "5".into()),
+            (49, ENGINE_COMP_ID.into()),
+            (34, "1".into()),
+            (52, utc_timestamp()),
+            (
+                58,
+                format!("E_BUSY the engine serves at most {max} sessions"),
+            ),
+        ])
+    };
+    let stop = shutdown.clone();
+    accept_loop(listener, "FIX", max, shutdown, refusal, |stream| {
+        session(stream, gateway.clone(), config.clone(), stop.clone())
+    })
+    .await;
 }
 
 /// Why a session ends from the engine's side: the Logout's Text.

@@ -479,6 +479,15 @@ pub fn advice_xml(advice: &ste_engine::matcher::Advice) -> String {
 /// Pushes an outbound event to the connections subscribed for its parties, once per connection;
 /// a subscriber whose queue is full is closed.
 fn push(shared: &Shared, event: &OutboundEvent) {
+    // The sink calls this for every event: with nobody subscribed there is nothing to build.
+    if shared
+        .subscribers
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .is_empty()
+    {
+        return;
+    }
     let (class, xml, parties): (PushClass, Arc<[u8]>, Vec<String>) = match event {
         OutboundEvent::Cls { body, .. } => {
             let mut parties: Vec<String> = ["Broker", "InvMgr", "Custodian"]

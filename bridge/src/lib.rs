@@ -3,6 +3,7 @@
 //!
 //! - [`frame`]: the framed-XML wire format over TCP;
 //! - [`gateway`]: submission, ACK/NAK routing after commit, pushes of CLS and advices;
+//! - [`listener`]: the accept loop the listeners share;
 //! - [`tcp`]: the framed-XML listener;
 //! - [`soap`]: SOAP 1.1/1.2 over HTTP/1.1, with its WSDL and MTOM;
 //! - [`fix`]: FIX 4.4 sessions and the mapping of STE messages to FIX;
@@ -12,5 +13,6 @@ pub mod client;
 pub mod fix;
 pub mod frame;
 pub mod gateway;
+pub mod listener;
 pub mod soap;
 pub mod tcp;

@@ -18,7 +18,7 @@ use ste_bridge::gateway::{Gateway, GatewayConfig};
 use ste_bridge::soap::{self, SoapConfig};
 use ste_bridge::tcp::{self, TcpConfig};
 use ste_engine::pipeline::{PipelineConfig, StoreConfig};
-use ste_engine::profile::{MatchingProfile, Tolerances};
+use ste_engine::profile::Tolerances;
 use ste_engine::refdata::RefData;
 use tracing::info;
 
@@ -112,15 +112,6 @@ fn main() -> std::process::ExitCode {
 }
 
 fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
-    let profile = match &cli.profile {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            serde_json::from_str::<MatchingProfile>(&text)
-                .with_context(|| format!("parsing {}", path.display()))?
-        }
-        None => MatchingProfile::default(),
-    };
     let urls: Vec<String> = cli
         .db
         .iter()
@@ -166,7 +157,7 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
             retention_days: cli.retention_days,
             ..PipelineConfig::default()
         },
-        tolerances: Tolerances::from_profile(&profile).context("reading the matching profile")?,
+        tolerances: Tolerances::load(cli.profile.as_deref())?,
         cls_out: cli.cls_out.clone(),
         ingress_capacity: 16_384,
     })

@@ -11,7 +11,6 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,10 +30,9 @@ use ste_engine::reason::{ReasonCode, Rejection};
 use ste_engine::sign::SIGNATURE_LEN;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
-use tokio::task::JoinSet;
-use tracing::{info, warn};
 
 use crate::gateway::{GatewayHandle, Reply};
+use crate::listener::accept_loop;
 
 /// The namespace of the bridge's SOAP elements.
 pub const BRIDGE_NS: &str = "urn:ste:bridge:1";
@@ -720,71 +718,42 @@ pub async fn serve(
     listener: TcpListener,
     gateway: GatewayHandle,
     config: SoapConfig,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) {
+    let max = config.max_connections;
     let service = Arc::new(Service { gateway, config });
-    let active = Arc::new(AtomicUsize::new(0));
-    let mut connections = JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let (stream, _) = match accepted {
-                    Ok(accepted) => accepted,
-                    Err(error) => {
-                        warn!(%error, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                        continue;
-                    }
-                };
-                let _ = stream.set_nodelay(true);
-                if active.load(Ordering::Relaxed) >= service.config.max_connections {
-                    connections.spawn(async move {
-                        use tokio::io::AsyncWriteExt;
-                        let mut stream = stream;
-                        let _ = tokio::time::timeout(
-                            Duration::from_secs(1),
-                            stream.write_all(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"),
-                        ).await;
-                    });
-                    continue;
+    let refusal = || {
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+            .to_vec()
+    };
+    let stop = shutdown.clone();
+    accept_loop(listener, "SOAP", max, shutdown, refusal, |stream| {
+        let (handler, mut stop) = (service.clone(), stop.clone());
+        async move {
+            let header_timeout = handler.config.header_timeout;
+            let connection = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .keep_alive(true)
+                .max_buf_size(64 * 1024)
+                .serve_connection(
+                    TokioIo::new(stream),
+                    service_fn(move |request| {
+                        let handler = handler.clone();
+                        async move { Ok::<_, Infallible>(handler.handle(request).await) }
+                    }),
+                );
+            tokio::pin!(connection);
+            tokio::select! {
+                _ = connection.as_mut() => {}
+                _ = stop.changed() => {
+                    connection.as_mut().graceful_shutdown();
+                    let _ = connection.as_mut().await;
                 }
-                active.fetch_add(1, Ordering::Relaxed);
-                let (service, active, mut stop) = (service.clone(), active.clone(), shutdown.clone());
-                connections.spawn(async move {
-                    let handler = service.clone();
-                    let connection = http1::Builder::new()
-                        .timer(TokioTimer::new())
-                        .header_read_timeout(handler.config.header_timeout)
-                        .keep_alive(true)
-                        .max_buf_size(64 * 1024)
-                        .serve_connection(
-                            TokioIo::new(stream),
-                            service_fn(move |request| {
-                                let handler = handler.clone();
-                                async move { Ok::<_, Infallible>(handler.handle(request).await) }
-                            }),
-                        );
-                    tokio::pin!(connection);
-                    tokio::select! {
-                        _ = connection.as_mut() => {}
-                        _ = stop.changed() => {
-                            connection.as_mut().graceful_shutdown();
-                            let _ = connection.as_mut().await;
-                        }
-                    }
-                    active.fetch_sub(1, Ordering::Relaxed);
-                });
             }
-            _ = shutdown.changed() => break,
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
         }
-    }
-    drop(service);
-    info!(
-        connections = connections.len(),
-        "SOAP listener stopped; draining"
-    );
-    while connections.join_next().await.is_some() {}
+    })
+    .await;
 }
 
 #[cfg(test)]

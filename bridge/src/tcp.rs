@@ -5,7 +5,6 @@
 //! fast sender is slowed by backpressure rather than buffered. The writer sends control frames,
 //! ACK/NAKs (returning a permit each) and pushes; it flushes whenever nothing more is ready.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,11 +16,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, Semaphore};
-use tokio::task::JoinSet;
-use tracing::{debug, info, warn};
+use tracing::warn;
 
 use crate::frame::{check_length, Frame, FrameError, LENGTH_PREFIX_BYTES, NONCE_LEN};
 use crate::gateway::{GatewayHandle, Pushed, Reply, Subscriber};
+use crate::listener::accept_loop;
 
 /// How long one write to a participant may take before its connection is closed.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -74,53 +73,21 @@ pub async fn serve(
     listener: TcpListener,
     gateway: GatewayHandle,
     config: TcpConfig,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) {
-    let active = Arc::new(AtomicUsize::new(0));
-    let mut connections = JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let (stream, peer) = match accepted {
-                    Ok(accepted) => accepted,
-                    Err(error) => {
-                        warn!(%error, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                        continue;
-                    }
-                };
-                if active.load(Ordering::Relaxed) >= config.max_connections {
-                    connections.spawn(refuse(stream, config.max_connections));
-                    continue;
-                }
-                active.fetch_add(1, Ordering::Relaxed);
-                let (gateway, config, shutdown, active) =
-                    (gateway.clone(), config.clone(), shutdown.clone(), active.clone());
-                connections.spawn(async move {
-                    debug!(%peer, "connected");
-                    connection(stream, gateway, config, shutdown).await;
-                    active.fetch_sub(1, Ordering::Relaxed);
-                    debug!(%peer, "closed");
-                });
-            }
-            _ = shutdown.changed() => break,
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+    let max = config.max_connections;
+    let refusal = || {
+        Frame::Error {
+            code: "E_BUSY".into(),
+            detail: format!("the engine serves at most {max} connections"),
         }
-    }
-    drop(gateway);
-    info!(
-        connections = connections.len(),
-        "framed-XML listener stopped; draining"
-    );
-    while connections.join_next().await.is_some() {}
-}
-
-async fn refuse(mut stream: TcpStream, max: usize) {
-    let frame = Frame::Error {
-        code: "E_BUSY".into(),
-        detail: format!("the engine serves at most {max} connections"),
+        .encode()
     };
-    let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(&frame.encode())).await;
+    let stop = shutdown.clone();
+    accept_loop(listener, "framed XML", max, shutdown, refusal, |stream| {
+        connection(stream, gateway.clone(), config.clone(), stop.clone())
+    })
+    .await;
 }
 
 async fn connection(
@@ -129,7 +96,6 @@ async fn connection(
     config: TcpConfig,
     shutdown: watch::Receiver<bool>,
 ) {
-    let _ = stream.set_nodelay(true);
     let (read, write) = stream.into_split();
     let id = gateway.connection_id();
     let (reply_tx, reply_rx) = mpsc::channel::<Reply>(config.window + 1);

@@ -15,7 +15,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use ste_driver::remote::{run_remote as run_remote_load, RemoteConfig};
 use ste_driver::{RunConfig, Source, StoreChoice, Summary};
 use ste_engine::generator::{GeneratorConfig, DEFAULT_SEED};
-use ste_engine::profile::{MatchingProfile, Tolerances};
+use ste_engine::profile::Tolerances;
 use ste_engine::refdata::RefData;
 
 // The pipeline allocates many small strings per message across threads; mimalloc's per-thread
@@ -225,12 +225,6 @@ fn default_run_dir() -> PathBuf {
 }
 
 fn print_summary(summary: &Summary) {
-    let exceptions: Vec<String> = summary
-        .outcome
-        .exceptions
-        .iter()
-        .map(|(code, count)| format!("{code}={count}"))
-        .collect();
     println!(
         "STE run ({} store, {} shards, {} validators)",
         summary.store,
@@ -238,21 +232,13 @@ fn print_summary(summary: &Summary) {
         summary.validators
     );
     println!("  trades            {}", summary.outcome.trades);
-    println!(
-        "  messages in       {}  = accepted {} + duplicates {} + exceptions {}  [{}]",
+    print_conservation(
         summary.outcome.messages_in,
         summary.outcome.accepted,
         summary.outcome.duplicates,
-        summary.exceptions_total(),
-        if summary.conserved {
-            "conserved"
-        } else {
-            "NOT CONSERVED"
-        }
+        &summary.outcome.exceptions,
+        summary.conserved,
     );
-    if !exceptions.is_empty() {
-        println!("  exceptions        {}", exceptions.join(" "));
-    }
     println!(
         "  trades            {} CLS, {} mismatched, {} pending, {} cancelled",
         summary.outcome.cls,
@@ -450,30 +436,17 @@ fn run_remote(args: RunArgs, target: String, refdata: Arc<RefData>) -> anyhow::R
     if json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
-        let exceptions: Vec<String> = summary
-            .exceptions
-            .iter()
-            .map(|(code, count)| format!("{code}={count}"))
-            .collect();
         println!(
             "STE run against {} ({} connections, {} in flight each)",
             summary.target, summary.connections, summary.window
         );
-        println!(
-            "  messages in       {}  = accepted {} + duplicates {} + exceptions {}  [{}]",
+        print_conservation(
             summary.messages_in,
             summary.accepted,
             summary.duplicates,
-            summary.exceptions.values().sum::<u64>(),
-            if summary.conserved {
-                "conserved"
-            } else {
-                "NOT CONSERVED"
-            }
+            &summary.exceptions,
+            summary.conserved,
         );
-        if !exceptions.is_empty() {
-            println!("  exceptions        {}", exceptions.join(" "));
-        }
         println!("  CLS pushed        {}", summary.cls);
         println!(
             "  elapsed           {:.2} s, {:.0} msg/s",
@@ -491,23 +464,44 @@ fn run_remote(args: RunArgs, target: String, refdata: Arc<RefData>) -> anyhow::R
             );
         }
     }
-    if !summary.conserved {
+    check_outcome(summary.conserved, summary.matches_expected)
+}
+
+fn check_summary(summary: &Summary) -> anyhow::Result<()> {
+    check_outcome(summary.conserved, summary.matches_expected)
+}
+
+/// A run fails when it broke conservation or differs from what the generator expected.
+fn check_outcome(conserved: bool, matches_expected: Option<bool>) -> anyhow::Result<()> {
+    if !conserved {
         bail!("conservation violated: messages_in != accepted + duplicates + exceptions");
     }
-    if summary.matches_expected == Some(false) {
+    if matches_expected == Some(false) {
         bail!("the outcome differs from what the generator expected");
     }
     Ok(())
 }
 
-fn check_summary(summary: &Summary) -> anyhow::Result<()> {
-    if !summary.conserved {
-        bail!("conservation violated: messages_in != accepted + duplicates + exceptions");
+/// The conservation line of a summary, and the exceptions by code.
+fn print_conservation(
+    messages_in: u64,
+    accepted: u64,
+    duplicates: u64,
+    exceptions: &std::collections::BTreeMap<String, u64>,
+    conserved: bool,
+) {
+    println!(
+        "  messages in       {messages_in}  = accepted {accepted} + duplicates {duplicates} + exceptions {}  [{}]",
+        exceptions.values().sum::<u64>(),
+        if conserved { "conserved" } else { "NOT CONSERVED" }
+    );
+    if !exceptions.is_empty() {
+        let codes: Vec<String> = exceptions
+            .iter()
+            .map(|(code, count)| format!("{code}={count}"))
+            .collect();
+        println!("  exceptions        {}", codes.join(" "));
     }
-    if summary.matches_expected == Some(false) {
-        bail!("the outcome differs from what the generator expected");
-    }
-    Ok(())
 }
 
 /// What one level of a sweep sets; the rest comes from the run options.
@@ -848,15 +842,6 @@ fn predict(
 }
 
 fn run_config(args: RunArgs) -> anyhow::Result<RunConfig> {
-    let profile = match &args.profile {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            serde_json::from_str::<MatchingProfile>(&text)
-                .with_context(|| format!("parsing {}", path.display()))?
-        }
-        None => MatchingProfile::default(),
-    };
     let source = match &args.input {
         Some(path) => Source::File(path.clone()),
         None => Source::Generated(generator_config(&args.generation)?),
@@ -912,7 +897,7 @@ fn run_config(args: RunArgs) -> anyhow::Result<RunConfig> {
         run_dir: args.run_dir.unwrap_or_else(default_run_dir),
         sample_interval: Duration::from_millis(args.sample_ms),
         progress: !args.quiet,
-        tolerances: Tolerances::from_profile(&profile).context("reading the matching profile")?,
+        tolerances: Tolerances::load(args.profile.as_deref())?,
         resume: args.resume,
         retention_days: args.retention_days,
         window: args.window,

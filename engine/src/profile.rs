@@ -44,6 +44,10 @@ pub enum ProfileError {
     Decimal(String),
     #[error("the matching profile has no tolerance band")]
     Empty,
+    #[error("reading the matching profile {0}: {1}")]
+    Read(String, std::io::Error),
+    #[error("parsing the matching profile {0}: {1}")]
+    Json(String, serde_json::Error),
 }
 
 /// A profile with its decimals parsed, ready for the matcher.
@@ -53,6 +57,22 @@ pub struct Tolerances {
 }
 
 impl Tolerances {
+    /// The tolerances of the profile file at `path` (`--profile FILE`), or of the default
+    /// profile when there is none.
+    pub fn load(path: Option<&std::path::Path>) -> Result<Self, ProfileError> {
+        let profile = match path {
+            Some(path) => {
+                let name = path.display().to_string();
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| ProfileError::Read(name.clone(), e))?;
+                serde_json::from_str::<MatchingProfile>(&text)
+                    .map_err(|e| ProfileError::Json(name, e))?
+            }
+            None => MatchingProfile::default(),
+        };
+        Self::from_profile(&profile)
+    }
+
     /// Parses a profile's bands.
     pub fn from_profile(profile: &MatchingProfile) -> Result<Self, ProfileError> {
         let parse =

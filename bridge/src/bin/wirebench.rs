@@ -373,12 +373,18 @@ fn run_soap(
             })
         })
         .collect();
+    join_all(workers)?;
+    Ok(lines.len() as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Waits for every client thread; the first failure is the run's.
+fn join_all(workers: Vec<std::thread::JoinHandle<anyhow::Result<()>>>) -> anyhow::Result<()> {
     for worker in workers {
         worker
             .join()
             .map_err(|_| anyhow::anyhow!("a worker panicked"))??;
     }
-    Ok(lines.len() as f64 / started.elapsed().as_secs_f64())
+    Ok(())
 }
 
 /// One participant's messages, for one FIX session.
@@ -459,11 +465,7 @@ fn run_fix(
             })
         })
         .collect();
-    for worker in workers {
-        worker
-            .join()
-            .map_err(|_| anyhow::anyhow!("a worker panicked"))??;
-    }
+    join_all(workers)?;
     Ok(lines.len() as f64 / started.elapsed().as_secs_f64())
 }
 
