@@ -63,6 +63,11 @@ impl FrameReader {
     pub fn next_frame(&mut self) -> std::io::Result<Option<Frame>> {
         Frame::read_from(&mut self.input)
     }
+
+    /// How long a read may wait (`None`: for ever).
+    pub fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        self.input.get_ref().set_read_timeout(timeout)
+    }
 }
 
 /// Connects, answers the challenge with one logon per participant, and waits for each to be

@@ -22,8 +22,14 @@
 //!
 //! # Application messages
 //! Each carries `93`/`89` (SignatureLength, Signature): the hex HMAC-SHA256, under the key of
-//! the sender (`49`), of the message's bytes from `35=` up to `93=`. The engine checks it,
-//! converts the message to the canonical XML and signs that for the validator.
+//! the sender (`49`), of the message's bytes from `35=` up to `93=`. Every byte with meaning
+//! must be covered ([`signed_part`]): `35` comes right after `9`, `93` and `89` are the last
+//! fields before `10`, and no tag appears twice outside the Parties group (`453`), whose
+//! entries are well formed and name each role once. A message that breaks this gets a session
+//! Reject (`35=3` with `373` SessionRejectReason and `371` RefTagID) and is stored as an
+//! exception (E_SIG for bytes outside the signed part, E_PARSE for a repeated tag); it is never
+//! mapped. One that keeps it has its signature checked, is converted to the canonical XML and
+//! signed for the validator.
 //!
 //! | STE | FIX message | ACK / NAK |
 //! |---|---|---|
@@ -62,8 +68,15 @@ pub const BEGIN_STRING: &str = "FIX.4.4";
 pub const ENGINE_COMP_ID: &str = "STE";
 /// What the logon password covers before SendingTime and the BIC.
 const LOGON_CONTEXT: &[u8] = b"STE-FIX-LOGON\0";
-/// Largest FIX message body accepted.
-pub const BODY_MAX_BYTES: usize = 1024 * 1024;
+/// Largest FIX message body accepted: the canonical message limit, since a FIX message is the
+/// more compact of the two.
+pub const BODY_MAX_BYTES: usize = ste_engine::validate::MESSAGE_SIZE_MAX_BYTES;
+/// Bytes of messages a session may hold behind a sequence gap before it is logged out.
+pub const HELD_BYTES_MAX: usize = 1024 * 1024;
+/// Messages a session may hold behind a sequence gap before it is logged out.
+pub const HELD_MESSAGES_MAX: usize = 1024;
+/// Largest MsgSeqNum or NewSeqNo accepted (FIX's SeqNum is a 32-bit field in practice).
+pub const SEQ_NUM_MAX: u64 = u32::MAX as u64;
 /// How far a logon's SendingTime may be from the engine's clock.
 const LOGON_CLOCK_SKEW: Duration = Duration::from_secs(120);
 
@@ -210,11 +223,207 @@ pub fn parse(bytes: &[u8]) -> Result<FixMessage, FixError> {
     Ok(FixMessage { fields })
 }
 
-/// The bytes an application message's signature covers: from `35=` up to `93=`.
-pub fn signed_part(bytes: &[u8]) -> Option<&[u8]> {
-    let start = sign::find(bytes, b"\x0135=")? + 1;
-    let end = sign::find(&bytes[start..], b"\x0193=")? + start + 1;
-    Some(&bytes[start..end])
+/// Why an application message is refused before it is mapped: its bytes are not all covered by
+/// its signature, or it says one thing twice. Answered by a session Reject (`35=3`) and kept as
+/// an exception with `code`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StructureError {
+    /// SessionRejectReason (`373`).
+    pub session_reason: u32,
+    /// RefTagID (`371`).
+    pub tag: u32,
+    /// The reason code of the stored exception.
+    pub code: ReasonCode,
+    pub detail: String,
+}
+
+/// The members of the Parties group (`453` NoPartyIDs), the only tags that may repeat.
+const PARTY_GROUP_TAGS: [u32; 4] = [448, 447, 452, 523];
+
+/// The bytes an application message's signature covers, once its shape guarantees that they
+/// are every byte with meaning: `8` and `9` first, then `35`, then the fields, then `93` and
+/// `89` and nothing but `10` after them; no tag twice outside the Parties group, whose entries
+/// are well formed, as many as `453` says, each role once. The covered bytes run from `35=` up
+/// to `93=`.
+pub fn signed_part(raw: &[u8]) -> Result<&[u8], StructureError> {
+    let refuse = |session_reason: u32, tag: u32, code: ReasonCode, detail: String| StructureError {
+        session_reason,
+        tag,
+        code,
+        detail,
+    };
+    // (tag, value, offset of the field's first byte)
+    let mut fields: Vec<(u32, &[u8], usize)> = Vec::new();
+    let mut offset = 0;
+    for piece in raw.split(|b| *b == SOH) {
+        let start = offset;
+        offset += piece.len() + 1;
+        if piece.is_empty() {
+            continue;
+        }
+        let Some(equals) = piece.iter().position(|b| *b == b'=') else {
+            return Err(refuse(
+                0,
+                0,
+                ReasonCode::Parse,
+                "a field without '='".into(),
+            ));
+        };
+        let tag = std::str::from_utf8(&piece[..equals])
+            .ok()
+            .and_then(|t| t.parse::<u32>().ok())
+            .ok_or_else(|| refuse(0, 0, ReasonCode::Parse, "a tag that is not a number".into()))?;
+        fields.push((tag, &piece[equals + 1..], start));
+    }
+    let tags: Vec<u32> = fields.iter().map(|(tag, _, _)| *tag).collect();
+    if tags.len() < 6 || tags[0] != 8 || tags[1] != 9 || tags[tags.len() - 1] != 10 {
+        return Err(refuse(0, 0, ReasonCode::Parse, "not a FIX message".into()));
+    }
+    if tags[2] != 35 {
+        return Err(refuse(
+            14,
+            tags[2],
+            ReasonCode::Sig,
+            format!(
+                "tag {} comes before MsgType (35), outside the signed part",
+                tags[2]
+            ),
+        ));
+    }
+    let last = tags.len() - 1;
+    let Some(signature_at) = tags.iter().position(|tag| *tag == 89) else {
+        return Err(refuse(1, 89, ReasonCode::Sig, "no Signature (89)".into()));
+    };
+    if signature_at + 1 != last {
+        return Err(refuse(
+            14,
+            tags[signature_at + 1],
+            ReasonCode::Sig,
+            format!(
+                "tag {} follows the Signature (89), outside the signed part",
+                tags[signature_at + 1]
+            ),
+        ));
+    }
+    if tags[signature_at - 1] != 93 {
+        return Err(refuse(
+            14,
+            tags[signature_at - 1],
+            ReasonCode::Sig,
+            "SignatureLength (93) must come just before Signature (89)".into(),
+        ));
+    }
+    let declared = std::str::from_utf8(fields[signature_at - 1].1)
+        .ok()
+        .and_then(|n| n.parse::<usize>().ok());
+    if declared != Some(fields[signature_at].1.len()) {
+        return Err(refuse(
+            5,
+            93,
+            ReasonCode::Sig,
+            "SignatureLength (93) is not the length of the Signature (89)".into(),
+        ));
+    }
+    check_repeats(&tags[2..last], &fields[2..last])?;
+    Ok(&raw[fields[2].2..fields[signature_at - 1].2])
+}
+
+/// No tag twice outside the Parties group; the group itself well formed.
+fn check_repeats(tags: &[u32], fields: &[(u32, &[u8], usize)]) -> Result<(), StructureError> {
+    let refuse = |session_reason: u32, tag: u32, code: ReasonCode, detail: String| StructureError {
+        session_reason,
+        tag,
+        code,
+        detail,
+    };
+    let mut seen = ahash::AHashSet::with_capacity(tags.len());
+    for tag in tags {
+        if !PARTY_GROUP_TAGS.contains(tag) && !seen.insert(*tag) {
+            return Err(refuse(
+                13,
+                *tag,
+                ReasonCode::Parse,
+                format!("tag {tag} appears more than once"),
+            ));
+        }
+    }
+    let first_member = tags.iter().position(|tag| PARTY_GROUP_TAGS.contains(tag));
+    let count_at = tags.iter().position(|tag| *tag == 453);
+    let (count_at, first_member) = match (count_at, first_member) {
+        (None, None) => return Ok(()),
+        (Some(count_at), Some(first_member)) if first_member == count_at + 1 => {
+            (count_at, first_member)
+        }
+        (Some(_), None) => (0, tags.len()),
+        (_, Some(first_member)) => {
+            return Err(refuse(
+                15,
+                tags[first_member],
+                ReasonCode::Parse,
+                format!(
+                    "tag {} is a Parties field outside its group (453)",
+                    tags[first_member]
+                ),
+            ))
+        }
+    };
+    let declared = std::str::from_utf8(fields[count_at].1)
+        .ok()
+        .and_then(|n| n.parse::<usize>().ok());
+    let group_end = tags[first_member.min(tags.len())..]
+        .iter()
+        .position(|tag| !PARTY_GROUP_TAGS.contains(tag))
+        .map_or(tags.len(), |at| first_member + at);
+    let mut entries = 0;
+    let mut in_entry: Vec<u32> = Vec::new();
+    let mut roles: Vec<&[u8]> = Vec::new();
+    for index in first_member.min(group_end)..group_end {
+        let tag = tags[index];
+        if tag == 448 {
+            entries += 1;
+            in_entry.clear();
+        } else if entries == 0 || in_entry.contains(&tag) {
+            return Err(refuse(
+                15,
+                tag,
+                ReasonCode::Parse,
+                format!("tag {tag} is out of place in the Parties group"),
+            ));
+        }
+        in_entry.push(tag);
+        if tag == 452 {
+            let role = fields[index].1;
+            if roles.contains(&role) {
+                return Err(refuse(
+                    5,
+                    452,
+                    ReasonCode::Field,
+                    format!("PartyRole {} is given twice", String::from_utf8_lossy(role)),
+                ));
+            }
+            roles.push(role);
+        }
+    }
+    if let Some(stray) = tags[group_end..]
+        .iter()
+        .find(|tag| PARTY_GROUP_TAGS.contains(tag))
+    {
+        return Err(refuse(
+            15,
+            *stray,
+            ReasonCode::Parse,
+            format!("tag {stray} is a Parties field outside its group (453)"),
+        ));
+    }
+    if declared != Some(entries) {
+        return Err(refuse(
+            16,
+            453,
+            ReasonCode::Parse,
+            format!("NoPartyIDs (453) does not count the {entries} entries of the group"),
+        ));
+    }
+    Ok(())
 }
 
 /// Current UTC time as FIX UTCTimestamp with milliseconds.
@@ -646,6 +855,8 @@ struct Pending {
     msg_type: String,
     id: String,
     detail: Option<String>,
+    /// Already answered by a session Reject: the engine's verdict is not sent again.
+    rejected_by_session: bool,
 }
 
 /// The engine's side of one session: outbound sequence numbers and header.
@@ -812,8 +1023,18 @@ async fn session(
         .and_then(|v| v.parse::<u64>().ok())
         .filter(|s| (1..=3600).contains(s))
         .map_or(Duration::from_secs(30), Duration::from_secs);
-    if let Err(text) = check_logon(&gateway, &logon, &participant) {
-        warn!(%participant, %text, "FIX logon refused");
+    let connection = gateway.connection_id();
+    let claimed = check_logon(&gateway, &logon, &participant).and_then(|()| {
+        gateway.claim_fix_session(
+            &participant,
+            logon.get(52).unwrap_or(""),
+            connection,
+            LOGON_CLOCK_SKEW,
+        )
+    });
+    if let Err(text) = claimed {
+        // The CompID comes from an unauthenticated peer: Debug-escaped, it cannot forge lines.
+        warn!(participant = ?participant, text = ?text, "FIX logon refused");
         let _ = outbound.send(vec![(35, "5".into()), (58, text)]).await;
         let _ = outbound.flush().await;
         return;
@@ -852,7 +1073,6 @@ async fn session(
     let (kick_tx, mut kicked) = watch::channel(false);
     let window = Arc::new(Semaphore::new(config.window.max(1)));
     let pending: Arc<Mutex<BTreeMap<u64, Pending>>> = Arc::default();
-    let connection = gateway.connection_id();
     gateway.subscribe(
         &participant,
         Subscriber {
@@ -870,7 +1090,9 @@ async fn session(
     let mut last_in = tokio::time::Instant::now();
     // Messages set aside while a gap is being filled (and in-order ones waiting for the
     // window), by sequence number.
-    let mut held: BTreeMap<u64, (FixMessage, Vec<u8>)> = BTreeMap::new();
+    // Kept raw (parsed again when released): a parsed message costs several times its bytes.
+    let mut held: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    let mut held_bytes: usize = 0;
     let mut resend_requested = false;
 
     'session: loop {
@@ -888,7 +1110,7 @@ async fn session(
                 let Some(reply) = reply else { break };
                 window.add_permits(1);
                 let item = pending.lock().unwrap_or_else(PoisonError::into_inner).remove(&reply.seq);
-                if let Some(item) = item {
+                if let Some(item) = item.filter(|item| !item.rejected_by_session) {
                     if outbound.send(answer(&item, reply.result)).await.is_err() { break; }
                     last_out = tokio::time::Instant::now();
                 }
@@ -901,7 +1123,7 @@ async fn session(
                 last_out = tokio::time::Instant::now();
             }
             // Only while the window has room: a full window stops reading (TCP backpressure).
-            raw = raw_rx.recv(), if reading && window.available_permits() > 0 && held.len() < 1024 => { 'raw: {
+            raw = raw_rx.recv(), if reading && window.available_permits() > 0 => { 'raw: {
                 let raw = match raw {
                     Some(Ok(raw)) => raw,
                     None => { reading = false; break 'raw; }
@@ -922,13 +1144,48 @@ async fn session(
                 };
                 let seq: u64 = message.get(34).and_then(|s| s.parse().ok()).unwrap_or(0);
                 let poss_dup = message.get(43) == Some("Y");
+                if seq > SEQ_NUM_MAX {
+                    ending = Some(format!("MsgSeqNum {seq} is larger than {SEQ_NUM_MAX}"));
+                    reading = false;
+                    break 'raw;
+                }
                 if message.msg_type() == "4" {
-                    // SequenceReset (GapFill or Reset) moves the expected number forward.
-                    if let Some(new_seq) = message.get(36).and_then(|s| s.parse::<u64>().ok()) {
-                        expected_in = expected_in.max(new_seq);
+                    // SequenceReset (GapFill or Reset) moves the expected number forward, never
+                    // back and never past the largest number.
+                    let new_seq = message.get(36).and_then(|s| s.parse::<u64>().ok());
+                    match new_seq {
+                        Some(new_seq) if new_seq <= SEQ_NUM_MAX => {
+                            expected_in = expected_in.max(new_seq);
+                        }
+                        _ => {
+                            // A rejected message still takes its sequence number.
+                            if seq == expected_in {
+                                expected_in += 1;
+                            }
+                            let reject = vec![
+                                (35, "3".into()),
+                                (45, seq.to_string()),
+                                (371, "36".into()),
+                                (372, "4".into()),
+                                (373, "5".into()),
+                                (58, format!("NewSeqNo must be a number up to {SEQ_NUM_MAX}")),
+                            ];
+                            if outbound.send(reject).await.is_err() { break 'session; }
+                            last_out = tokio::time::Instant::now();
+                        }
                     }
                 } else if seq > expected_in && !held.contains_key(&expected_in) {
-                    held.insert(seq, (message, raw));
+                    held_bytes += raw.len();
+                    if let Some(old) = held.insert(seq, raw) {
+                        held_bytes -= old.len();
+                    }
+                    if held_bytes > HELD_BYTES_MAX || held.len() > HELD_MESSAGES_MAX {
+                        ending = Some(format!(
+                            "E_SIZE more than {HELD_BYTES_MAX} bytes or {HELD_MESSAGES_MAX} messages held behind a sequence gap"
+                        ));
+                        reading = false;
+                        break 'raw;
+                    }
                     if !resend_requested {
                         resend_requested = true;
                         let request = vec![(35, "2".into()), (7, expected_in.to_string()), (16, "0".into())];
@@ -941,7 +1198,10 @@ async fn session(
                         reading = false;
                     }
                 } else {
-                    held.insert(seq, (message, raw));
+                    held_bytes += raw.len();
+                    if let Some(old) = held.insert(seq, raw) {
+                        held_bytes -= old.len();
+                    }
                 }
             }}
             _ = tokio::time::sleep_until(last_in + idle), if reading => {
@@ -969,11 +1229,15 @@ async fn session(
             if *entry.key() > expected_in {
                 break;
             }
-            let (seq, (message, raw)) = entry.remove_entry();
+            let (seq, raw) = entry.remove_entry();
+            held_bytes -= raw.len();
             if seq < expected_in {
                 continue;
             }
             expected_in += 1;
+            let Ok(message) = parse(&raw) else {
+                continue;
+            };
             match handle(
                 &gateway,
                 &participant,
@@ -1012,6 +1276,7 @@ async fn session(
     }
     reader.abort();
     gateway.unsubscribe(connection);
+    gateway.release_fix_session(&participant, connection);
     let mut logout = vec![(35, "5".to_owned())];
     if let Some(text) = ending.filter(|text| !text.is_empty()) {
         if !text.starts_with("E_SHUTDOWN") {
@@ -1032,9 +1297,9 @@ fn check_logon(
     if logon.get(56) != Some(ENGINE_COMP_ID) {
         return Err(format!("E_AUTH TargetCompID must be {ENGINE_COMP_ID}"));
     }
-    let Some((_, key)) = gateway.refdata().participant_mac(participant) else {
+    if gateway.refdata().participant(participant).is_none() {
         return Err(format!("E_AUTH {participant} is not a participant"));
-    };
+    }
     let sending_time = logon.get(52).unwrap_or("");
     let fresh = parse_utc_timestamp(sending_time).is_some_and(|sent| {
         let skew = (time::OffsetDateTime::now_utc() - sent).abs();
@@ -1046,13 +1311,12 @@ fn check_logon(
             LOGON_CLOCK_SKEW.as_secs()
         ));
     }
-    let expected = logon_password(key, sending_time, participant);
     let given = logon.get(554).unwrap_or("");
     let mut covered = LOGON_CONTEXT.to_vec();
     covered.extend_from_slice(sending_time.as_bytes());
     covered.extend_from_slice(participant.as_bytes());
     let given_bytes = hex::decode(given).unwrap_or_default();
-    if expected.len() == given.len() && sign::verify_keyed(key, &covered, &given_bytes) {
+    if gateway.signed_by(participant, &covered, &given_bytes) {
         Ok(())
     } else {
         Err(format!(
@@ -1110,7 +1374,28 @@ async fn handle(
             let id = message.get(id_tag).unwrap_or("").to_owned();
             let seq: u64 = message.get(34).and_then(|s| s.parse().ok()).unwrap_or(0);
             let sender = message.get(49).unwrap_or("");
-            let (envelope, detail) = envelope_of(gateway, participant, sender, message, raw);
+            let (envelope, detail, rejected_by_session) = match signed_part(raw) {
+                Ok(covered) => {
+                    let (envelope, detail) =
+                        envelope_of(gateway, participant, sender, message, raw, covered);
+                    (envelope, detail, false)
+                }
+                Err(error) => {
+                    outbound
+                        .send(vec![
+                            (35, "3".into()),
+                            (45, seq.to_string()),
+                            (371, error.tag.to_string()),
+                            (372, message.msg_type().to_owned()),
+                            (373, error.session_reason.to_string()),
+                            (58, format!("{} {}", error.code, error.detail)),
+                        ])
+                        .await
+                        .map_err(|_| ())?;
+                    let rejection = Rejection::new(error.code, error.detail);
+                    (refused_envelope(raw, participant, rejection), None, true)
+                }
+            };
             pending
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -1120,6 +1405,7 @@ async fn handle(
                         msg_type: message.msg_type().to_owned(),
                         id,
                         detail,
+                        rejected_by_session,
                     },
                 );
             if gateway.submit(envelope, seq, reply).await.is_err() {
@@ -1143,35 +1429,38 @@ async fn handle(
     }
 }
 
-/// The engine envelope of an application message: converted and re-signed when its FIX
-/// signature holds, a refusal (kept as an exception with the raw FIX bytes) otherwise.
+/// A refused message, kept as an exception with its raw FIX bytes.
+fn refused_envelope(raw: &[u8], participant: &str, rejection: Rejection) -> Envelope {
+    Envelope {
+        bytes: raw.to_vec(),
+        sender: Some(participant.to_owned()),
+        signature: None,
+        correlation: 0,
+        injected_ns: 0,
+        refusal: Some(rejection),
+    }
+}
+
+/// The engine envelope of an application message whose signature covers `covered` (every byte
+/// with meaning, [`signed_part`]): converted and re-signed when the signature holds, a refusal
+/// otherwise.
 fn envelope_of(
     gateway: &GatewayHandle,
     participant: &str,
     sender: &str,
     message: &FixMessage,
     raw: &[u8],
+    covered: &[u8],
 ) -> (Envelope, Option<String>) {
     let refused = |rejection: Rejection| {
         let detail = Some(rejection.detail.clone());
-        (
-            Envelope {
-                bytes: raw.to_vec(),
-                sender: Some(participant.to_owned()),
-                signature: None,
-                correlation: 0,
-                injected_ns: 0,
-                refusal: Some(rejection),
-            },
-            detail,
-        )
+        (refused_envelope(raw, participant, rejection), detail)
     };
     let signature = message
         .get(89)
         .and_then(|hex_text| hex::decode(hex_text).ok())
         .unwrap_or_default();
-    let signed =
-        signed_part(raw).is_some_and(|covered| gateway.signed_by(sender, covered, &signature));
+    let signed = gateway.signed_by(sender, covered, &signature);
     if sender != participant {
         // A message under another CompID than the session's.
         if signed {
@@ -1244,7 +1533,9 @@ mod tests {
     /// fields: STE → FIX → STE loses nothing.
     #[test]
     fn every_generated_message_maps_to_fix_and_back() {
-        let refdata = RefData::embedded().expect("reference data");
+        let refdata = RefData::embedded()
+            .expect("reference data")
+            .with_generated_keys();
         let config = GeneratorConfig {
             fault_rate: 0.5,
             shuffle: true,

@@ -91,7 +91,20 @@ pub struct Shared {
     next_connection: AtomicU64,
     routes: Mutex<AHashMap<u64, Route>>,
     subscribers: RwLock<AHashMap<String, Vec<Subscriber>>>,
+    fix_sessions: Mutex<FixSessions>,
     pub counters: GatewayCounters,
+}
+
+/// FIX logons remembered so that a password is good once (at most this many inside the window).
+pub const FIX_LOGONS_REMEMBERED_MAX: usize = 65_536;
+
+/// The FIX sessions: the live one of each participant, and the logons used lately.
+#[derive(Default)]
+struct FixSessions {
+    /// (participant, SendingTime) of each logon accepted inside the freshness window, with when.
+    used: AHashMap<(String, String), std::time::Instant>,
+    /// The connection of each participant's live session.
+    live: AHashMap<String, u64>,
 }
 
 /// What a listener holds to submit messages and manage subscriptions.
@@ -130,14 +143,19 @@ impl GatewayHandle {
         nonce: &[u8; NONCE_LEN],
         mac: &[u8; SIGNATURE_LEN],
     ) -> Result<(), Rejection> {
-        let Some((_, keyed)) = self.shared.refdata.participant_mac(participant) else {
+        // Constant time: the MAC's own verification, under each of the participant's keys.
+        let covered = frame::logon_covered(nonce, participant);
+        let Some(verified) = self
+            .shared
+            .refdata
+            .verify_signature(participant, &covered, mac)
+        else {
             return Err(Rejection::new(
                 ReasonCode::Auth,
                 format!("{participant} is not a participant"),
             ));
         };
-        // Constant time: the MAC's own verification.
-        if sign::verify_keyed(keyed, &frame::logon_covered(nonce, participant), mac) {
+        if verified {
             Ok(())
         } else {
             Err(Rejection::new(
@@ -151,8 +169,8 @@ impl GatewayHandle {
     pub fn signed_by(&self, sender: &str, bytes: &[u8], signature: &[u8]) -> bool {
         self.shared
             .refdata
-            .participant_mac(sender)
-            .is_some_and(|(_, keyed)| sign::verify_keyed(keyed, bytes, signature))
+            .verify_signature(sender, bytes, signature)
+            .unwrap_or(false)
     }
 
     /// E_AUTH for a message correctly signed by `signer` that names another participant as its
@@ -207,13 +225,67 @@ impl GatewayHandle {
 
     /// Subscribes a connection for the CLS and advices of `participant`.
     pub fn subscribe(&self, participant: &str, subscriber: Subscriber) {
-        self.shared
+        let mut subscribers = self
+            .shared
             .subscribers
             .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(participant.to_owned())
-            .or_default()
-            .push(subscriber);
+            .unwrap_or_else(PoisonError::into_inner);
+        let list = subscribers.entry(participant.to_owned()).or_default();
+        // Once per connection and participant, however often it logs on.
+        if list.iter().all(|s| s.connection != subscriber.connection) {
+            list.push(subscriber);
+        }
+    }
+
+    /// Claims `participant`'s FIX session for `connection` with a logon whose password was
+    /// checked (`Err`: the Logout's text): refused when that logon (participant and SendingTime) was already used — a
+    /// password is good once — or when another session of the participant is live. Logons are
+    /// remembered for `freshness` (how old a SendingTime may be, on either side of the clock).
+    pub fn claim_fix_session(
+        &self,
+        participant: &str,
+        sending_time: &str,
+        connection: u64,
+        freshness: std::time::Duration,
+    ) -> Result<(), String> {
+        let now = std::time::Instant::now();
+        let mut sessions = self
+            .shared
+            .fix_sessions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        sessions
+            .used
+            .retain(|_, used_at| now.duration_since(*used_at) <= freshness * 2);
+        let key = (participant.to_owned(), sending_time.to_owned());
+        if sessions.used.contains_key(&key) {
+            return Err(format!(
+                "E_AUTH the logon of {participant} at {sending_time} was already used"
+            ));
+        }
+        if sessions.live.contains_key(participant) {
+            return Err(format!(
+                "E_AUTH {participant} already has a live FIX session"
+            ));
+        }
+        if sessions.used.len() >= FIX_LOGONS_REMEMBERED_MAX {
+            return Err("E_BUSY too many FIX logons lately; try again in a few minutes".into());
+        }
+        sessions.used.insert(key, now);
+        sessions.live.insert(participant.to_owned(), connection);
+        Ok(())
+    }
+
+    /// Ends `connection`'s claim on `participant`'s FIX session.
+    pub fn release_fix_session(&self, participant: &str, connection: u64) {
+        let mut sessions = self
+            .shared
+            .fix_sessions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if sessions.live.get(participant) == Some(&connection) {
+            sessions.live.remove(participant);
+        }
     }
 
     /// Ends every subscription of a connection.
@@ -284,6 +356,7 @@ impl Gateway {
             next_connection: AtomicU64::new(0),
             routes: Mutex::new(AHashMap::new()),
             subscribers: RwLock::new(AHashMap::new()),
+            fix_sessions: Mutex::new(FixSessions::default()),
             counters: GatewayCounters::default(),
         });
         let (ingress_tx, ingress_rx) = mpsc::channel(config.ingress_capacity.max(1));

@@ -17,6 +17,7 @@ use ste_bridge::fix::{self, FixConfig};
 use ste_bridge::gateway::{Gateway, GatewayConfig};
 use ste_bridge::soap::{self, SoapConfig};
 use ste_bridge::tcp::{self, TcpConfig};
+use ste_engine::keys::KeyRing;
 use ste_engine::pipeline::{PipelineConfig, StoreConfig};
 use ste_engine::profile::Tolerances;
 use ste_engine::refdata::RefData;
@@ -88,6 +89,14 @@ struct Cli {
     /// Matching profile (JSON); default: the T2S-style tolerances.
     #[arg(long)]
     profile: Option<PathBuf>,
+    /// The participants' signing keys: CSV `bic,key_id,key_hex`, up to two keys per participant
+    /// (rotation). Required unless --throwaway-keys.
+    #[arg(long, env = "STE_KEYS_FILE")]
+    keys: Option<PathBuf>,
+    /// Draw a random key set instead of reading one, and write it to
+    /// DATA_DIR/throwaway-keys.csv (owner-only) for local clients; loopback listeners only.
+    #[arg(long, conflicts_with = "keys")]
+    throwaway_keys: bool,
     /// Keep trades this many days after their trade date (postgres store only).
     #[arg(long, value_name = "DAYS")]
     retention_days: Option<u32>,
@@ -163,9 +172,47 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
     })
 }
 
+/// The key set the node verifies with: the key file, or throw-away keys when every listener is
+/// on loopback (a stranger on the network must never meet keys nobody manages).
+fn key_ring(cli: &Cli, refdata: &RefData) -> anyhow::Result<KeyRing> {
+    if let Some(path) = &cli.keys {
+        return KeyRing::load(path)
+            .with_context(|| format!("loading keys from {}", path.display()));
+    }
+    if !cli.throwaway_keys {
+        bail!("no signing keys: give a key file (--keys FILE or STE_KEYS_FILE), or --throwaway-keys for a loopback-only node");
+    }
+    for (name, address) in [
+        ("--tcp", &cli.tcp),
+        ("--http", &cli.http),
+        ("--fix", &cli.fix),
+    ] {
+        let resolved: Vec<std::net::SocketAddr> =
+            std::net::ToSocketAddrs::to_socket_addrs(address.as_str())
+                .with_context(|| format!("resolving {name} {address}"))?
+                .collect();
+        if resolved.is_empty() || resolved.iter().any(|a| !a.ip().is_loopback()) {
+            bail!("--throwaway-keys serves loopback listeners only, and {name} {address} is not one: give a key file (--keys FILE)");
+        }
+    }
+    let ring = KeyRing::generate_for(refdata);
+    let path = cli.data_dir.join("throwaway-keys.csv");
+    ring.write(&path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    info!(path = %path.display(), "throw-away signing keys written");
+    Ok(ring)
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     let config = gateway_config(&cli)?;
-    let refdata = Arc::new(RefData::embedded().context("loading the compiled-in reference data")?);
+    let refdata = RefData::embedded().context("loading the compiled-in reference data")?;
+    let ring = key_ring(&cli, &refdata)?;
+    let refdata = Arc::new(
+        refdata
+            .with_keys(&ring)
+            .context("installing the signing keys")?,
+    );
+    drop(ring);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

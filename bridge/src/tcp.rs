@@ -24,6 +24,9 @@ use crate::listener::accept_loop;
 
 /// How long one write to a participant may take before its connection is closed.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Participants one connection may log on as: a service bureau (or the load driver) sends for
+/// many, each proven by its own key; the bound keeps a connection's subscriptions finite.
+pub const IDENTITIES_PER_CONNECTION_MAX: usize = 1024;
 
 /// Limits of the framed-XML listener.
 #[derive(Debug, Clone)]
@@ -196,7 +199,15 @@ impl Reader<'_> {
                     {
                         return Some(Closing::new(rejection.code.as_str(), rejection.detail));
                     }
-                    if subscribe {
+                    let again = self.identities.contains(&participant);
+                    if !again && self.identities.len() >= IDENTITIES_PER_CONNECTION_MAX {
+                        return Some(Closing::new(
+                            "E_AUTH",
+                            format!("a connection logs on as at most {IDENTITIES_PER_CONNECTION_MAX} participants"),
+                        ));
+                    }
+                    // A repeated logon is answered again and changes nothing.
+                    if subscribe && !again {
                         self.gateway.subscribe(
                             &participant,
                             Subscriber {

@@ -7,10 +7,11 @@ mod common;
 use std::process::Command;
 
 use base64::Engine as _;
-use common::{connect_as, everyone, key_hex, message, python, refdata, trade_lines, Engine};
+use common::{
+    connect_as, everyone, key_hex, message, python, refdata, trade_lines, Engine, RawSession,
+};
 use ste_bridge::frame::{Frame, PushClass};
 use ste_bridge::soap::{BRIDGE_NS, SOAP11_NS};
-use ste_engine::refdata::RefData;
 use ste_engine::sign;
 
 fn fix_pairs(line: &[u8]) -> serde_json::Value {
@@ -258,69 +259,6 @@ fn one_trade_over_fix_soap_and_framed_xml() {
         }
     }
     assert!(engine.stop().success());
-}
-
-/// A raw FIX session for the timing and size tests.
-struct RawSession {
-    stream: std::net::TcpStream,
-    buffer: Vec<u8>,
-}
-
-impl RawSession {
-    fn logon(
-        engine: &Engine,
-        refdata: &RefData,
-        participant: &str,
-        heartbeat_s: u32,
-    ) -> RawSession {
-        use std::io::Write;
-        let mut stream = std::net::TcpStream::connect(engine.fix).expect("connects");
-        stream
-            .set_read_timeout(Some(std::time::Duration::from_secs(20)))
-            .expect("timeout");
-        let sending_time = ste_bridge::fix::utc_timestamp();
-        let key = refdata
-            .participant_mac(participant)
-            .expect("a participant")
-            .1;
-        let password = ste_bridge::fix::logon_password(key, &sending_time, participant);
-        let logon = ste_bridge::fix::encode(&[
-            (35, "A".into()),
-            (49, participant.into()),
-            (56, "STE".into()),
-            (34, "1".into()),
-            (52, sending_time),
-            (98, "0".into()),
-            (108, heartbeat_s.to_string()),
-            (554, password),
-        ]);
-        stream.write_all(&logon).expect("writes");
-        let mut session = RawSession {
-            stream,
-            buffer: Vec::new(),
-        };
-        let answer = session.next().expect("a logon answer");
-        assert_eq!(answer.msg_type(), "A", "{answer:?}");
-        session
-    }
-
-    /// The next whole message from the engine; `None` once it has closed.
-    fn next(&mut self) -> Option<ste_bridge::fix::FixMessage> {
-        use std::io::Read;
-        loop {
-            if let Some(end) = sign::find(&self.buffer, b"\x0110=").map(|at| at + 8) {
-                if self.buffer.len() >= end {
-                    let raw: Vec<u8> = self.buffer.drain(..end).collect();
-                    return Some(ste_bridge::fix::parse(&raw).expect("a valid FIX message"));
-                }
-            }
-            let mut chunk = [0_u8; 4096];
-            match self.stream.read(&mut chunk) {
-                Ok(0) | Err(_) => return None,
-                Ok(n) => self.buffer.extend_from_slice(&chunk[..n]),
-            }
-        }
-    }
 }
 
 #[test]

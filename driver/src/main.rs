@@ -3,7 +3,9 @@
 //! - `driver --trades N [--json]` generates N standard trades and runs them through the whole
 //!   pipeline in process;
 //! - `driver --input FILE` replays a message-set file;
-//! - `driver generate --trades N --out FILE` writes a message set (and `FILE.expected.json`);
+//! - `driver generate --trades N --out FILE` writes a message set (and `FILE.expected.json`,
+//!   and a random key set in `FILE.keys.csv`);
+//! - `driver keys --out FILE` writes a random key set;
 //! - `driver refdata [--out DIR]` writes the reference-data files.
 
 use std::path::PathBuf;
@@ -15,6 +17,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use ste_driver::remote::{run_remote as run_remote_load, RemoteConfig};
 use ste_driver::{RunConfig, Source, StoreChoice, Summary};
 use ste_engine::generator::{GeneratorConfig, DEFAULT_SEED};
+use ste_engine::keys::KeyRing;
 use ste_engine::profile::Tolerances;
 use ste_engine::refdata::RefData;
 
@@ -45,6 +48,16 @@ enum Command {
         #[command(flatten)]
         generation: GenerationArgs,
         /// The message-set file to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// Reference data folder (default: the data compiled in).
+        #[arg(long)]
+        refdata: Option<PathBuf>,
+    },
+    /// Write a fresh random key set for every participant (CSV bic,key_id,key_hex, readable
+    /// by its owner only): the --keys file of an engine node and the drivers that load it.
+    Keys {
+        /// The key file to write.
         #[arg(long)]
         out: PathBuf,
         /// Reference data folder (default: the data compiled in).
@@ -163,6 +176,11 @@ struct RunArgs {
     /// Reference data folder (default: the data compiled in).
     #[arg(long)]
     refdata: Option<PathBuf>,
+    /// The participants' signing keys (CSV bic,key_id,key_hex). Default: FILE.keys.csv beside
+    /// an --input FILE when there is one, else a random key set drawn for this run (a --target
+    /// engine must be given the same file).
+    #[arg(long, env = "STE_KEYS_FILE")]
+    keys: Option<PathBuf>,
     /// Continue on shards that already hold messages (the --run-dir of an earlier run, or the
     /// --db shards): matchers are rebuilt from them, and messages they already accepted count
     /// as duplicates.
@@ -196,6 +214,34 @@ fn load_refdata(dir: Option<&PathBuf>) -> anyhow::Result<RefData> {
         Some(dir) => RefData::load(dir).with_context(|| format!("loading {}", dir.display()))?,
         None => RefData::embedded().context("loading the compiled-in reference data")?,
     })
+}
+
+/// Where `driver generate --out FILE` puts the key set of the message set it writes.
+fn keys_beside(set: &std::path::Path) -> PathBuf {
+    PathBuf::from(format!("{}.keys.csv", set.display()))
+}
+
+/// The reference data of a run with the key set it signs with: `--keys`, else the keys beside
+/// the `--input` set, else (in process only) a random set of this run's own.
+fn refdata_with_keys(args: &RunArgs) -> anyhow::Result<RefData> {
+    let refdata = load_refdata(args.refdata.as_ref())?;
+    let beside = args
+        .input
+        .as_deref()
+        .map(keys_beside)
+        .filter(|p| p.exists());
+    let ring = match args.keys.as_ref().or(beside.as_ref()) {
+        Some(path) => {
+            KeyRing::load(path).with_context(|| format!("loading keys from {}", path.display()))?
+        }
+        None if args.target.is_some() => bail!(
+            "a --target engine verifies with its own key file: give the driver the same (--keys FILE)"
+        ),
+        None => KeyRing::generate_for(&refdata),
+    };
+    refdata
+        .with_keys(&ring)
+        .context("installing the signing keys")
 }
 
 fn generator_config(args: &GenerationArgs) -> anyhow::Result<GeneratorConfig> {
@@ -345,12 +391,29 @@ fn run_cli() -> anyhow::Result<()> {
             let expected_path = PathBuf::from(format!("{}.expected.json", out.display()));
             std::fs::write(&expected_path, serde_json::to_string_pretty(&expected)?)
                 .with_context(|| format!("writing {}", expected_path.display()))?;
+            let keys_path = keys_beside(&out);
+            KeyRing::generate_for(&refdata)
+                .write(&keys_path)
+                .with_context(|| format!("writing {}", keys_path.display()))?;
             eprintln!(
-                "{} messages of {} trades written to {} (expected outcome in {})",
+                "{} messages of {} trades written to {} (expected outcome in {}, a random key set in {})",
                 expected.messages_in,
                 expected.trades,
                 out.display(),
-                expected_path.display()
+                expected_path.display(),
+                keys_path.display()
+            );
+            Ok(())
+        }
+        Some(Command::Keys { out, refdata }) => {
+            let refdata = load_refdata(refdata.as_ref())?;
+            KeyRing::generate_for(&refdata)
+                .write(&out)
+                .with_context(|| format!("writing {}", out.display()))?;
+            eprintln!(
+                "random keys of {} participants written to {}",
+                refdata.participants().len(),
+                out.display()
             );
             Ok(())
         }
@@ -390,7 +453,7 @@ fn run_cli() -> anyhow::Result<()> {
 }
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
-    let refdata = Arc::new(load_refdata(args.refdata.as_ref())?);
+    let refdata = Arc::new(refdata_with_keys(&args)?);
     let json = args.json;
     if let Some(target) = args.target.clone() {
         return run_remote(args, target, refdata);
@@ -638,7 +701,7 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
     if args.run_dir.is_some() || args.resume {
         bail!("a sweep makes one fresh run directory per level under --out; --run-dir and --resume do not apply");
     }
-    let refdata = Arc::new(load_refdata(args.refdata.as_ref())?);
+    let refdata = Arc::new(refdata_with_keys(&args)?);
     let out = out.unwrap_or_else(|| {
         let mut dir = default_run_dir();
         dir.set_file_name(format!(

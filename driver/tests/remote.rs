@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use ste_bridge::gateway::{Gateway, GatewayConfig};
 use ste_bridge::tcp::{self, TcpConfig};
+use ste_engine::keys::KeyRing;
 use ste_engine::pipeline::{PipelineConfig, StoreConfig};
 use ste_engine::profile::{MatchingProfile, Tolerances};
 use ste_engine::refdata::RefData;
@@ -22,7 +23,12 @@ fn driver_target_tcp_gets_the_expected_outcome() {
         cls_out: None,
         ingress_capacity: 1024,
     };
-    let refdata = Arc::new(RefData::embedded().expect("reference data"));
+    let refdata = RefData::embedded().expect("reference data");
+    let keys = KeyRing::generate_for(&refdata);
+    let keys_dir = tempfile::tempdir().expect("a temporary folder");
+    let keys_file = keys_dir.path().join("keys.csv");
+    keys.write(&keys_file).expect("the key file is written");
+    let refdata = Arc::new(refdata.with_keys(&keys).expect("keys of participants"));
     let gateway = Gateway::start(&config, refdata).expect("the gateway starts");
     let runtime = tokio::runtime::Runtime::new().expect("a runtime");
     let listener = runtime
@@ -50,6 +56,8 @@ fn driver_target_tcp_gets_the_expected_outcome() {
         .args(["--connections", "3", "--window", "100"])
         .arg("--target")
         .arg(format!("tcp://{address}"))
+        .arg("--keys")
+        .arg(&keys_file)
         .output()
         .expect("the driver runs");
     assert!(

@@ -42,7 +42,11 @@ fn fault_mix(trades: u64) -> Source {
 }
 
 fn refdata() -> Arc<RefData> {
-    Arc::new(RefData::embedded().expect("reference data loads"))
+    Arc::new(
+        RefData::embedded()
+            .expect("reference data loads")
+            .with_generated_keys(),
+    )
 }
 
 fn assert_outcome_is_expected(summary: &Summary) {

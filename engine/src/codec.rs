@@ -673,7 +673,9 @@ mod tests {
 
     #[test]
     fn direct_encoding_equals_field_encoding() {
-        let refdata = crate::refdata::RefData::embedded().expect("reference data");
+        let refdata = crate::refdata::RefData::embedded()
+            .expect("reference data")
+            .with_generated_keys();
         let mut generator =
             crate::generator::Generator::new(&refdata, crate::generator::GeneratorConfig::clean(1));
         for msg in generator.standard_trade(3) {

@@ -6,6 +6,7 @@
 
 pub mod codec;
 pub mod generator;
+pub mod keys;
 pub mod matcher;
 pub mod model;
 pub mod pipeline;

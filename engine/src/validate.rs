@@ -9,7 +9,6 @@ use crate::codec::{parse_fields, Field, RawFields};
 use crate::model::{parse_date, Decimal, Function, Msg, MsgType, PaymentType, Side};
 use crate::reason::{ReasonCode, Rejection};
 use crate::refdata::{isin_check_digit_ok, RefData, Role};
-use crate::sign;
 
 /// Largest message accepted, in bytes.
 pub const MESSAGE_SIZE_MAX_BYTES: usize = 64 * 1024;
@@ -124,13 +123,13 @@ pub fn validate(
     let (Some(sender), Some(signature)) = (claimed_sender, signature) else {
         return Err(Rejection::new(ReasonCode::Sig, "message is not signed"));
     };
-    let Some((_, mac)) = refdata.participant_mac(sender) else {
+    let Some(verified) = refdata.verify_signature(sender, bytes, signature) else {
         return Err(Rejection::new(
             ReasonCode::Sig,
             format!("no signing key for sender {sender}"),
         ));
     };
-    if !sign::verify_keyed(mac, bytes, signature) {
+    if !verified {
         return Err(Rejection::new(
             ReasonCode::Sig,
             format!("signature does not match the key of {sender}"),

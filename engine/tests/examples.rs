@@ -45,7 +45,9 @@ fn the_example_messages_round_trip_through_the_codec() {
 
 #[test]
 fn the_example_trade_matches_on_all_criteria() {
-    let refdata = RefData::embedded().expect("reference data loads");
+    let refdata = RefData::embedded()
+        .expect("reference data loads")
+        .with_generated_keys();
     let messages = messages();
     let live: Vec<&Msg> = messages.iter().collect();
     assert_eq!(
@@ -56,7 +58,11 @@ fn the_example_trade_matches_on_all_criteria() {
 
 #[test]
 fn the_example_trade_yields_the_documented_cls() {
-    let refdata = Arc::new(RefData::embedded().expect("reference data loads"));
+    let refdata = Arc::new(
+        RefData::embedded()
+            .expect("reference data loads")
+            .with_generated_keys(),
+    );
     let mut matcher = Matcher::new(refdata, Tolerances::default());
     let mut emitted = Vec::new();
     for (line, msg) in STANDARD_TRADE.iter().zip(messages()) {

@@ -10,7 +10,11 @@ use ste_engine::refdata::RefData;
 use ste_engine::store::{SqliteStore, Store};
 
 fn refdata() -> Arc<RefData> {
-    Arc::new(RefData::embedded().expect("reference data loads"))
+    Arc::new(
+        RefData::embedded()
+            .expect("reference data loads")
+            .with_generated_keys(),
+    )
 }
 
 fn embedded(dir: &std::path::Path, shards: u32) -> PipelineConfig {

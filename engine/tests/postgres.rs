@@ -103,7 +103,11 @@ fn run_clean(
     trades: u64,
     recover: bool,
 ) -> (ste_engine::pipeline::PipelineReport, Vec<AckResult>) {
-    let refdata = Arc::new(RefData::embedded().expect("reference data"));
+    let refdata = Arc::new(
+        RefData::embedded()
+            .expect("reference data")
+            .with_generated_keys(),
+    );
     let config = PipelineConfig {
         shards: urls.len() as u32,
         store: StoreConfig::Postgres { urls },

@@ -74,7 +74,11 @@ impl Drop for Cluster {
 fn a_shard_that_crashes_and_comes_back_loses_and_duplicates_nothing() {
     let first_port = 47_000 + (std::process::id() % 1_000) * 2;
     let cluster = Cluster::start(2, first_port);
-    let refdata = Arc::new(RefData::embedded().expect("reference data"));
+    let refdata = Arc::new(
+        RefData::embedded()
+            .expect("reference data")
+            .with_generated_keys(),
+    );
     let config = PipelineConfig {
         shards: 2,
         store: StoreConfig::Postgres {

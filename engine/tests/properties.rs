@@ -18,7 +18,13 @@ use ste_engine::validate::validate;
 fn refdata() -> Arc<RefData> {
     static REFDATA: OnceLock<Arc<RefData>> = OnceLock::new();
     REFDATA
-        .get_or_init(|| Arc::new(RefData::embedded().expect("reference data loads")))
+        .get_or_init(|| {
+            Arc::new(
+                RefData::embedded()
+                    .expect("reference data loads")
+                    .with_generated_keys(),
+            )
+        })
         .clone()
 }
 

@@ -19,7 +19,13 @@ use time::Duration;
 fn refdata() -> Arc<RefData> {
     static REFDATA: OnceLock<Arc<RefData>> = OnceLock::new();
     REFDATA
-        .get_or_init(|| Arc::new(RefData::embedded().expect("reference data loads")))
+        .get_or_init(|| {
+            Arc::new(
+                RefData::embedded()
+                    .expect("reference data loads")
+                    .with_generated_keys(),
+            )
+        })
         .clone()
 }
 
@@ -612,7 +618,8 @@ fn a_signature_by_another_key_is_rejected() {
     );
     // Signed by a real participant, but the message names another sender.
     let other = &refdata.participants()[0];
-    let signed_by_other = sign::sign(&other.key, &line);
+    let other_key = refdata.participant_mac(&other.bic).expect("a key").1;
+    let signed_by_other = sign::sign_keyed(other_key, &line);
     let result = validate(&refdata, &line, Some(&other.bic), Some(&signed_by_other));
     assert_eq!(result.map(|_| ()).map_err(|r| r.code), Err(ReasonCode::Sig));
 }
@@ -627,8 +634,8 @@ fn a_prefixed_namespace_is_the_same_message() {
         .replace("<s:/", "</s:")
         .replace("<s:s:", "<s:");
     let sender = &messages[0].sender;
-    let key = &refdata.participant(sender).expect("known sender").key;
-    let signature = sign::sign(key, prefixed.as_bytes());
+    let key = refdata.participant_mac(sender).expect("known sender").1;
+    let signature = sign::sign_keyed(key, prefixed.as_bytes());
     let msg = validate(
         &refdata,
         prefixed.as_bytes(),

@@ -160,7 +160,7 @@ fn decode_fix(refdata: &RefData, bytes: &[u8]) -> (String, Vec<u8>, [u8; 32]) {
     let sender = message.get(49).unwrap_or("").to_owned();
     let key = refdata.participant_mac(&sender).expect("a participant").1;
     let signature = hex::decode(message.get(89).unwrap_or("")).unwrap_or_default();
-    let covered = fix::signed_part(bytes).expect("signed");
+    let covered = fix::signed_part(bytes).expect("a well-formed signed message");
     assert!(
         sign::verify_keyed(key, covered, &signature),
         "FIX signature"
@@ -472,7 +472,7 @@ fn run_fix(
 fn main() -> anyhow::Result<()> {
     let messages = arg("--messages", 20_000) as usize;
     let trades = arg("--trades", 20_000);
-    let refdata = Arc::new(RefData::embedded()?);
+    let refdata = Arc::new(RefData::embedded()?.with_generated_keys());
     let lines: Vec<Vec<u8>> = Generator::new(
         &refdata,
         GeneratorConfig::clean((messages as u64).div_ceil(7)),

@@ -6,11 +6,13 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use ste_bridge::client::{self, FrameReader, FrameWriter, Logon};
 use ste_bridge::frame::Frame;
 use ste_engine::generator::{Generator, GeneratorConfig};
+use ste_engine::keys::KeyRing;
 use ste_engine::pipeline::sign_line;
 use ste_engine::refdata::RefData;
 
@@ -54,6 +56,8 @@ impl Engine {
             ])
             .arg("--data-dir")
             .arg(dir)
+            .arg("--keys")
+            .arg(keys_file())
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -122,8 +126,30 @@ impl Drop for Engine {
     }
 }
 
+/// The test process's key set: random, drawn once, shared by every engine it starts.
+pub fn keys() -> &'static KeyRing {
+    static KEYS: OnceLock<KeyRing> = OnceLock::new();
+    KEYS.get_or_init(|| KeyRing::generate_for(&RefData::embedded().expect("reference data")))
+}
+
+/// The key set as a file that the engine binary reads (`--keys`).
+pub fn keys_file() -> &'static Path {
+    static FILE: OnceLock<(tempfile::TempDir, std::path::PathBuf)> = OnceLock::new();
+    let (_, path) = FILE.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("a temporary folder");
+        let path = dir.path().join("keys.csv");
+        keys().write(&path).expect("the key file is written");
+        (dir, path)
+    });
+    path
+}
+
+/// The reference data with the test process's keys.
 pub fn refdata() -> RefData {
-    RefData::embedded().expect("reference data")
+    RefData::embedded()
+        .expect("reference data")
+        .with_keys(keys())
+        .expect("keys of known participants")
 }
 
 /// The lines of `trades` clean standard trades.
@@ -184,13 +210,164 @@ pub fn python() -> std::path::PathBuf {
 }
 
 /// A participant's signing key, hex, as a third-party client is given it.
-pub fn key_hex(refdata: &RefData, bic: &str) -> String {
-    hex::encode(
-        &refdata
-            .participants()
-            .iter()
-            .find(|p| p.bic == bic)
-            .expect("a participant")
-            .key,
-    )
+pub fn key_hex(_refdata: &RefData, bic: &str) -> String {
+    hex::encode(keys().signing_key(bic).expect("a participant's key"))
+}
+
+/// A raw FIX session for the timing and size tests.
+pub struct RawSession {
+    pub stream: std::net::TcpStream,
+    pub buffer: Vec<u8>,
+}
+
+impl RawSession {
+    pub fn logon(
+        engine: &Engine,
+        refdata: &RefData,
+        participant: &str,
+        heartbeat_s: u32,
+    ) -> RawSession {
+        let (session, answer) =
+            RawSession::send_logon(engine, &fix_logon(refdata, participant, heartbeat_s));
+        assert_eq!(answer.msg_type(), "A", "{answer:?}");
+        session
+    }
+
+    /// Connects and sends `logon` as it is; the session and the engine's first answer.
+    pub fn send_logon(engine: &Engine, logon: &[u8]) -> (RawSession, ste_bridge::fix::FixMessage) {
+        use std::io::Write;
+        let mut stream = std::net::TcpStream::connect(engine.fix).expect("connects");
+        stream
+            .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .expect("timeout");
+        stream.write_all(logon).expect("writes");
+        let mut session = RawSession {
+            stream,
+            buffer: Vec::new(),
+        };
+        let answer = session.next().expect("a logon answer");
+        (session, answer)
+    }
+
+    /// The next message that is not a Heartbeat or TestRequest.
+    pub fn next_answer(&mut self) -> Option<ste_bridge::fix::FixMessage> {
+        std::iter::from_fn(|| self.next()).find(|m| !matches!(m.msg_type(), "0" | "1"))
+    }
+
+    /// Sends raw bytes.
+    pub fn send(&mut self, bytes: &[u8]) {
+        use std::io::Write;
+        self.stream.write_all(bytes).expect("writes");
+    }
+}
+
+/// A FIX Logon of `participant` with a fresh SendingTime and its password.
+pub fn fix_logon(refdata: &RefData, participant: &str, heartbeat_s: u32) -> Vec<u8> {
+    let sending_time = ste_bridge::fix::utc_timestamp();
+    let key = refdata
+        .participant_mac(participant)
+        .expect("a participant")
+        .1;
+    let password = ste_bridge::fix::logon_password(key, &sending_time, participant);
+    ste_bridge::fix::encode(&[
+        (35, "A".into()),
+        (49, participant.into()),
+        (56, "STE".into()),
+        (34, "1".into()),
+        (52, sending_time),
+        (98, "0".into()),
+        (108, heartbeat_s.to_string()),
+        (554, password),
+    ])
+}
+
+/// The fields of the FIX application message of `line` from `35` to `89`, with the session
+/// header of MsgSeqNum `seq`, signed by the line's sender after `tamper` changed the fields.
+pub fn signed_fix_fields(
+    refdata: &RefData,
+    seq: u64,
+    line: &[u8],
+    tamper: impl FnOnce(&mut Vec<(u32, String)>),
+) -> Vec<(u32, String)> {
+    let sender = ste_engine::sign::claimed_sender(line).expect("a sender");
+    let key = refdata.participant_mac(sender).expect("a participant").1;
+    let mut pairs = ste_bridge::fix::to_fix(line).expect("maps to FIX");
+    let msg_type = pairs.remove(0);
+    let mut fields = vec![
+        msg_type,
+        (49, sender.to_owned()),
+        (56, "STE".to_owned()),
+        (34, seq.to_string()),
+        (52, ste_bridge::fix::utc_timestamp()),
+    ];
+    fields.extend(pairs);
+    tamper(&mut fields);
+    let mut covered = Vec::new();
+    for (tag, value) in &fields {
+        covered.extend_from_slice(format!("{tag}={value}\u{1}").as_bytes());
+    }
+    let signature = hex::encode(ste_engine::sign::sign_keyed(key, &covered));
+    fields.push((93, signature.len().to_string()));
+    fields.push((89, signature));
+    fields
+}
+
+impl RawSession {
+    /// The next whole message from the engine; `None` once it has closed.
+    pub fn next(&mut self) -> Option<ste_bridge::fix::FixMessage> {
+        use std::io::Read;
+        loop {
+            if let Some(end) = ste_engine::sign::find(&self.buffer, b"\x0110=").map(|at| at + 8) {
+                if self.buffer.len() >= end {
+                    let raw: Vec<u8> = self.buffer.drain(..end).collect();
+                    return Some(ste_bridge::fix::parse(&raw).expect("a valid FIX message"));
+                }
+            }
+            let mut chunk = [0_u8; 4096];
+            match self.stream.read(&mut chunk) {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => self.buffer.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+}
+
+/// A well-behaved participant's run in the background: one connection logged on as every
+/// participant sends `trades` whole trades and waits for every ACK and CLS. Joined, it returns
+/// (ACKs, CLS) received.
+pub fn well_behaved(
+    engine: &Engine,
+    refdata: &RefData,
+    trades: u64,
+    seed: u64,
+) -> std::thread::JoinHandle<(usize, usize)> {
+    let lines = trade_lines(refdata, trades, seed);
+    let bics = everyone(refdata);
+    let names: Vec<&str> = bics.iter().map(String::as_str).collect();
+    let (mut writer, mut reader) = connect_as(engine, refdata, &names, true);
+    let frames: Vec<Frame> = lines
+        .into_iter()
+        .enumerate()
+        .map(|(seq, line)| message(refdata, seq as u64, line))
+        .collect();
+    std::thread::spawn(move || {
+        let expected_acks = frames.len();
+        for frame in &frames {
+            writer.send(frame).expect("sends");
+        }
+        writer.flush().expect("flushes");
+        let (mut acks, mut cls) = (0, 0);
+        while acks < expected_acks || cls < trades as usize {
+            match reader.next_frame() {
+                Ok(Some(Frame::Ack { .. })) => acks += 1,
+                Ok(Some(Frame::Push {
+                    class: ste_bridge::frame::PushClass::Cls,
+                    ..
+                })) => cls += 1,
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => break,
+            }
+        }
+        (acks, cls)
+    })
 }

@@ -11,7 +11,6 @@ use std::path::Path;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use sha2::{Digest, Sha256};
 use time::{Date, Duration, Month, Weekday};
 
 use super::iso::{COUNTRIES, CURRENCIES};
@@ -548,14 +547,6 @@ fn rule_date(rule: Rule, year: i32) -> Option<Date> {
     }
 }
 
-/// A participant key: derived, so that the committed file can be checked by regenerating it.
-fn participant_key_hex(bic: &str) -> String {
-    let mut hasher = Sha256::new();
-    hasher.update(b"ste reference data participant key\0");
-    hasher.update(bic.as_bytes());
-    hex::encode(hasher.finalize())
-}
-
 fn letters(mut index: usize, width: usize) -> String {
     let mut out = vec![b'A'; width];
     for slot in out.iter_mut().rev() {
@@ -651,14 +642,9 @@ pub fn generate_texts() -> [String; 6] {
             participants_rows.insert((bic, role));
         }
     }
-    let mut participants = String::from("bic,role,country,key_hex\n");
+    let mut participants = String::from("bic,role,country\n");
     for (bic, role) in &participants_rows {
-        let _ = writeln!(
-            participants,
-            "{bic},{role},{},{}",
-            &bic[4..6],
-            participant_key_hex(bic)
-        );
+        let _ = writeln!(participants, "{bic},{role},{}", &bic[4..6]);
     }
 
     [

@@ -9,6 +9,7 @@ use std::path::Path;
 use serde::Deserialize;
 use time::{Date, Weekday};
 
+use crate::keys::{KeyRing, ParticipantKeys};
 use crate::model::parse_date;
 
 /// A participant's role.
@@ -65,13 +66,12 @@ pub struct Security {
     pub currency: String,
 }
 
-/// A participant with its signing key.
+/// A participant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Participant {
     pub bic: String,
     pub role: Role,
     pub country: String,
-    pub key: Vec<u8>,
 }
 
 /// Why reference data could not be loaded.
@@ -84,6 +84,8 @@ pub enum RefDataError {
     },
     #[error("bad row in {file}: {detail}")]
     Row { file: String, detail: String },
+    #[error("the key file names {0}, which is not in participants.csv")]
+    UnknownKeyOwner(String),
 }
 
 /// Packs a key of at most 16 bytes into a big-endian integer: integer order is the same as the
@@ -130,8 +132,9 @@ pub struct RefData {
     markets: Vec<Market>,
     securities: Vec<Security>,
     participants: Vec<Participant>,
-    /// The prepared signing state of each participant, in the order of `participants`.
-    macs: Vec<crate::sign::KeyedMac>,
+    /// The prepared keys of each participant, in the order of `participants`: empty until
+    /// [`RefData::with_keys`] installs a key set (keys are secrets, not reference data).
+    keys_by_participant: Vec<ParticipantKeys>,
     /// (market, date) pairs, sorted.
     holidays: Vec<(String, Date)>,
 }
@@ -187,7 +190,6 @@ struct ParticipantRow {
     bic: String,
     role: String,
     country: String,
-    key_hex: String,
 }
 
 #[derive(Deserialize)]
@@ -278,13 +280,10 @@ impl RefData {
         for row in read_rows::<ParticipantRow>(FILES[4], texts[4])? {
             let role = Role::parse(&row.role)
                 .ok_or_else(|| row_error(FILES[4], format!("unknown role {}", row.role)))?;
-            let key = hex::decode(&row.key_hex)
-                .map_err(|error| row_error(FILES[4], format!("bad key of {}: {error}", row.bic)))?;
             participants.push(Participant {
                 bic: row.bic,
                 role,
                 country: row.country,
-                key,
             });
         }
         participants.sort_by(|a, b| a.bic.cmp(&b.bic));
@@ -295,10 +294,7 @@ impl RefData {
             holidays.push((row.market, date));
         }
         holidays.sort();
-        let macs = participants
-            .iter()
-            .map(|p| crate::sign::keyed(&p.key))
-            .collect();
+        let keys_by_participant = vec![ParticipantKeys::default(); participants.len()];
         let keys = Keys {
             currencies: packed_keys(&currencies, |c| &c.code),
             countries: packed_keys(&countries, |c| c),
@@ -317,9 +313,33 @@ impl RefData {
             markets,
             securities,
             participants,
-            macs,
+            keys_by_participant,
             holidays,
         })
+    }
+
+    /// Installs the participants' signing keys; a key of a BIC that is not a participant is
+    /// refused (a typo in a key file must not go unnoticed).
+    pub fn with_keys(mut self, ring: &KeyRing) -> Result<Self, RefDataError> {
+        if let Some(stranger) = ring
+            .entries()
+            .iter()
+            .find(|entry| self.participant(&entry.bic).is_none())
+        {
+            return Err(RefDataError::UnknownKeyOwner(stranger.bic.clone()));
+        }
+        for (participant, keys) in self.participants.iter().zip(&mut self.keys_by_participant) {
+            *keys = ring.keys_of(&participant.bic);
+        }
+        Ok(self)
+    }
+
+    /// Installs a fresh random key set (for tests and self-contained benchmark runs, whose
+    /// signer and verifier share this value).
+    pub fn with_generated_keys(self) -> Self {
+        let ring = KeyRing::generate_for(&self);
+        self.with_keys(&ring)
+            .expect("a key set drawn for the participants names only participants")
     }
 
     /// The currency with this code.
@@ -347,9 +367,19 @@ impl RefData {
         search(&self.keys.participants, bic).map(|i| &self.participants[i])
     }
 
-    /// The participant with this BIC and its prepared signing state.
+    /// The participant with this BIC and the key it signs with (the newest of its keys), if it
+    /// has one.
     pub fn participant_mac(&self, bic: &str) -> Option<(&Participant, &crate::sign::KeyedMac)> {
-        search(&self.keys.participants, bic).map(|i| (&self.participants[i], &self.macs[i]))
+        let index = search(&self.keys.participants, bic)?;
+        let mac = self.keys_by_participant[index].signing()?;
+        Some((&self.participants[index], mac))
+    }
+
+    /// Whether `signature` over `bytes` checks out under one of `bic`'s valid keys; `None` when
+    /// `bic` has no key.
+    pub fn verify_signature(&self, bic: &str, bytes: &[u8], signature: &[u8]) -> Option<bool> {
+        let keys = &self.keys_by_participant[search(&self.keys.participants, bic)?];
+        (!keys.is_empty()).then(|| keys.verify(bytes, signature))
     }
 
     /// Whether `date` is a holiday of `market` in holidays.csv.

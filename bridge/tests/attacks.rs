@@ -1,0 +1,269 @@
+//! The `engine` binary against a participant that attacks it: forged FIX fields, replayed
+//! logons, sequence-number tricks, bytes held behind a gap, repeated logons. Each attack is
+//! refused with its reason while a well-behaved participant on another connection completes
+//! its trades.
+
+mod common;
+
+use common::{
+    connect_as, everyone, fix_logon, message, refdata, signed_fix_fields, trade_lines,
+    well_behaved, Engine, RawSession,
+};
+use ste_bridge::fix::{self, FixMessage};
+use ste_bridge::frame::{Frame, PushClass};
+use ste_engine::sign;
+
+fn session_reject(answer: &FixMessage) -> (&str, &str) {
+    assert_eq!(answer.msg_type(), "3", "a session Reject: {answer:?}");
+    (answer.get(373).unwrap_or(""), answer.get(371).unwrap_or(""))
+}
+
+#[test]
+fn forged_fix_fields_are_refused_before_they_are_mapped() {
+    let engine = Engine::start(&[]);
+    let refdata = refdata();
+    let good = well_behaved(&engine, &refdata, 20, 501);
+    let noe = trade_lines(&refdata, 1, 502).remove(0);
+    let broker = sign::claimed_sender(&noe).expect("a sender").to_owned();
+    let mut session = RawSession::logon(&engine, &refdata, &broker, 30);
+
+    // An unsigned Qty inserted between BodyLength and MsgType, ahead of the signed one.
+    let mut fields = signed_fix_fields(&refdata, 2, &noe, |_| {});
+    fields.insert(0, (32, "1".into()));
+    session.send(&fix::encode(&fields));
+    let answer = session.next_answer().expect("an answer");
+    assert_eq!(session_reject(&answer), ("14", "32"), "{answer:?}");
+    assert!(
+        answer.get(58).is_some_and(|t| t.starts_with("E_SIG")),
+        "{answer:?}"
+    );
+
+    // An InvMgr party appended after the signature.
+    let mut fields = signed_fix_fields(&refdata, 3, &noe, |_| {});
+    fields.extend([
+        (448, "IMGAAAAAXXX".to_owned()),
+        (447, "B".to_owned()),
+        (452, "13".to_owned()),
+    ]);
+    session.send(&fix::encode(&fields));
+    let answer = session.next_answer().expect("an answer");
+    assert_eq!(session_reject(&answer), ("14", "448"), "{answer:?}");
+
+    // A tag repeated inside the signed part (the mapping would read the first).
+    let fields = signed_fix_fields(&refdata, 4, &noe, |fields| {
+        fields.insert(1, (571, "FORGED-000000000001".into()));
+    });
+    session.send(&fix::encode(&fields));
+    let answer = session.next_answer().expect("an answer");
+    assert_eq!(session_reject(&answer), ("13", "571"), "{answer:?}");
+    assert!(
+        answer.get(58).is_some_and(|t| t.starts_with("E_PARSE")),
+        "{answer:?}"
+    );
+
+    // A second party of the same role inside the group.
+    let fields = signed_fix_fields(&refdata, 5, &noe, |fields| {
+        let group = fields
+            .iter()
+            .position(|(tag, _)| *tag == 453)
+            .expect("parties");
+        let count: usize = fields[group].1.parse().expect("a count");
+        fields[group].1 = (count + 1).to_string();
+        fields.splice(
+            group + 1..group + 1,
+            [
+                (448, "IMGAAAAAXXX".to_owned()),
+                (447, "B".to_owned()),
+                (452, "13".to_owned()),
+            ],
+        );
+    });
+    session.send(&fix::encode(&fields));
+    let answer = session.next_answer().expect("an answer");
+    assert_eq!(session_reject(&answer), ("5", "452"), "{answer:?}");
+
+    // Signed bytes before BeginString are not a FIX message: the session ends.
+    // (Checked last, since it ends the session.) First the genuine message: accepted as new,
+    // so none of the forgeries was taken under its MsgId.
+    let fields = signed_fix_fields(&refdata, 6, &noe, |_| {});
+    session.send(&fix::encode(&fields));
+    let answer = session.next_answer().expect("an answer");
+    assert_eq!(answer.msg_type(), "AR", "{answer:?}");
+    assert_eq!(answer.get(939), Some("0"), "accepted: {answer:?}");
+    assert_eq!(
+        answer.get(58),
+        None,
+        "accepted, not a duplicate: {answer:?}"
+    );
+    let mut prefixed = b"571=FORGED\x01".to_vec();
+    prefixed.extend(fix::encode(&signed_fix_fields(&refdata, 7, &noe, |_| {})));
+    session.send(&prefixed);
+    let logout = session.next_answer().expect("a Logout");
+    assert_eq!(logout.msg_type(), "5", "{logout:?}");
+
+    assert_eq!(good.join().expect("the good participant"), (140, 20));
+    assert!(engine.stop().success());
+}
+
+#[test]
+fn a_fix_logon_is_good_once_and_a_participant_has_one_session() {
+    let engine = Engine::start(&[]);
+    let refdata = refdata();
+    let good = well_behaved(&engine, &refdata, 20, 503);
+    let bics = everyone(&refdata);
+    let victim = &bics[7];
+    let logon = fix_logon(&refdata, victim, 30);
+    let (mut first, answer) = RawSession::send_logon(&engine, &logon);
+    assert_eq!(answer.msg_type(), "A", "{answer:?}");
+
+    // The same logon replayed on a second connection while the first is open.
+    let (_, answer) = RawSession::send_logon(&engine, &logon);
+    assert_eq!(answer.msg_type(), "5", "{answer:?}");
+    assert!(
+        answer
+            .get(58)
+            .is_some_and(|t| t.starts_with("E_AUTH") && t.contains("already used")),
+        "{answer:?}"
+    );
+    // A fresh logon of the same participant while its session is live.
+    let (_, answer) = RawSession::send_logon(&engine, &fix_logon(&refdata, victim, 30));
+    assert_eq!(answer.msg_type(), "5", "{answer:?}");
+    assert!(
+        answer
+            .get(58)
+            .is_some_and(|t| t.contains("live FIX session")),
+        "{answer:?}"
+    );
+
+    // The first session logs out; the old logon replayed later is still refused.
+    first.send(&fix::encode(&[
+        (35, "5".into()),
+        (49, victim.clone()),
+        (56, "STE".into()),
+        (34, "2".into()),
+        (52, fix::utc_timestamp()),
+    ]));
+    assert_eq!(
+        first.next_answer().map(|m| m.msg_type().to_owned()),
+        Some("5".into())
+    );
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (_, answer) = RawSession::send_logon(&engine, &logon);
+    assert!(
+        answer.get(58).is_some_and(|t| t.contains("already used")),
+        "{answer:?}"
+    );
+    // A new logon of the participant is welcome again.
+    let (_, answer) = RawSession::send_logon(&engine, &fix_logon(&refdata, victim, 30));
+    assert_eq!(answer.msg_type(), "A", "{answer:?}");
+
+    assert_eq!(good.join().expect("the good participant"), (140, 20));
+    assert!(engine.stop().success());
+}
+
+#[test]
+fn sequence_numbers_cannot_wrap_and_gaps_hold_bounded_bytes() {
+    let engine = Engine::start(&[]);
+    let refdata = refdata();
+    let good = well_behaved(&engine, &refdata, 20, 504);
+    let bics = everyone(&refdata);
+    let header = |seq: u64, msg_type: &str| -> Vec<(u32, String)> {
+        vec![
+            (35, msg_type.to_owned()),
+            (49, bics[9].clone()),
+            (56, "STE".into()),
+            (34, seq.to_string()),
+            (52, fix::utc_timestamp()),
+        ]
+    };
+
+    // SequenceReset to the largest u64: refused, and the expected number stays where it was.
+    let mut session = RawSession::logon(&engine, &refdata, &bics[9], 30);
+    let mut reset = header(2, "4");
+    reset.push((36, u64::MAX.to_string()));
+    session.send(&fix::encode(&reset));
+    let answer = session.next_answer().expect("an answer");
+    assert_eq!(session_reject(&answer), ("5", "36"), "{answer:?}");
+    let mut test_request = header(3, "1");
+    test_request.push((112, "STILL-IN-SEQUENCE".into()));
+    session.send(&fix::encode(&test_request));
+    let heartbeat = std::iter::from_fn(|| session.next())
+        .find(|m| m.get(112).is_some())
+        .expect("a Heartbeat");
+    assert_eq!(heartbeat.get(112), Some("STILL-IN-SEQUENCE"));
+
+    // Large messages past a gap: held up to a bound in bytes, then the session is closed.
+    let mut gap = RawSession::logon(&engine, &refdata, &bics[10], 30);
+    let filler = "x".repeat(60 * 1024);
+    let mut logout = None;
+    for seq in 10..40 {
+        let mut fields = header(seq, "1");
+        fields[1].1 = bics[10].clone();
+        fields.push((112, filler.clone()));
+        use std::io::Write;
+        if gap.stream.write_all(&fix::encode(&fields)).is_err() {
+            break;
+        }
+    }
+    while let Some(message) = gap.next() {
+        if message.msg_type() == "5" {
+            logout = Some(message);
+            break;
+        }
+    }
+    let logout = logout.expect("a Logout");
+    assert!(
+        logout.get(58).is_some_and(|t| t.starts_with("E_SIZE")),
+        "{logout:?}"
+    );
+
+    assert_eq!(good.join().expect("the good participant"), (140, 20));
+    assert!(engine.stop().success());
+}
+
+#[test]
+fn repeated_framed_logons_subscribe_once() {
+    let engine = Engine::start(&[]);
+    let refdata = refdata();
+    let good = well_behaved(&engine, &refdata, 20, 505);
+    let lines = trade_lines(&refdata, 1, 506);
+    let broker = sign::claimed_sender(&lines[0])
+        .expect("a sender")
+        .to_owned();
+    // The broker's connection logs on three times; the others' one connection sends.
+    let (_broker_writer, mut broker_reader) =
+        connect_as(&engine, &refdata, &[&broker, &broker, &broker], true);
+    let bics = everyone(&refdata);
+    let names: Vec<&str> = bics.iter().map(String::as_str).collect();
+    let (mut writer, mut reader) = connect_as(&engine, &refdata, &names, false);
+    for (seq, line) in lines.into_iter().enumerate() {
+        writer
+            .send(&message(&refdata, seq as u64, line))
+            .expect("sends");
+    }
+    writer.flush().expect("flushes");
+    for _ in 0..7 {
+        assert!(matches!(reader.next_frame(), Ok(Some(Frame::Ack { .. }))));
+    }
+    let mut pushes = 0;
+    broker_reader
+        .set_read_timeout(Some(std::time::Duration::from_secs(2)))
+        .expect("a timeout");
+    while let Ok(Some(frame)) = broker_reader.next_frame() {
+        if matches!(
+            frame,
+            Frame::Push {
+                class: PushClass::Cls,
+                ..
+            }
+        ) {
+            pushes += 1;
+        }
+    }
+    assert_eq!(
+        pushes, 1,
+        "one CLS push however often the connection logged on"
+    );
+    assert_eq!(good.join().expect("the good participant"), (140, 20));
+    assert!(engine.stop().success());
+}

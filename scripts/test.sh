@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The test command: installs and starts what the tests talk to, then runs `cargo test --workspace`
+# (extra arguments go to cargo test). On a fresh Debian machine, as root:
+#   - PostgreSQL on 127.0.0.1:5432 (started if it is installed but not running);
+#   - Debian's chromium, for the dashboard's browser test;
+#   - zeep and simplefix from PyPI, the third-party SOAP and FIX clients of the bridge's tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+apt_install() {
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "$@" >/dev/null \
+    || { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "$@" >/dev/null; }
+}
+
+echo "== PostgreSQL"
+export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
+if ! command -v pg_isready >/dev/null 2>&1; then
+  apt_install postgresql
+fi
+if ! pg_isready -h 127.0.0.1 -p 5432 -q; then
+  pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n 1)" main start
+  for _ in $(seq 1 30); do pg_isready -h 127.0.0.1 -p 5432 -q && break; sleep 1; done
+fi
+pg_isready -h 127.0.0.1 -p 5432
+
+echo "== browser for the dashboard test (Debian's chromium)"
+if [ -z "${STE_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
+  apt_install chromium
+fi
+"${STE_CHROMIUM:-chromium}" --version
+
+echo "== third-party clients of the bridge tests (zeep, simplefix from PyPI)"
+python="${STE_PYTHON:-python3}"
+"$python" -m pip install --quiet --disable-pip-version-check -r bridge/tests/clients/requirements.txt
+"$python" -c "import zeep, simplefix; print('zeep', zeep.__version__)"
+
+echo "== cargo test --workspace $*"
+cargo test --workspace "$@"
