@@ -267,3 +267,117 @@ fn repeated_framed_logons_subscribe_once() {
     assert_eq!(good.join().expect("the good participant"), (140, 20));
     assert!(engine.stop().success());
 }
+
+/// One SOAP 1.1 request on a new connection, with nobody logged on anywhere; the status line
+/// and body of the answer.
+fn soap_post(engine: &Engine, body: &[u8]) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(engine.http).expect("connects");
+    write!(
+        stream,
+        "POST /soap HTTP/1.1\r\nHost: localhost\r\nContent-Type: text/xml\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .expect("writes");
+    stream.write_all(body).expect("writes");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("reads");
+    response
+}
+
+/// A SOAP 1.1 envelope carrying `line` inline, signed by its sender.
+fn soap_request(refdata: &ste_engine::refdata::RefData, line: &[u8]) -> Vec<u8> {
+    use base64::Engine as _;
+    let signer = sign::claimed_sender(line).expect("a sender");
+    let key = refdata.participant_mac(signer).expect("a participant").1;
+    format!(
+        "<s:Envelope xmlns:s=\"{}\" xmlns:b=\"{}\"><s:Header><b:Auth><b:Participant>{signer}</b:Participant><b:Signature>{}</b:Signature></b:Auth></s:Header><s:Body><b:Submit><b:Message>{}</b:Message></b:Submit></s:Body></s:Envelope>",
+        ste_bridge::soap::SOAP11_NS,
+        ste_bridge::soap::BRIDGE_NS,
+        hex::encode(sign::sign_keyed(key, line)),
+        base64::engine::general_purpose::STANDARD.encode(line)
+    )
+    .into_bytes()
+}
+
+/// `line` with the text of its first `<tag>` element replaced.
+fn with_element(line: &[u8], tag: &str, value: &str) -> Vec<u8> {
+    let text = std::str::from_utf8(line).expect("UTF-8");
+    let open = format!("<{tag}>");
+    let start = text.find(&open).expect("the element") + open.len();
+    let end = start + text[start..].find('<').expect("its end");
+    format!("{}{value}{}", &text[..start], &text[end..]).into_bytes()
+}
+
+/// The CAN of `line`'s message: the header, RelatedId and the trade key.
+fn cancel_of(line: &[u8]) -> Vec<u8> {
+    use ste_engine::codec::{self, Field, RawFields};
+    let fields = codec::parse_fields(line).expect("a message");
+    let mut cancel = RawFields::default();
+    for field in [
+        Field::Type,
+        Field::Sender,
+        Field::SentAt,
+        Field::TradeRef,
+        Field::Broker,
+    ] {
+        cancel.set(field, fields.get(field).expect("the field").to_owned());
+    }
+    let msg_id = fields.get(Field::MsgId).expect("a MsgId");
+    cancel.set(Field::MsgId, format!("{msg_id}-X"));
+    cancel.set(Field::Function, "CAN");
+    cancel.set(Field::RelatedId, msg_id.to_owned());
+    codec::encode_fields(&cancel).into_bytes()
+}
+
+#[test]
+fn a_rejected_message_replayed_over_soap_gets_its_rejection_again() {
+    let engine = Engine::start(&[]);
+    let refdata = refdata();
+    let good = well_behaved(&engine, &refdata, 20, 507);
+    let noe = trade_lines(&refdata, 1, 508).remove(0);
+    let broker = sign::claimed_sender(&noe).expect("a sender").to_owned();
+    let competing = with_element(&noe, "MsgId", "COMPETING-NOE-000001");
+    let (mut writer, mut reader) = connect_as(&engine, &refdata, &[&broker], false);
+    let mut answer = |seq: u64, line: Vec<u8>| -> Frame {
+        writer.send(&message(&refdata, seq, line)).expect("sends");
+        writer.flush().expect("flushes");
+        reader.next_frame().expect("reads").expect("open")
+    };
+    assert!(matches!(
+        answer(1, noe.clone()),
+        Frame::Ack {
+            duplicate: false,
+            ..
+        }
+    ));
+    let refused = answer(2, competing.clone());
+    assert!(
+        matches!(
+            refused,
+            Frame::Nak {
+                code: ste_engine::reason::ReasonCode::Conflict,
+                ..
+            }
+        ),
+        "{refused:?}"
+    );
+    // The cause goes away: the original NOE is cancelled.
+    assert!(matches!(
+        answer(3, cancel_of(&noe)),
+        Frame::Ack {
+            duplicate: false,
+            ..
+        }
+    ));
+    // A stranger who never logged on re-posts the refused NOE over SOAP: refused again.
+    let response = soap_post(&engine, &soap_request(&refdata, &competing));
+    assert!(response.starts_with("HTTP/1.1 500"), "{response}");
+    assert!(response.contains("E_CONFLICT"), "{response}");
+    // Its content changed under the same MsgId: E_DUPID.
+    let changed = with_element(&competing, "Qty", "1");
+    let response = soap_post(&engine, &soap_request(&refdata, &changed));
+    assert!(response.contains("E_DUPID"), "{response}");
+    assert_eq!(good.join().expect("the good participant"), (140, 20));
+    assert!(engine.stop().success());
+}

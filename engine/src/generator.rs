@@ -96,7 +96,8 @@ pub enum FinalState {
 /// A fault applied to one trade.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
-    /// One message is invalid with this code; `corrected` re-sends the valid message.
+    /// One message is invalid with this code; `corrected` sends the valid message too (under a
+    /// new MsgId when the invalid one was signed, since its MsgId is then spent).
     Invalid { code: ReasonCode, corrected: bool },
     /// An NPR's Net is wrong; an AMD from the broker corrects it.
     MismatchAmended,
@@ -416,6 +417,15 @@ impl<'r> Generator<'r> {
                     .or_default() += 1;
                 expected.messages_in += 1;
                 if corrected {
+                    // A MsgId rejected after its signature checked out is spent: the
+                    // participant sends the corrected message under a new one.
+                    if code > ReasonCode::Sig {
+                        let renamed = Msg {
+                            msg_id: format!("{}-R", messages[victim].msg_id),
+                            ..messages[victim].clone()
+                        };
+                        lines[victim] = line(&renamed);
+                    }
                     lines.insert(victim, bad);
                 } else {
                     lines[victim] = bad;

@@ -36,6 +36,36 @@ pub fn message_key(sender: &str, msg_id: &str) -> HashKey {
     hash_key(&[sender, msg_id])
 }
 
+/// How the first message under a key was answered, packed with its content hash into one word:
+/// the high 56 bits are the content hash, the low 8 bits 0 for accepted or 1 + the index of the
+/// reason code in [`ReasonCode::ALL`]. 56 bits tell an exact re-send from other content well
+/// enough; the set costs no more than a set of accepted messages alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Verdict(u64);
+
+impl Verdict {
+    fn new(raw: &[u8], rejected: Option<ReasonCode>) -> Self {
+        let code = rejected.map_or(0, |code| {
+            1 + ReasonCode::ALL
+                .iter()
+                .position(|c| *c == code)
+                .expect("every code is in ReasonCode::ALL") as u64
+        });
+        Self((xxh3_64(raw) & !0xFF) | code)
+    }
+
+    fn same_content(self, other: Self) -> bool {
+        self.0 & !0xFF == other.0 & !0xFF
+    }
+
+    fn rejected(self) -> Option<ReasonCode> {
+        match (self.0 & 0xFF) as usize {
+            0 => None,
+            index => ReasonCode::ALL.get(index - 1).copied(),
+        }
+    }
+}
+
 /// The status of a trade.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TradeStatus {
@@ -93,7 +123,8 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    fn only(disposition: Disposition) -> Self {
+    /// The outcome of a message that changes no trade.
+    pub fn only(disposition: Disposition) -> Self {
         Self {
             disposition,
             trade_status: None,
@@ -139,8 +170,9 @@ pub struct Matcher {
     open: AHashMap<Box<str>, Trade>,
     /// Matched trades and the date their rows are stored under.
     closed: AHashMap<HashKey, Date>,
-    /// Content hash of every accepted message, by message key.
-    seen: AHashMap<HashKey, u64>,
+    /// Every message key seen after its signature checked out, with its verdict: the content
+    /// hash of the first message under the key and how it was answered ([`Verdict`]).
+    seen: AHashMap<HashKey, Verdict>,
     /// Message keys named by an accepted CAN or AMD.
     named: AHashSet<HashKey>,
     accepted: u64,
@@ -187,30 +219,23 @@ impl Matcher {
         date_if_new: Date,
     ) -> Outcome {
         let key = message_key(&msg.sender, &msg.msg_id);
-        let content = xxh3_64(raw);
-        if let Some(previous) = self.seen.get(&key) {
-            return Outcome::only(if *previous == content {
-                Disposition::Duplicate
-            } else {
-                Disposition::Rejected(Rejection::new(
-                    ReasonCode::DupId,
-                    format!(
-                        "MsgId {} of {} was already accepted with different content",
-                        msg.msg_id, msg.sender
-                    ),
-                ))
-            });
+        if let Some(seen) = self.answer_seen(key, raw, &msg.sender, &msg.msg_id) {
+            return Outcome::only(seen);
         }
         let trade_key = msg.trade_key();
         let is_named = self.named.contains(&key);
         if let Some(&date) = self.closed.get(&hash_key(&[&trade_key])) {
             if !is_named {
-                return Outcome::only(Disposition::Rejected(Rejection::new(
-                    ReasonCode::Closed,
-                    format!("trade {trade_key} is already matched"),
-                )));
+                return self.reject(
+                    key,
+                    raw,
+                    Rejection::new(
+                        ReasonCode::Closed,
+                        format!("trade {trade_key} is already matched"),
+                    ),
+                );
             }
-            self.remember(key, content, &msg);
+            self.remember(key, raw, &msg);
             return Outcome {
                 trade_date: date,
                 ..Outcome::only(Disposition::Accepted)
@@ -224,17 +249,18 @@ impl Matcher {
                     .iter()
                     .any(|held| self.is_live(held) && slot_of(&held.msg) == slot);
                 if taken {
-                    return Outcome::only(Disposition::Rejected(Rejection::new(
+                    let rejection = Rejection::new(
                         ReasonCode::Conflict,
                         format!(
                             "a live {} already holds this slot of trade {trade_key}",
                             msg.msg_type.as_str()
                         ),
-                    )));
+                    );
+                    return self.reject(key, raw, rejection);
                 }
             }
         }
-        self.remember(key, content, &msg);
+        self.remember(key, raw, &msg);
         let trade = self
             .open
             .entry(trade_key.clone().into_boxed_str())
@@ -266,8 +292,75 @@ impl Matcher {
         outcome.disposition == Disposition::Accepted
     }
 
-    fn remember(&mut self, key: HashKey, content: u64, msg: &Msg) {
-        self.seen.insert(key, content);
+    /// The answer to a message whose key was seen before: the first answer again for an exact
+    /// re-send (a duplicate ACK, or the same NAK code), E_DUPID for other content. `None` when
+    /// the key is new.
+    fn answer_seen(
+        &self,
+        key: HashKey,
+        raw: &[u8],
+        sender: &str,
+        msg_id: &str,
+    ) -> Option<Disposition> {
+        let seen = *self.seen.get(&key)?;
+        Some(if !seen.same_content(Verdict::new(raw, None)) {
+            Disposition::Rejected(Rejection::new(
+                ReasonCode::DupId,
+                format!("MsgId {msg_id} of {sender} was already used with different content"),
+            ))
+        } else {
+            match seen.rejected() {
+                None => Disposition::Duplicate,
+                Some(code) => Disposition::Rejected(Rejection::new(
+                    code,
+                    format!(
+                        "MsgId {msg_id} of {sender}: an exact re-send of a message rejected {code}"
+                    ),
+                )),
+            }
+        })
+    }
+
+    /// Rejects a message and remembers its verdict, so that its MsgId is never accepted later.
+    fn reject(&mut self, key: HashKey, raw: &[u8], rejection: Rejection) -> Outcome {
+        self.seen
+            .entry(key)
+            .or_insert_with(|| Verdict::new(raw, Some(rejection.code)));
+        Outcome::only(Disposition::Rejected(rejection))
+    }
+
+    /// Answers a message that the validator rejected after its signature checked out (the
+    /// Sender signed it): its MsgId is remembered like an accepted one, so that it is never
+    /// accepted later — not even once the cause of the rejection is gone. An exact re-send of a
+    /// message seen before gets the first answer again; other content keeps the validator's
+    /// code, which comes first in the order of checks.
+    pub fn refuse(
+        &mut self,
+        sender: &str,
+        msg_id: &str,
+        raw: &[u8],
+        rejection: Rejection,
+    ) -> Disposition {
+        let key = message_key(sender, msg_id);
+        match self.seen.get(&key) {
+            None => self.reject(key, raw, rejection).disposition,
+            Some(seen) if seen.same_content(Verdict::new(raw, None)) => self
+                .answer_seen(key, raw, sender, msg_id)
+                .unwrap_or(Disposition::Rejected(rejection)),
+            Some(_) => Disposition::Rejected(rejection),
+        }
+    }
+
+    /// Takes back a rejection remembered before a restart (see [`Matcher::refuse`]); after
+    /// the accepted messages, so that a key already accepted keeps its verdict.
+    pub fn restore_rejection(&mut self, sender: &str, msg_id: &str, raw: &[u8], code: ReasonCode) {
+        self.seen
+            .entry(message_key(sender, msg_id))
+            .or_insert_with(|| Verdict::new(raw, Some(code)));
+    }
+
+    fn remember(&mut self, key: HashKey, raw: &[u8], msg: &Msg) {
+        self.seen.insert(key, Verdict::new(raw, None));
         self.accepted += 1;
         if msg.function != Function::New {
             if let Some(related) = &msg.related_id {

@@ -249,10 +249,17 @@ pub enum PipelineError {
 }
 
 struct Validated {
-    msg: Msg,
+    /// The message, or why the validator rejected it after its signature checked out.
+    verdict: Result<Msg, Refused>,
     bytes: Vec<u8>,
     correlation: u64,
     injected_ns: u64,
+}
+
+/// A message rejected after its signature checked out: its shard's matcher remembers its MsgId.
+struct Refused {
+    rejection: Rejection,
+    identity: crate::validate::Identity,
 }
 
 /// The few fields of a message that its store row needs once the matcher owns the message.
@@ -855,6 +862,15 @@ fn restore_matcher(
             "shard {shard}: {disagreements} of {restored} stored messages could not be taken back"
         )));
     }
+    // After the accepted messages: a MsgId that was accepted keeps that verdict.
+    store.for_each_remembered_rejection(&mut |rejection| {
+        matcher.restore_rejection(
+            &rejection.sender,
+            &rejection.msg_id,
+            &rejection.raw,
+            rejection.code,
+        );
+    })?;
     if restored > 0 {
         tracing::info!(
             shard,
@@ -908,6 +924,7 @@ fn run_validator(
         let mut to_match: Vec<Vec<Validated>> = (0..match_txs.len()).map(|_| Vec::new()).collect();
         let mut rejected = Vec::new();
         for envelope in envelopes {
+            let refused_by_listener = envelope.refusal.is_some();
             let result = match envelope.refusal {
                 Some(refusal) => Err(refusal),
                 None => validate(
@@ -917,23 +934,50 @@ fn run_validator(
                     envelope.signature.as_ref().map(|s| s.as_slice()),
                 ),
             };
-            match result {
-                Ok(msg) => {
-                    let shard = shard_of_parts(&msg.broker, &msg.trade_ref, shards) as usize;
-                    to_match[shard].push(Validated {
-                        msg,
+            // A message the validator rejected once its Sender's signature checked out goes to
+            // its shard's matcher, which remembers the MsgId; a refusal by a listener (about the
+            // connection, not the message) and an unsigned or unreadable one go straight to the
+            // exception writer.
+            let verdict = match result {
+                Ok(msg) => Ok(msg),
+                Err(rejection) if !refused_by_listener && rejection.code > ReasonCode::Sig => {
+                    match crate::validate::identity_of(&envelope.bytes) {
+                        Some(identity) => Err(Refused {
+                            rejection,
+                            identity,
+                        }),
+                        None => {
+                            rejected.push(RejectedItem {
+                                rejection,
+                                sender: envelope.sender,
+                                bytes: envelope.bytes,
+                                correlation: envelope.correlation,
+                            });
+                            continue;
+                        }
+                    }
+                }
+                Err(rejection) => {
+                    rejected.push(RejectedItem {
+                        rejection,
+                        sender: envelope.sender,
                         bytes: envelope.bytes,
                         correlation: envelope.correlation,
-                        injected_ns: envelope.injected_ns,
                     });
+                    continue;
                 }
-                Err(rejection) => rejected.push(RejectedItem {
-                    rejection,
-                    sender: envelope.sender,
-                    bytes: envelope.bytes,
-                    correlation: envelope.correlation,
-                }),
-            }
+            };
+            let (broker, trade_ref) = match &verdict {
+                Ok(msg) => (&msg.broker, &msg.trade_ref),
+                Err(refused) => (&refused.identity.broker, &refused.identity.trade_ref),
+            };
+            let shard = shard_of_parts(broker, trade_ref, shards) as usize;
+            to_match[shard].push(Validated {
+                verdict,
+                bytes: envelope.bytes,
+                correlation: envelope.correlation,
+                injected_ns: envelope.injected_ns,
+            });
         }
         let busy_ns = started.elapsed().as_nanos() as u64;
         for (shard, batch) in to_match.into_iter().enumerate() {
@@ -1005,9 +1049,32 @@ fn run_matcher(
         let count = items.len() as u64;
         let mut processed = Vec::with_capacity(items.len());
         for item in items {
-            let meta = MessageMeta::of(&item.msg);
-            let (now, today) = wall.now();
-            let outcome = matcher.process(item.msg, &item.bytes, item.injected_ns, now, today);
+            let (meta, outcome) = match item.verdict {
+                Ok(msg) => {
+                    let meta = MessageMeta::of(&msg);
+                    let (now, today) = wall.now();
+                    let outcome = matcher.process(msg, &item.bytes, item.injected_ns, now, today);
+                    (meta, outcome)
+                }
+                Err(refused) => {
+                    let identity = refused.identity;
+                    let disposition = matcher.refuse(
+                        &identity.sender,
+                        &identity.msg_id,
+                        &item.bytes,
+                        refused.rejection,
+                    );
+                    let meta = MessageMeta {
+                        trade_key: crate::model::trade_key(&identity.broker, &identity.trade_ref),
+                        sender: identity.sender,
+                        msg_id: identity.msg_id,
+                        msg_type: "",
+                        function: "",
+                        related_id: None,
+                    };
+                    (meta, Outcome::only(disposition))
+                }
+            };
             processed.push(Processed {
                 outcome,
                 meta,

@@ -111,6 +111,26 @@ pub struct StoredMessage {
     pub trade_date: Option<Date>,
 }
 
+/// A rejection a matcher remembers (see [`crate::matcher::Matcher::refuse`]): an exception row
+/// with a Sender and MsgId whose code was given after the signature checked out.
+#[derive(Debug, Clone)]
+pub struct StoredRejection {
+    pub sender: String,
+    pub msg_id: String,
+    pub code: ReasonCode,
+    pub raw: Vec<u8>,
+}
+
+/// Whether an exception row with this code sets the verdict of its MsgId: every code given after
+/// the signature checked out, except E_DUPID, which answers a MsgId already used.
+pub fn code_is_remembered(code: ReasonCode) -> bool {
+    code > ReasonCode::Sig && code != ReasonCode::DupId
+}
+
+/// The condition on `exceptions` rows that [`code_is_remembered`] states, in SQL.
+const REMEMBERED_EXCEPTIONS_SQL: &str =
+    "msg_id IS NOT NULL AND sender IS NOT NULL AND code NOT IN ('E_SIZE', 'E_SIG', 'E_DUPID')";
+
 /// Rows read per query when a shard's messages are read back: bounds the memory of recovery.
 pub const RECOVERY_PAGE_ROWS: i64 = 10_000;
 
@@ -137,6 +157,12 @@ pub trait Store: Send {
     fn for_each_accepted(
         &mut self,
         visit: &mut dyn FnMut(StoredMessage),
+    ) -> Result<u64, StoreError>;
+    /// Hands every remembered rejection to `visit`, in the order they were written, a bounded
+    /// page at a time. Returns how many there were.
+    fn for_each_remembered_rejection(
+        &mut self,
+        visit: &mut dyn FnMut(StoredRejection),
     ) -> Result<u64, StoreError>;
     /// Drops what is older than `keep_days` days before `today`. Only a store partitioned by
     /// date can: the others refuse.
@@ -215,6 +241,27 @@ impl Store for MemoryStore {
                 trade_date: Some(row.trade_date),
             });
             count += 1;
+        }
+        Ok(count)
+    }
+
+    fn for_each_remembered_rejection(
+        &mut self,
+        visit: &mut dyn FnMut(StoredRejection),
+    ) -> Result<u64, StoreError> {
+        let mut count = 0;
+        for row in &self.exceptions {
+            if let (Some(sender), Some(msg_id), true) =
+                (&row.sender, &row.msg_id, code_is_remembered(row.code))
+            {
+                visit(StoredRejection {
+                    sender: sender.clone(),
+                    msg_id: msg_id.clone(),
+                    code: row.code,
+                    raw: row.raw.clone(),
+                });
+                count += 1;
+            }
         }
         Ok(count)
     }
@@ -456,12 +503,55 @@ impl Store for SqliteStore {
     ) -> Result<u64, StoreError> {
         read_pages(|after_id| self.read_page(after_id), visit)
     }
+
+    fn for_each_remembered_rejection(
+        &mut self,
+        visit: &mut dyn FnMut(StoredRejection),
+    ) -> Result<u64, StoreError> {
+        let query = format!(
+            "SELECT id, sender, msg_id, code, raw FROM exceptions \
+             WHERE id > ? AND {REMEMBERED_EXCEPTIONS_SQL} ORDER BY id LIMIT ?"
+        );
+        read_pages(
+            |after_id| {
+                let result: Result<Vec<RejectionRow>, _> = self.runtime.block_on(
+                    sqlx::query_as(&query)
+                        .bind(after_id)
+                        .bind(RECOVERY_PAGE_ROWS)
+                        .fetch_all(&mut self.connection),
+                );
+                let rows = result.map_err(|source| self.database_error(source))?;
+                Ok(stored_rejections(rows))
+            },
+            visit,
+        )
+    }
 }
 
-/// Reads pages of `(id, message)` in id order until one comes back empty.
-fn read_pages(
-    mut read_page: impl FnMut(i64) -> Result<Vec<(i64, StoredMessage)>, StoreError>,
-    visit: &mut dyn FnMut(StoredMessage),
+/// An `exceptions` row as recovery reads it: id, sender, msg_id, code, raw.
+type RejectionRow = (i64, String, String, String, Vec<u8>);
+
+fn stored_rejections(rows: Vec<RejectionRow>) -> Vec<(i64, StoredRejection)> {
+    rows.into_iter()
+        .filter_map(|(id, sender, msg_id, code, raw)| {
+            let code = ReasonCode::parse(&code)?;
+            Some((
+                id,
+                StoredRejection {
+                    sender,
+                    msg_id,
+                    code,
+                    raw,
+                },
+            ))
+        })
+        .collect()
+}
+
+/// Reads pages of `(id, row)` in id order until one comes back empty.
+fn read_pages<T>(
+    mut read_page: impl FnMut(i64) -> Result<Vec<(i64, T)>, StoreError>,
+    visit: &mut dyn FnMut(T),
 ) -> Result<u64, StoreError> {
     let mut after_id = 0;
     let mut count = 0;
@@ -1060,6 +1150,29 @@ impl Store for PgStore {
                         (id, message)
                     })
                     .collect())
+            },
+            visit,
+        )
+    }
+
+    fn for_each_remembered_rejection(
+        &mut self,
+        visit: &mut dyn FnMut(StoredRejection),
+    ) -> Result<u64, StoreError> {
+        let query = format!(
+            "SELECT id, sender, msg_id, code, raw FROM exceptions \
+             WHERE id > $1 AND {REMEMBERED_EXCEPTIONS_SQL} ORDER BY id LIMIT $2"
+        );
+        read_pages(
+            |after_id| {
+                let result: Result<Vec<RejectionRow>, _> = self.runtime.block_on(
+                    sqlx::query_as(&query)
+                        .bind(after_id)
+                        .bind(RECOVERY_PAGE_ROWS)
+                        .fetch_all(&mut self.connection),
+                );
+                let rows = result.map_err(|source| database_error(&self.name, source))?;
+                Ok(stored_rejections(rows))
             },
             visit,
         )

@@ -103,6 +103,34 @@ fn field_error(detail: impl Into<String>) -> Rejection {
     Rejection::new(ReasonCode::Field, detail)
 }
 
+/// Who a rejected message says it is: its Sender, MsgId and trade key (Broker, TradeRef), when
+/// its XML parses and all four are there. For remembering the MsgId of a message that was
+/// rejected after its signature checked out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub sender: String,
+    pub msg_id: String,
+    pub broker: String,
+    pub trade_ref: String,
+}
+
+/// The [`Identity`] of a message's bytes.
+pub fn identity_of(bytes: &[u8]) -> Option<Identity> {
+    let fields = parse_fields(bytes).ok()?;
+    let text = |field: Field| {
+        fields
+            .get(field)
+            .filter(|t| !t.is_empty())
+            .map(str::to_owned)
+    };
+    Some(Identity {
+        sender: text(Field::Sender)?,
+        msg_id: text(Field::MsgId)?,
+        broker: text(Field::Broker)?,
+        trade_ref: text(Field::TradeRef)?,
+    })
+}
+
 /// Validates one inbound message end to end: size, signature, parse, fields, reference data,
 /// entitlement and dates.
 pub fn validate(

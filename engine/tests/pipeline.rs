@@ -243,3 +243,56 @@ fn a_restarted_pipeline_rebuilds_its_matchers_from_the_shards() {
     assert_eq!(before, matched.len(), "a trade matched twice");
     assert_eq!(matched.len() as u64, trades);
 }
+
+/// `line` with the text of its first `<tag>` element replaced.
+fn with_element(line: &[u8], tag: &str, value: &str) -> Vec<u8> {
+    let text = std::str::from_utf8(line).expect("UTF-8");
+    let open = format!("<{tag}>");
+    let start = text.find(&open).expect("the element") + open.len();
+    let end = start + text[start..].find('<').expect("its end");
+    format!("{}{value}{}", &text[..start], &text[end..]).into_bytes()
+}
+
+#[test]
+fn a_rejected_msgid_stays_spent_across_a_restart() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let refdata = refdata();
+    let lines: Vec<Vec<u8>> = Generator::new(&refdata, GeneratorConfig::clean(1)).collect();
+    let competing_noe = with_element(&lines[0], "MsgId", "COMPETING-NOE-1");
+    let bad_ccy_alc = with_element(
+        &with_element(&lines[1], "MsgId", "BAD-CCY-ALC-1"),
+        "Ccy",
+        "ZZZ",
+    );
+    let fixed_alc = with_element(&lines[1], "MsgId", "BAD-CCY-ALC-1");
+    let config = PipelineConfig {
+        recover: true,
+        ..embedded(dir.path(), 2)
+    };
+    let (first, _) = run_lines(
+        &config,
+        &refdata,
+        &[lines[0].clone(), competing_noe.clone(), bad_ccy_alc.clone()],
+    );
+    use ste_engine::reason::ReasonCode::{Ccy, Conflict, DupId};
+    let mut first_sorted = first.clone();
+    first_sorted.sort_by_key(|r| format!("{r:?}"));
+    assert_eq!(
+        first_sorted,
+        vec![
+            AckResult::Accepted,
+            AckResult::Rejected(Ccy),
+            AckResult::Rejected(Conflict)
+        ]
+    );
+    // After a restart: the exact re-sends get their first answers again, and the corrected
+    // allocation under the spent MsgId is E_DUPID (it would otherwise be accepted).
+    for (line, expected) in [
+        (competing_noe, AckResult::Rejected(Conflict)),
+        (bad_ccy_alc, AckResult::Rejected(Ccy)),
+        (fixed_alc, AckResult::Rejected(DupId)),
+    ] {
+        let (results, _) = run_lines(&config, &refdata, &[line]);
+        assert_eq!(results, vec![expected]);
+    }
+}

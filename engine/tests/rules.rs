@@ -9,7 +9,7 @@ use ste_engine::matcher::{evaluate_trade, Disposition, Matcher, TradeStatus};
 use ste_engine::model::{Decimal, Function, Msg, MsgType, PaymentType, Side};
 use ste_engine::pipeline::sign_line;
 use ste_engine::profile::Tolerances;
-use ste_engine::reason::{Criterion, ReasonCode};
+use ste_engine::reason::{Criterion, ReasonCode, Rejection};
 use ste_engine::refdata::generate::csd_of_market;
 use ste_engine::refdata::{RefData, Role};
 use ste_engine::sign;
@@ -737,19 +737,88 @@ fn conflicts() {
         code(&process_all(&mut matcher, &[second_noe])[0]),
         Some(ReasonCode::Conflict)
     );
-    // Once the first ALC is cancelled, its slot is free.
+    // Once the first ALC is cancelled, its slot is free — but not for the message that was
+    // refused: its MsgId was seen, and an exact re-send gets the same answer again, so a
+    // rejected message cannot be replayed into acceptance once its cause is gone.
     let cancel = cancel_of(&messages[1]);
     assert_eq!(
         process_all(&mut matcher, &[cancel]),
         vec![Disposition::Accepted]
     );
     assert_eq!(
-        process_all(&mut matcher, &[competing]),
+        code(&process_all(&mut matcher, &[competing.clone()])[0]),
+        Some(ReasonCode::Conflict)
+    );
+    let mut changed = competing.clone();
+    changed.sent_at = "2026-08-04T09:45:00.000Z".to_owned();
+    assert_eq!(
+        code(&process_all(&mut matcher, &[changed])[0]),
+        Some(ReasonCode::DupId)
+    );
+    // The same allocation under a new MsgId takes the free slot.
+    let mut renamed = competing;
+    renamed.msg_id.push_str("-C");
+    assert_eq!(
+        process_all(&mut matcher, &[renamed]),
         vec![Disposition::Accepted]
     );
     process_all(&mut matcher, &messages[2..]);
     let key = messages[0].trade_key();
     assert_eq!(matcher.status_of(&key), Some(TradeStatus::Matched));
+}
+
+#[test]
+fn a_msgid_rejected_after_its_signature_checked_is_never_accepted() {
+    let messages = london_trade(600, 400);
+    let mut matcher = matcher();
+    let raw = encode_msg(&messages[0]);
+    let rejection = Rejection::new(ReasonCode::Date, "a holiday");
+    // The validator refused it once the signature checked out: remembered.
+    let first = matcher.refuse(
+        &messages[0].sender,
+        &messages[0].msg_id,
+        raw.as_bytes(),
+        rejection.clone(),
+    );
+    assert_eq!(code(&first), Some(ReasonCode::Date));
+    // The exact message again, even if it would pass now: the same code.
+    assert_eq!(
+        code(&process_all(&mut matcher, &messages[..1])[0]),
+        Some(ReasonCode::Date)
+    );
+    // Corrected content under the same MsgId: E_DUPID, the MsgId is spent.
+    let mut corrected = messages[0].clone();
+    corrected.sent_at = "2026-08-04T09:45:00.000Z".to_owned();
+    assert_eq!(
+        code(&process_all(&mut matcher, &[corrected])[0]),
+        Some(ReasonCode::DupId)
+    );
+    // A rejection of other content for an accepted MsgId keeps the accepted verdict.
+    process_all(&mut matcher, &messages[1..2]);
+    let other = format!("{}<!-- other -->", encode_msg(&messages[1]));
+    let refused = matcher.refuse(
+        &messages[1].sender,
+        &messages[1].msg_id,
+        other.as_bytes(),
+        rejection.clone(),
+    );
+    assert_eq!(code(&refused), Some(ReasonCode::Date));
+    assert_eq!(
+        process_all(&mut matcher, &messages[1..2]),
+        vec![Disposition::Duplicate]
+    );
+    // Taken back after a restart, the verdict holds.
+    let mut restarted = self::matcher();
+    restarted.restore_rejection(
+        &messages[0].sender,
+        &messages[0].msg_id,
+        raw.as_bytes(),
+        ReasonCode::Date,
+    );
+    assert_eq!(
+        code(&process_all(&mut restarted, &messages[..1])[0]),
+        Some(ReasonCode::Date)
+    );
 }
 
 fn cancel_of(msg: &Msg) -> Msg {
