@@ -24,7 +24,6 @@ use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use quick_xml::events::Event;
-use quick_xml::name::ResolveResult;
 use ste_engine::pipeline::{AckResult, Envelope};
 use ste_engine::reason::{ReasonCode, Rejection};
 use ste_engine::sign::SIGNATURE_LEN;
@@ -128,43 +127,133 @@ enum Slot {
     Other,
 }
 
+/// Namespace declarations a request may make in all: an envelope needs a handful.
+pub const NAMESPACE_DECLARATIONS_MAX: usize = 64;
+/// Elements a request may hold: an envelope needs about ten.
+pub const ELEMENTS_MAX: usize = 256;
+/// Attributes one element may carry.
+pub const ATTRIBUTES_PER_ELEMENT_MAX: usize = 16;
+
+/// The namespace bindings in scope, declared by the open elements. Bounded by
+/// [`NAMESPACE_DECLARATIONS_MAX`], so resolving a name costs a short scan whatever the request.
+#[derive(Default)]
+struct Scopes {
+    /// (prefix, "" for the default namespace; namespace URI; depth of the declaring element)
+    bindings: Vec<(String, String, usize)>,
+    declared: usize,
+}
+
+impl Scopes {
+    fn resolve(&self, prefix: &str) -> &str {
+        self.bindings
+            .iter()
+            .rev()
+            .find(|(bound, _, _)| bound == prefix)
+            .map_or("", |(_, namespace, _)| namespace.as_str())
+    }
+
+    /// Ends the scope of the bindings declared at `depth` or deeper.
+    fn close(&mut self, depth: usize) {
+        while self.bindings.last().is_some_and(|(_, _, at)| *at >= depth) {
+            self.bindings.pop();
+        }
+    }
+}
+
+/// The text of the slot being read, in pieces (text, references, CDATA).
+fn push_piece(text: &mut String, piece: &str, limit: usize) -> Result<(), String> {
+    if text.len() + piece.len() > limit {
+        return Err("an element's text is longer than the request allows".into());
+    }
+    text.push_str(piece);
+    Ok(())
+}
+
 /// Parses a SOAP envelope (`attachments` by Content-ID, for MTOM). No DOCTYPE, no entity but
-/// the predefined ones, at most [`DEPTH_MAX`] levels.
+/// the predefined ones, at most [`DEPTH_MAX`] levels, [`ELEMENTS_MAX`] elements,
+/// [`ATTRIBUTES_PER_ELEMENT_MAX`] attributes an element and [`NAMESPACE_DECLARATIONS_MAX`]
+/// namespace declarations, each checked as the parser goes: the cost of a request is linear in
+/// its size, whatever it holds.
 pub fn parse_envelope(
     body: &[u8],
     attachments: &HashMap<String, Bytes>,
 ) -> Result<SoapRequest, SoapError> {
-    let mut reader = quick_xml::NsReader::from_reader(body);
-    reader.config_mut().check_end_names = true;
     let mut version: Option<SoapVersion> = None;
-    // (namespace, local name) of the open elements.
-    let mut path: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
-    let mut slot = Slot::Other;
-    let (mut participant, mut signature_hex, mut message) = (None, None, None::<Vec<u8>>);
     let fail = |version: Option<SoapVersion>, detail: String| {
         SoapError::parse(version.unwrap_or(SoapVersion::V11), detail)
     };
+    let text =
+        std::str::from_utf8(body).map_err(|_| fail(None, "the envelope is not UTF-8".into()))?;
+    let mut reader = quick_xml::Reader::from_str(text);
+    reader.config_mut().check_end_names = true;
+    let mut scopes = Scopes::default();
+    let mut elements = 0_usize;
+    // (namespace, local name) of the open elements.
+    let mut path: Vec<(String, String)> = Vec::new();
+    let mut slot = Slot::Other;
+    let mut slot_text = String::new();
+    let (mut participant, mut signature_hex, mut message) = (None, None, None::<Vec<u8>>);
     loop {
-        let (resolved, event) = reader
-            .read_resolved_event()
+        let event = reader
+            .read_event()
             .map_err(|error| fail(version, format!("not well-formed xml: {error}")))?;
-        let namespace = match resolved {
-            ResolveResult::Bound(ns) => ns.as_ref().to_vec(),
-            _ => Vec::new(),
-        };
         let is_empty = matches!(event, Event::Empty(_));
         match event {
             Event::DocType(_) => return Err(fail(version, "a DOCTYPE is not allowed".into())),
             Event::Start(start) | Event::Empty(start) => {
-                let local = start.local_name().as_ref().to_vec();
+                elements += 1;
+                if elements > ELEMENTS_MAX {
+                    return Err(fail(
+                        version,
+                        format!("the envelope holds more than {ELEMENTS_MAX} elements"),
+                    ));
+                }
                 if path.len() >= DEPTH_MAX {
                     return Err(fail(version, "the envelope is nested too deeply".into()));
                 }
                 let depth = path.len();
+                for (index, attribute) in start.attributes().enumerate() {
+                    if index >= ATTRIBUTES_PER_ELEMENT_MAX {
+                        return Err(fail(
+                            version,
+                            format!("an element carries more than {ATTRIBUTES_PER_ELEMENT_MAX} attributes"),
+                        ));
+                    }
+                    let attribute = attribute
+                        .map_err(|error| fail(version, format!("bad attribute: {error}")))?;
+                    let key = attribute.key.as_ref();
+                    let prefix = match key.strip_prefix("xmlns") {
+                        Some("") => "",
+                        Some(rest) => match rest.strip_prefix(':') {
+                            Some(prefix) => prefix,
+                            None => continue,
+                        },
+                        None => continue,
+                    };
+                    scopes.declared += 1;
+                    if scopes.declared > NAMESPACE_DECLARATIONS_MAX {
+                        return Err(fail(
+                            version,
+                            format!("the envelope declares more than {NAMESPACE_DECLARATIONS_MAX} namespaces"),
+                        ));
+                    }
+                    let value = attribute
+                        .normalized_value(quick_xml::XmlVersion::Implicit1_0)
+                        .map_err(|error| {
+                            fail(version, format!("bad namespace declaration: {error}"))
+                        })?;
+                    scopes
+                        .bindings
+                        .push((prefix.to_owned(), value.into_owned(), depth));
+                }
+                let name = start.name();
+                let prefix = name.prefix().map_or("", |p| p.into_inner());
+                let namespace = scopes.resolve(prefix).to_owned();
+                let local = start.local_name().as_ref().to_owned();
                 if depth == 0 {
-                    version = match (namespace.as_slice(), local.as_slice()) {
-                        (ns, b"Envelope") if ns == SOAP11_NS.as_bytes() => Some(SoapVersion::V11),
-                        (ns, b"Envelope") if ns == SOAP12_NS.as_bytes() => Some(SoapVersion::V12),
+                    version = match (namespace.as_str(), local.as_str()) {
+                        (SOAP11_NS, "Envelope") => Some(SoapVersion::V11),
+                        (SOAP12_NS, "Envelope") => Some(SoapVersion::V12),
                         _ => {
                             return Err(fail(
                                 None,
@@ -173,26 +262,24 @@ pub fn parse_envelope(
                         }
                     };
                 }
-                let in_bridge = namespace == BRIDGE_NS.as_bytes();
-                slot = match (depth, local.as_slice()) {
-                    (3, b"Participant") if in_bridge && under(&path, b"Header", b"Auth") => {
+                let in_bridge = namespace == BRIDGE_NS;
+                slot = match (depth, local.as_str()) {
+                    (3, "Participant") if in_bridge && under(&path, "Header", "Auth") => {
                         Slot::Participant
                     }
-                    (3, b"Signature") if in_bridge && under(&path, b"Header", b"Auth") => {
+                    (3, "Signature") if in_bridge && under(&path, "Header", "Auth") => {
                         Slot::Signature
                     }
-                    (3, b"Message") if in_bridge && under(&path, b"Body", b"Submit") => {
-                        Slot::Message
-                    }
-                    (4, b"Include")
-                        if namespace == XOP_NS.as_bytes()
-                            && path.last().is_some_and(|(_, l)| l == b"Message") =>
+                    (3, "Message") if in_bridge && under(&path, "Body", "Submit") => Slot::Message,
+                    (4, "Include")
+                        if namespace == XOP_NS
+                            && path.last().is_some_and(|(_, l)| l == "Message") =>
                     {
                         let href = start
                             .try_get_attribute("href")
                             .ok()
                             .flatten()
-                            .map(|a| String::from_utf8_lossy(&a.value).into_owned())
+                            .map(|a| a.value.into_owned())
                             .ok_or_else(|| fail(version, "xop:Include without href".into()))?;
                         let id = content_id(&href);
                         let part = attachments.get(&id).ok_or_else(|| {
@@ -203,27 +290,19 @@ pub fn parse_envelope(
                     }
                     _ => Slot::Other,
                 };
+                slot_text.clear();
                 if is_empty {
                     slot = Slot::Other;
+                    scopes.close(depth);
                 } else {
                     path.push((namespace, local));
                 }
             }
             Event::End(_) => {
-                path.pop();
-                slot = Slot::Other;
-            }
-            Event::Text(text) => {
-                let raw = text.as_ref();
-                if raw.iter().all(u8::is_ascii_whitespace) {
-                    continue;
-                }
-                let text = text
-                    .unescape()
-                    .map_err(|error| fail(version, format!("bad text: {error}")))?;
+                let text = slot_text.trim();
                 match slot {
-                    Slot::Participant => participant = Some(text.trim().to_owned()),
-                    Slot::Signature => signature_hex = Some(text.trim().to_owned()),
+                    Slot::Participant => participant = Some(text.to_owned()),
+                    Slot::Signature => signature_hex = Some(text.to_owned()),
                     Slot::Message => {
                         let compact: Vec<u8> =
                             text.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
@@ -235,6 +314,35 @@ pub fn parse_envelope(
                         message = Some(decoded);
                     }
                     Slot::Other => {}
+                }
+                slot_text.clear();
+                path.pop();
+                scopes.close(path.len());
+                slot = Slot::Other;
+            }
+            Event::Text(text) if slot != Slot::Other => {
+                push_piece(&mut slot_text, &text.xml10_content(), body.len())
+                    .map_err(|detail| fail(version, detail))?;
+            }
+            Event::CData(data) if slot != Slot::Other => {
+                push_piece(&mut slot_text, &data.xml10_content(), body.len())
+                    .map_err(|detail| fail(version, detail))?;
+            }
+            Event::GeneralRef(reference) => {
+                let resolved = match reference
+                    .resolve_char_ref()
+                    .map_err(|error| fail(version, format!("bad character reference: {error}")))?
+                {
+                    Some(ch) => ch.to_string(),
+                    None => quick_xml::escape::resolve_predefined_entity(&reference)
+                        .map(str::to_owned)
+                        .ok_or_else(|| {
+                            fail(version, format!("undeclared entity &{};", &*reference))
+                        })?,
+                };
+                if slot != Slot::Other {
+                    push_piece(&mut slot_text, &resolved, body.len())
+                        .map_err(|detail| fail(version, detail))?;
                 }
             }
             Event::Eof => break,
@@ -263,12 +371,12 @@ pub fn parse_envelope(
 }
 
 /// Whether the open elements are `Envelope / outer / inner` (outer in the SOAP namespace).
-fn under(path: &[(Vec<u8>, Vec<u8>)], outer: &[u8], inner: &[u8]) -> bool {
+fn under(path: &[(String, String)], outer: &str, inner: &str) -> bool {
     path.len() == 3
         && path[1].1 == outer
-        && (path[1].0 == SOAP11_NS.as_bytes() || path[1].0 == SOAP12_NS.as_bytes())
+        && (path[1].0 == SOAP11_NS || path[1].0 == SOAP12_NS)
         && path[2].1 == inner
-        && path[2].0 == BRIDGE_NS.as_bytes()
+        && path[2].0 == BRIDGE_NS
 }
 
 /// The Content-ID an `href="cid:…"` names, as the part's `Content-ID: <…>` header gives it.
@@ -539,6 +647,28 @@ pub async fn split_multipart(
 struct Service {
     gateway: GatewayHandle,
     config: SoapConfig,
+    /// Envelopes parsed at once, off the async workers (which also serve framed XML and FIX).
+    parsers: Arc<tokio::sync::Semaphore>,
+}
+
+/// Envelopes parsed at once: one per core of the machine this was sized for. A parse is linear
+/// in the body and bounded by the caps above, but a 1 MiB body still takes milliseconds, and
+/// it must not take them from the threads that move every other connection's bytes.
+pub const PARSERS_MAX: usize = 2;
+
+/// Parses an envelope on the blocking pool, at most [`PARSERS_MAX`] at a time.
+async fn parse_off_the_workers(
+    parsers: &tokio::sync::Semaphore,
+    version: SoapVersion,
+    root: Bytes,
+    parts: HashMap<String, Bytes>,
+) -> Result<SoapRequest, SoapError> {
+    let Ok(_permit) = parsers.acquire().await else {
+        return Err(SoapError::parse(version, "the engine is shutting down"));
+    };
+    tokio::task::spawn_blocking(move || parse_envelope(&root, &parts))
+        .await
+        .unwrap_or_else(|_| Err(SoapError::parse(version, "the envelope parser failed")))
 }
 
 impl Service {
@@ -627,14 +757,16 @@ impl Service {
             .starts_with("multipart/related")
         {
             match split_multipart(&content_type, body.clone()).await {
-                Ok((root, parts)) => parse_envelope(&root, &parts),
+                Ok((root, parts)) => {
+                    parse_off_the_workers(&self.parsers, version, root, parts).await
+                }
                 Err(detail) => Err(SoapError::parse(
                     version,
                     format!("bad MTOM request: {detail}"),
                 )),
             }
         } else {
-            parse_envelope(&body, &HashMap::new())
+            parse_off_the_workers(&self.parsers, version, body.clone(), HashMap::new()).await
         };
         let (version, envelope) = match parsed {
             Ok(request) => {
@@ -721,7 +853,11 @@ pub async fn serve(
     shutdown: watch::Receiver<bool>,
 ) {
     let max = config.max_connections;
-    let service = Arc::new(Service { gateway, config });
+    let service = Arc::new(Service {
+        gateway,
+        config,
+        parsers: Arc::new(tokio::sync::Semaphore::new(PARSERS_MAX)),
+    });
     let refusal = || {
         b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
             .to_vec()
@@ -807,6 +943,54 @@ mod tests {
         assert!(parse_envelope(no_message.as_bytes(), &HashMap::new()).is_err());
         let missing = envelope(SOAP11_NS, "<b:Message><x:Include xmlns:x=\"http://www.w3.org/2004/08/xop/include\" href=\"cid:nothing\"/></b:Message>");
         assert!(parse_envelope(missing.as_bytes(), &HashMap::new()).is_err());
+    }
+
+    #[test]
+    fn floods_are_refused_as_the_parser_meets_them() {
+        // Namespace declarations: over the cap on one element, or spread over many.
+        let declarations: String = (0..=NAMESPACE_DECLARATIONS_MAX)
+            .map(|i| format!(" xmlns:p{i}=\"urn:p{i}\""))
+            .collect();
+        let one_tag = format!("<s:Envelope xmlns:s=\"{SOAP11_NS}\"{declarations}/>");
+        let error = parse_envelope(one_tag.as_bytes(), &HashMap::new()).expect_err("refused");
+        assert!(error.detail.contains("attributes"), "{error:?}");
+        let spread: String = (0..=NAMESPACE_DECLARATIONS_MAX)
+            .map(|i| format!("<x xmlns:p{i}=\"urn:p{i}\"/>"))
+            .collect();
+        let error = parse_envelope(envelope(SOAP11_NS, &spread).as_bytes(), &HashMap::new())
+            .expect_err("refused");
+        assert!(error.detail.contains("namespaces"), "{error:?}");
+        // Elements: many empty children.
+        let children = "<x/>".repeat(ELEMENTS_MAX);
+        let error = parse_envelope(envelope(SOAP11_NS, &children).as_bytes(), &HashMap::new())
+            .expect_err("refused");
+        assert!(error.detail.contains("elements"), "{error:?}");
+        // A scope ends with its element: redeclaring the same prefix in siblings stays in bounds
+        // of the total, and a prefix declared on a sibling does not leak.
+        let leaked = envelope(
+            SOAP11_NS,
+            "<x xmlns:q=\"urn:q\"/><q:Message xmlns:z=\"urn:z\">AAAA</q:Message>",
+        );
+        let error = parse_envelope(leaked.as_bytes(), &HashMap::new()).expect_err("no message");
+        assert!(error.detail.contains("no Submit/Message"), "{error:?}");
+    }
+
+    #[test]
+    fn text_in_pieces_and_references_make_one_value() {
+        let line = b"<Msg/>";
+        let encoded = base64::engine::general_purpose::STANDARD.encode(line);
+        // A character reference splits the text into pieces; they are joined.
+        let split = format!(
+            "{}&#x{:x};{}",
+            &encoded[..2],
+            encoded.as_bytes()[2],
+            &encoded[3..]
+        );
+        let request = envelope(SOAP11_NS, &format!("<b:Message>{split}</b:Message>"));
+        let parsed = parse_envelope(request.as_bytes(), &HashMap::new()).expect("parses");
+        assert_eq!(parsed.message, line);
+        let not_utf8 = [envelope(SOAP11_NS, "").as_bytes(), &[0xff, 0xfe]].concat();
+        assert!(parse_envelope(&not_utf8, &HashMap::new()).is_err());
     }
 
     #[test]

@@ -197,35 +197,44 @@ fn field_error(detail: impl Into<String>) -> Rejection {
 /// Child elements may not carry attributes, so these are the only declarations in scope.
 #[derive(Default)]
 struct RootNamespaces<'a> {
-    default: Option<&'a [u8]>,
-    prefixed: Vec<(&'a [u8], &'a [u8])>,
+    default: Option<&'a str>,
+    prefixed: Vec<(&'a str, &'a str)>,
 }
 
+/// Attributes the root element may carry: its namespace declarations. More is no message, and
+/// bounds what a start tag can cost.
+const ROOT_ATTRIBUTES_MAX: usize = 8;
+
 impl<'a> RootNamespaces<'a> {
-    fn read(start: &quick_xml::events::BytesStart<'a>, bytes: &'a [u8]) -> Result<Self, Rejection> {
+    fn read(start: &quick_xml::events::BytesStart<'a>, text: &'a str) -> Result<Self, Rejection> {
         let mut namespaces = Self::default();
-        for attribute in start.attributes() {
+        for (index, attribute) in start.attributes().enumerate() {
+            if index >= ROOT_ATTRIBUTES_MAX {
+                return Err(parse_error(format!(
+                    "Msg carries more than {ROOT_ATTRIBUTES_MAX} attributes"
+                )));
+            }
             let attribute =
                 attribute.map_err(|error| parse_error(format!("bad attribute: {error}")))?;
             let key = attribute.key.as_ref();
             let value = match attribute.value {
                 Cow::Borrowed(value) => value,
                 // An escaped namespace URI cannot equal ours; keep it out of scope.
-                Cow::Owned(_) => b"" as &[u8],
+                Cow::Owned(_) => "",
             };
             // Borrow the value from the input so that it outlives the attribute iterator.
-            let value = subslice_of(bytes, value).unwrap_or(b"");
-            let key_in_input = subslice_of(bytes, key).unwrap_or(b"");
-            if key == b"xmlns" {
+            let value = substr_of(text, value).unwrap_or("");
+            let key_in_input = substr_of(text, key).unwrap_or("");
+            if key == "xmlns" {
                 namespaces.default = Some(value);
-            } else if let Some(prefix) = key_in_input.strip_prefix(b"xmlns:") {
+            } else if let Some(prefix) = key_in_input.strip_prefix("xmlns:") {
                 namespaces.prefixed.push((prefix, value));
             }
         }
         Ok(namespaces)
     }
 
-    fn resolve(&self, prefix: Option<&[u8]>) -> Option<&'a [u8]> {
+    fn resolve(&self, prefix: Option<&str>) -> Option<&'a str> {
         match prefix {
             None => self.default,
             Some(prefix) => self
@@ -238,26 +247,42 @@ impl<'a> RootNamespaces<'a> {
 
     fn is_ste(&self, name: quick_xml::name::QName<'_>) -> bool {
         let prefix = name.prefix().map(|p| p.into_inner());
-        self.resolve(prefix) == Some(NAMESPACE.as_bytes())
+        self.resolve(prefix) == Some(NAMESPACE)
     }
 }
 
 /// `part` as a slice of `whole` when it points into it, so that it carries `whole`'s lifetime.
-fn subslice_of<'a>(whole: &'a [u8], part: &[u8]) -> Option<&'a [u8]> {
+fn substr_of<'a>(whole: &'a str, part: &str) -> Option<&'a str> {
     let whole_start = whole.as_ptr() as usize;
     let part_start = part.as_ptr() as usize;
     if part_start < whole_start || part_start + part.len() > whole_start + whole.len() {
         return None;
     }
     let offset = part_start - whole_start;
-    Some(&whole[offset..offset + part.len()])
+    whole.get(offset..offset + part.len())
+}
+
+/// The text an entity or character reference stands for: one of XML's five predefined
+/// entities or a character reference. Any other is undeclared (a message has no DTD), so the
+/// message is not well-formed.
+fn resolve_reference(reference: &quick_xml::events::BytesRef<'_>) -> Result<String, Rejection> {
+    if let Some(ch) = reference
+        .resolve_char_ref()
+        .map_err(|error| parse_error(format!("bad character reference: {error}")))?
+    {
+        return Ok(ch.to_string());
+    }
+    quick_xml::escape::resolve_predefined_entity(reference)
+        .map(str::to_owned)
+        .ok_or_else(|| parse_error(format!("undeclared entity &{};", &**reference)))
 }
 
 /// Parses one `Msg` element. Fails with E_PARSE for anything that is not well-formed XML in the
-/// STE namespace (including any DOCTYPE), and with E_FIELD for unknown, repeated or nested
-/// elements and for attributes on fields.
+/// STE namespace (including any DOCTYPE, text that is not UTF-8, and undeclared entities), and
+/// with E_FIELD for unknown, repeated or nested elements and for attributes on fields.
 pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
-    let mut reader = quick_xml::Reader::from_reader(bytes);
+    let text = std::str::from_utf8(bytes).map_err(|_| parse_error("the message is not UTF-8"))?;
+    let mut reader = quick_xml::Reader::from_str(text);
     reader.config_mut().check_end_names = true;
     let mut fields = RawFields::default();
     let mut namespaces: Option<RootNamespaces<'_>> = None;
@@ -269,6 +294,39 @@ pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
             .read_event()
             .map_err(|error| parse_error(format!("not well-formed xml: {error}")))?;
         let is_empty = matches!(event, Event::Empty(_));
+        // The text of a field may come in pieces: text, references, CDATA.
+        let piece: Option<Cow<'_, str>> = match &event {
+            Event::Text(text) => Some(text.xml10_content()),
+            Event::GeneralRef(reference) => Some(Cow::Owned(resolve_reference(reference)?)),
+            Event::CData(data) => Some(data.xml10_content()),
+            _ => None,
+        };
+        if let Some(piece) = piece {
+            match current {
+                Some(field) => {
+                    if current_has_text {
+                        let joined = format!("{}{piece}", fields.get(field).unwrap_or(""));
+                        fields.set(field, joined);
+                    } else {
+                        fields.set(field, piece);
+                    }
+                    current_has_text = true;
+                }
+                None if matches!(event, Event::CData(_)) => {
+                    return Err(field_error("CDATA outside any field"));
+                }
+                None => {
+                    if !piece.trim().is_empty() || matches!(event, Event::GeneralRef(_)) {
+                        return Err(if namespaces.is_some() && !root_closed {
+                            field_error("text outside any field")
+                        } else {
+                            parse_error("text outside the Msg element")
+                        });
+                    }
+                }
+            }
+            continue;
+        }
         match event {
             Event::DocType(_) => return Err(parse_error("a DOCTYPE is not allowed")),
             Event::Decl(_) if namespaces.is_some() => {
@@ -285,10 +343,10 @@ pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
                 return Ok(fields);
             }
             Event::Start(start) | Event::Empty(start) if namespaces.is_none() => {
-                if start.local_name().as_ref() != b"Msg" {
+                if start.local_name().as_ref() != "Msg" {
                     return Err(parse_error("the root element is not Msg"));
                 }
-                let declared = RootNamespaces::read(&start, bytes)?;
+                let declared = RootNamespaces::read(&start, text)?;
                 if !declared.is_ste(start.name()) {
                     return Err(parse_error(format!(
                         "Msg is not in the namespace {NAMESPACE}"
@@ -305,7 +363,7 @@ pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
                     return Err(field_error("nested element inside a field"));
                 }
                 let local = start.local_name();
-                let name = || String::from_utf8_lossy(local.as_ref()).into_owned();
+                let name = || local.as_ref().to_owned();
                 let in_namespace = namespaces
                     .as_ref()
                     .is_some_and(|declared| declared.is_ste(start.name()));
@@ -317,7 +375,7 @@ pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
                 }
                 if start
                     .attributes_raw()
-                    .iter()
+                    .bytes()
                     .any(|b| !b.is_ascii_whitespace())
                 {
                     return Err(field_error(format!(
@@ -325,7 +383,7 @@ pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
                         name()
                     )));
                 }
-                let Some(field) = Field::from_name(local.as_ref()) else {
+                let Some(field) = Field::from_name(local.as_ref().as_bytes()) else {
                     return Err(field_error(format!("unknown element {}", name())));
                 };
                 if fields.get(field).is_some() {
@@ -346,36 +404,7 @@ pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
                 }
                 None => root_closed = true,
             },
-            Event::Text(text) => {
-                let value = text
-                    .unescape()
-                    .map_err(|error| parse_error(format!("bad text: {error}")))?;
-                match current {
-                    Some(field) => {
-                        fields.set(field, value);
-                        current_has_text = true;
-                    }
-                    None => {
-                        if !value.trim().is_empty() {
-                            return Err(if namespaces.is_some() && !root_closed {
-                                field_error("text outside any field")
-                            } else {
-                                parse_error("text outside the Msg element")
-                            });
-                        }
-                    }
-                }
-            }
-            Event::CData(data) => {
-                let Some(field) = current else {
-                    return Err(field_error("CDATA outside any field"));
-                };
-                let value = std::str::from_utf8(&data)
-                    .map_err(|_| parse_error("CDATA is not UTF-8"))?
-                    .to_owned();
-                fields.set(field, value);
-                current_has_text = true;
-            }
+            Event::Text(_) | Event::GeneralRef(_) | Event::CData(_) => {}
         }
     }
 }
@@ -623,7 +652,18 @@ mod tests {
 
     #[test]
     fn hostile_and_malformed_input() {
-        let cases: [(&[u8], ReasonCode); 12] = [
+        let many_attributes = format!(
+            "<Msg xmlns=\"urn:ste:trade:1\"{}></Msg>",
+            (0..ROOT_ATTRIBUTES_MAX)
+                .map(|i| format!(" a{i}=\"\""))
+                .collect::<String>()
+        );
+        let cases: [(&[u8], ReasonCode); 14] = [
+            (many_attributes.as_bytes(), ReasonCode::Parse),
+            (
+                br#"<Msg xmlns="urn:ste:trade:1"><Account>A&lt;&foo;</Account></Msg>"#,
+                ReasonCode::Parse,
+            ),
             (&NOE.as_bytes()[..60], ReasonCode::Parse),
             (b"", ReasonCode::Parse),
             (b"\x00\x01\x02\xff\xfe garbage", ReasonCode::Parse),
