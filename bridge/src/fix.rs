@@ -771,6 +771,8 @@ pub fn from_fix(message: &FixMessage, sender: &str) -> Result<Vec<u8>, Rejection
 #[derive(Debug, Clone)]
 pub struct FixConfig {
     pub max_connections: usize,
+    /// Connections served at once from one source address.
+    pub max_connections_per_source: usize,
     /// Application messages one session may have in flight.
     pub window: usize,
     /// Time allowed from a message's first byte to its last.
@@ -785,6 +787,7 @@ impl Default for FixConfig {
     fn default() -> Self {
         Self {
             max_connections: 1024,
+            max_connections_per_source: 64,
             window: 4096,
             message_timeout: Duration::from_secs(10),
             logon_timeout: Duration::from_secs(10),
@@ -967,20 +970,21 @@ pub async fn serve(
     shutdown: watch::Receiver<bool>,
 ) {
     let max = config.max_connections;
-    let refusal = || {
+    let limits = crate::listener::ConnectionLimits {
+        total: max,
+        per_source: config.max_connections_per_source,
+    };
+    let refusal = |why: &str| {
         encode(&[
             (35, "5".into()),
             (49, ENGINE_COMP_ID.into()),
             (34, "1".into()),
             (52, utc_timestamp()),
-            (
-                58,
-                format!("E_BUSY the engine serves at most {max} sessions"),
-            ),
+            (58, format!("E_BUSY {why}")),
         ])
     };
     let stop = shutdown.clone();
-    accept_loop(listener, "FIX", max, shutdown, refusal, |stream| {
+    accept_loop(listener, "FIX", limits, shutdown, refusal, |stream| {
         session(stream, gateway.clone(), config.clone(), stop.clone())
     })
     .await;
@@ -1138,7 +1142,7 @@ async fn session(
                 let message = match parse(&raw) {
                     Ok(message) => message,
                     Err(error) => {
-                        warn!(%participant, %error, "garbled FIX message ignored");
+                        warn!(%participant, error = ?error.to_string(), "garbled FIX message ignored");
                         break 'raw;
                     }
                 };
@@ -1280,7 +1284,7 @@ async fn session(
     let mut logout = vec![(35, "5".to_owned())];
     if let Some(text) = ending.filter(|text| !text.is_empty()) {
         if !text.starts_with("E_SHUTDOWN") {
-            warn!(%participant, %text, "FIX session ended by the engine");
+            warn!(%participant, text = ?text, "FIX session ended by the engine");
         }
         logout.push((58, text));
     }

@@ -46,6 +46,8 @@ pub struct Reply {
     /// The sequence number the participant gave the message.
     pub seq: u64,
     pub result: AckResult,
+    /// Bytes of the message answered, which its connection may now send again.
+    pub bytes: u32,
 }
 
 /// A CLS or advice on its way to a subscriber.
@@ -81,6 +83,7 @@ pub struct GatewayCounters {
 struct Route {
     seq: u64,
     reply: mpsc::Sender<Reply>,
+    bytes: u32,
 }
 
 /// What listeners share.
@@ -206,6 +209,7 @@ impl GatewayHandle {
                 Route {
                     seq,
                     reply: reply.clone(),
+                    bytes: u32::try_from(envelope.bytes.len()).unwrap_or(u32::MAX),
                 },
             );
         if self.ingress.send(envelope).await.is_err() {
@@ -506,6 +510,7 @@ fn route_acks(shared: &Shared, batch: &[ste_engine::pipeline::Ack]) {
             .try_send(Reply {
                 seq: route.seq,
                 result: ack.result,
+                bytes: route.bytes,
             })
             .is_err()
         {
@@ -535,15 +540,19 @@ pub fn advice_xml(advice: &ste_engine::matcher::Advice) -> String {
         .trade_key
         .split_once('/')
         .unwrap_or((advice.trade_key.as_str(), ""));
+    use ste_engine::codec::push_element;
     let mut xml = format!(
-        "<Advice xmlns=\"{}\"><Status>MISMATCHED</Status><Broker>{broker}</Broker><TradeRef>{trade_ref}</TradeRef>",
+        "<Advice xmlns=\"{}\"><Status>MISMATCHED</Status>",
         ste_engine::codec::NAMESPACE
     );
+    // Identifiers are printable ASCII, which includes '<' and '&': every text is escaped.
+    push_element(&mut xml, "Broker", broker);
+    push_element(&mut xml, "TradeRef", trade_ref);
     for criterion in &advice.failed {
-        xml.push_str(&format!(
-            "<Failed><Criterion>{criterion}</Criterion><Reason>{}</Reason></Failed>",
-            criterion.reason()
-        ));
+        xml.push_str("<Failed>");
+        push_element(&mut xml, "Criterion", &criterion.to_string());
+        push_element(&mut xml, "Reason", criterion.reason());
+        xml.push_str("</Failed>");
     }
     xml.push_str("</Advice>");
     xml
@@ -625,6 +634,18 @@ fn push(shared: &Shared, event: &OutboundEvent) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn advices_escape_their_text() {
+        let advice = ste_engine::matcher::Advice {
+            trade_key: "BRK<&>/T<1>".to_owned(),
+            failed: vec![ste_engine::reason::Criterion::C09],
+        };
+        let xml = advice_xml(&advice);
+        assert!(xml.contains("<Broker>BRK&lt;&amp;&gt;</Broker>"), "{xml}");
+        assert!(xml.contains("<TradeRef>T&lt;1&gt;</TradeRef>"), "{xml}");
+        assert!(xml.contains("<Criterion>C09</Criterion>"), "{xml}");
+    }
 
     #[test]
     fn parties_are_read_from_the_cls() {

@@ -73,9 +73,18 @@ struct Cli {
     /// Connections (FIX: sessions) each listener serves at once.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
+    /// Connections (FIX: sessions) each listener serves at once from one source address.
+    #[arg(long, default_value_t = 64)]
+    max_connections_per_source: usize,
     /// Messages one connection or FIX session may have in flight.
     #[arg(long, default_value_t = 4096)]
     window: usize,
+    /// Bytes of messages one framed-XML connection may have in flight.
+    #[arg(long, default_value_t = 4 * 1024 * 1024)]
+    window_bytes: usize,
+    /// Seconds from connecting to a logon (framed XML and FIX), not extended by heartbeats.
+    #[arg(long, default_value_t = 10)]
+    logon_timeout_s: u64,
     /// Milliseconds allowed from a frame's first byte to its last (framed XML), for a
     /// request's headers and for its body (SOAP), and for a whole message (FIX).
     #[arg(long, default_value_t = 10_000)]
@@ -222,20 +231,26 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let handle = gateway.handle();
     let tcp_config = TcpConfig {
         max_connections: cli.max_connections.max(1),
+        max_connections_per_source: cli.max_connections_per_source.max(1),
         window: cli.window.max(1),
+        window_bytes: cli.window_bytes,
+        logon_timeout: Duration::from_secs(cli.logon_timeout_s.max(1)),
         frame_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
         idle_timeout: Duration::from_secs(cli.idle_timeout_s.max(1)),
         ..TcpConfig::default()
     };
     let soap_config = SoapConfig {
         max_connections: cli.max_connections.max(1),
+        max_connections_per_source: cli.max_connections_per_source.max(1),
         max_body_bytes: cli.max_body_bytes.max(1024),
         header_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
         body_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
     };
     let fix_config = FixConfig {
         max_connections: cli.max_connections.max(1),
+        max_connections_per_source: cli.max_connections_per_source.max(1),
         window: cli.window.max(1),
+        logon_timeout: Duration::from_secs(cli.logon_timeout_s.max(1)),
         message_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
         ..FixConfig::default()
     };

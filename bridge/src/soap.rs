@@ -48,6 +48,8 @@ const DEPTH_MAX: usize = 16;
 #[derive(Debug, Clone)]
 pub struct SoapConfig {
     pub max_connections: usize,
+    /// Connections served at once from one source address.
+    pub max_connections_per_source: usize,
     /// Largest request body; a longer declared or sent body is refused with 413.
     pub max_body_bytes: usize,
     /// Time allowed to send a request's headers (and to start the next one on a kept-alive
@@ -61,6 +63,7 @@ impl Default for SoapConfig {
     fn default() -> Self {
         Self {
             max_connections: 1024,
+            max_connections_per_source: 64,
             max_body_bytes: 1024 * 1024,
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(10),
@@ -853,17 +856,24 @@ pub async fn serve(
     shutdown: watch::Receiver<bool>,
 ) {
     let max = config.max_connections;
+    let limits = crate::listener::ConnectionLimits {
+        total: max,
+        per_source: config.max_connections_per_source,
+    };
     let service = Arc::new(Service {
         gateway,
         config,
         parsers: Arc::new(tokio::sync::Semaphore::new(PARSERS_MAX)),
     });
-    let refusal = || {
-        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-            .to_vec()
+    let refusal = |why: &str| {
+        format!(
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\nE_BUSY {why}\n",
+            why.len() + 8
+        )
+        .into_bytes()
     };
     let stop = shutdown.clone();
-    accept_loop(listener, "SOAP", max, shutdown, refusal, |stream| {
+    accept_loop(listener, "SOAP", limits, shutdown, refusal, |stream| {
         let (handler, mut stop) = (service.clone(), stop.clone());
         async move {
             let header_timeout = handler.config.header_timeout;

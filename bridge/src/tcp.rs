@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use ahash::AHashSet;
 use rand::RngCore;
-use ste_engine::pipeline::{AckResult, Envelope};
+use ste_engine::pipeline::{AckResult, Envelope, EXCEPTION_RAW_PREFIX_BYTES};
 use ste_engine::reason::{ReasonCode, Rejection};
+use ste_engine::sign::SIGNATURE_LEN;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -24,6 +25,15 @@ use crate::listener::accept_loop;
 
 /// How long one write to a participant may take before its connection is closed.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Largest frame before logon: a logon frame is under 300 bytes.
+pub const PRE_LOGON_FRAME_MAX_BYTES: usize = 512;
+/// Largest message frame read whole: the message limit and the frame's own fields. A longer one
+/// is read as far as [`EXCEPTION_RAW_PREFIX_BYTES`] of its message, hashed and counted to its
+/// end, answered E_SIZE and kept as an exception with that prefix: it costs no more memory
+/// than a small one.
+pub const MESSAGE_FRAME_MAX_BYTES: usize =
+    1 + 8 + 1 + 255 + SIGNATURE_LEN + ste_engine::validate::MESSAGE_SIZE_MAX_BYTES;
+
 /// Participants one connection may log on as: a service bureau (or the load driver) sends for
 /// many, each proven by its own key; the bound keeps a connection's subscriptions finite.
 pub const IDENTITIES_PER_CONNECTION_MAX: usize = 1024;
@@ -33,12 +43,19 @@ pub const IDENTITIES_PER_CONNECTION_MAX: usize = 1024;
 pub struct TcpConfig {
     /// Connections served at once; more are refused with an `E_BUSY` error frame.
     pub max_connections: usize,
+    /// Connections served at once from one source address.
+    pub max_connections_per_source: usize,
     /// Messages one connection may have in flight (submitted and not yet answered).
     pub window: usize,
     /// Time allowed from the first byte of a frame to its last (a slow-client bound).
     pub frame_timeout: Duration,
     /// Time a connection may stay silent between frames (heartbeats count).
     pub idle_timeout: Duration,
+    /// Time from connecting to a logon: not extended by heartbeats, so a socket that never
+    /// logs on holds its slot this long at most.
+    pub logon_timeout: Duration,
+    /// Bytes of messages one connection may have in flight.
+    pub window_bytes: usize,
     /// Pushes that may wait for a subscriber before it is closed as too slow.
     pub push_capacity: usize,
 }
@@ -47,9 +64,12 @@ impl Default for TcpConfig {
     fn default() -> Self {
         Self {
             max_connections: 1024,
+            max_connections_per_source: 64,
             window: 4096,
             frame_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(300),
+            logon_timeout: Duration::from_secs(10),
+            window_bytes: 4 * 1024 * 1024,
             push_capacity: 65_536,
         }
     }
@@ -79,17 +99,26 @@ pub async fn serve(
     shutdown: watch::Receiver<bool>,
 ) {
     let max = config.max_connections;
-    let refusal = || {
+    let limits = crate::listener::ConnectionLimits {
+        total: max,
+        per_source: config.max_connections_per_source,
+    };
+    let refusal = |why: &str| {
         Frame::Error {
             code: "E_BUSY".into(),
-            detail: format!("the engine serves at most {max} connections"),
+            detail: why.to_owned(),
         }
         .encode()
     };
     let stop = shutdown.clone();
-    accept_loop(listener, "framed XML", max, shutdown, refusal, |stream| {
-        connection(stream, gateway.clone(), config.clone(), stop.clone())
-    })
+    accept_loop(
+        listener,
+        "framed XML",
+        limits,
+        shutdown,
+        refusal,
+        |stream| connection(stream, gateway.clone(), config.clone(), stop.clone()),
+    )
     .await;
 }
 
@@ -106,6 +135,9 @@ async fn connection(
     let (control_tx, control_rx) = mpsc::channel::<Frame>(16);
     let (kick_tx, kick_rx) = watch::channel(false);
     let window = Arc::new(Semaphore::new(config.window.max(1)));
+    let window_bytes = Arc::new(Semaphore::new(
+        config.window_bytes.max(MESSAGE_FRAME_MAX_BYTES),
+    ));
 
     let mut nonce = [0_u8; NONCE_LEN];
     rand::thread_rng().fill_bytes(&mut nonce);
@@ -116,7 +148,7 @@ async fn connection(
         reply_rx,
         push_rx,
         control_rx,
-        window.clone(),
+        (window.clone(), window_bytes.clone()),
         (kick_tx.clone(), kick_rx.clone()),
     ));
     let mut reader = Reader {
@@ -131,6 +163,8 @@ async fn connection(
         control: control_tx.clone(),
         kick: kick_tx,
         window,
+        window_bytes,
+        logon_deadline: tokio::time::Instant::now() + config.logon_timeout,
     };
     let closing = reader.run(shutdown, kick_rx).await;
     // The reader has stopped: no new messages. Subscriptions end; answers in flight still go.
@@ -138,7 +172,9 @@ async fn connection(
     drop(reader);
     if let Some(closing) = closing {
         if closing.code != "E_SHUTDOWN" {
-            warn!(connection = id, code = closing.code, detail = %closing.detail, "closing the connection");
+            // The detail may quote what an unauthenticated peer sent: Debug-escaped, it cannot forge
+            // log lines.
+            warn!(connection = id, code = closing.code, detail = ?closing.detail, "closing the connection");
         }
         let _ = control_tx
             .send(Frame::Error {
@@ -165,6 +201,8 @@ struct Reader<'a> {
     control: mpsc::Sender<Frame>,
     kick: watch::Sender<bool>,
     window: Arc<Semaphore>,
+    window_bytes: Arc<Semaphore>,
+    logon_deadline: tokio::time::Instant,
 }
 
 impl Reader<'_> {
@@ -183,8 +221,8 @@ impl Reader<'_> {
                 }
                 Ok(()) = kicked.changed() => return None,
             };
-            let frame = match frame {
-                Ok(Some(frame)) => frame,
+            let (frame, oversized) = match frame {
+                Ok(Some(read)) => read,
                 Ok(None) => return None,
                 Err(closing) => return Some(closing),
             };
@@ -244,11 +282,34 @@ impl Reader<'_> {
                     };
                     let Ok(permit) = permit else { return None };
                     permit.forget();
+                    // And the bytes: at most `window_bytes` of this connection's messages
+                    // in flight.
+                    let cost = u32::try_from(xml.len()).unwrap_or(u32::MAX);
+                    let bytes = tokio::select! {
+                        permit = self.window_bytes.clone().acquire_many_owned(cost) => permit,
+                        _ = shutdown.changed() => {
+                            return Some(Closing::new("E_SHUTDOWN", "the engine is shutting down"));
+                        }
+                        Ok(()) = kicked.changed() => return None,
+                    };
+                    let Ok(bytes) = bytes else { return None };
+                    bytes.forget();
                     // A message signed with the key of a participant this connection did not
                     // log on as, or signed by one that names another as its Sender, is refused
                     // E_AUTH; a bad signature is left to the validator, whose E_SIG comes
                     // first in the order of checks.
-                    let refusal = if !self.identities.contains(&sender)
+                    let refusal = if let Some(oversized) = oversized {
+                        Some(Rejection::new(
+                            ReasonCode::Size,
+                            format!(
+                                "message of {} bytes is larger than {} (the first {} bytes are kept, xxh3 {:016x})",
+                                oversized.length,
+                                ste_engine::validate::MESSAGE_SIZE_MAX_BYTES,
+                                xml.len(),
+                                oversized.xxh3
+                            ),
+                        ))
+                    } else if !self.identities.contains(&sender)
                         && self.gateway.signed_by(&sender, &xml, &signature)
                     {
                         Some(Rejection::new(
@@ -290,9 +351,23 @@ impl Reader<'_> {
     }
 
     /// The next frame: `Ok(None)` when the participant closed cleanly between frames.
-    async fn next_frame(&mut self) -> Result<Option<Frame>, Closing> {
-        let first = match tokio::time::timeout(self.config.idle_timeout, self.input.read_u8()).await
-        {
+    async fn next_frame(&mut self) -> Result<Option<(Frame, Option<Oversized>)>, Closing> {
+        let logged_on = !self.identities.is_empty();
+        // Before a logon the connection waits no longer than its logon deadline, however many
+        // heartbeats it sends.
+        let wait = if logged_on {
+            self.config.idle_timeout
+        } else {
+            self.logon_deadline
+                .saturating_duration_since(tokio::time::Instant::now())
+        };
+        let first = match tokio::time::timeout(wait, self.input.read_u8()).await {
+            Err(_) if !logged_on => {
+                return Err(Closing::new(
+                    "E_TIMEOUT",
+                    format!("no logon within {:?}", self.config.logon_timeout),
+                ))
+            }
             Err(_) => {
                 return Err(Closing::new(
                     "E_TIMEOUT",
@@ -303,16 +378,95 @@ impl Reader<'_> {
             Ok(Err(error)) => return Err(Closing::new("E_IO", error.to_string())),
             Ok(Ok(byte)) => byte,
         };
+        type Read = Result<(Frame, Option<Oversized>), Closing>;
+        let too_large = |length: usize| {
+            Closing::new(
+                "E_SIZE",
+                format!(
+                    "frame of {length} bytes is larger than {}",
+                    if logged_on {
+                        crate::frame::FRAME_MAX_BYTES
+                    } else {
+                        PRE_LOGON_FRAME_MAX_BYTES
+                    }
+                ),
+            )
+        };
+        let malformed = |error: FrameError| match error {
+            FrameError::TooLarge(length) => too_large(length),
+            error => Closing::new("E_FRAME", error.to_string()),
+        };
         let rest = async {
             let mut prefix = [first, 0, 0, 0];
             self.input.read_exact(&mut prefix[1..]).await?;
             let length = match check_length(u32::from_be_bytes(prefix)) {
                 Ok(length) => length,
-                Err(error) => return Ok(Err(error)),
+                Err(error) => return Ok::<Read, std::io::Error>(Err(malformed(error))),
             };
-            let mut body = vec![0_u8; length];
-            self.input.read_exact(&mut body).await?;
-            Ok::<_, std::io::Error>(Frame::decode(&body))
+            if !logged_on && length > PRE_LOGON_FRAME_MAX_BYTES {
+                // Only a logon, a heartbeat or a bye is due: a message is refused unread.
+                let kind = self.input.read_u8().await?;
+                return Ok(Err(if kind == b'M' {
+                    Closing::new("E_AUTH", "log on before sending messages")
+                } else {
+                    too_large(length)
+                }));
+            }
+            if length <= MESSAGE_FRAME_MAX_BYTES {
+                let mut body = vec![0_u8; length];
+                self.input.read_exact(&mut body).await?;
+                return Ok(Frame::decode(&body)
+                    .map(|frame| (frame, None))
+                    .map_err(malformed));
+            }
+            // Larger than any message may be: only a message frame, read as far as the prefix
+            // kept of it, the rest counted and hashed on its way past.
+            let mut kind = [0_u8; 1];
+            self.input.read_exact(&mut kind).await?;
+            if kind[0] != b'M' {
+                return Ok(Err(too_large(length)));
+            }
+            let head_length = 8 + 1 + 255 + SIGNATURE_LEN + EXCEPTION_RAW_PREFIX_BYTES;
+            let mut head = vec![0_u8; head_length.min(length)];
+            head[0] = b'M';
+            self.input.read_exact(&mut head[1..]).await?;
+            let frame = match Frame::decode(&head) {
+                Ok(frame) => frame,
+                Err(error) => return Ok(Err(malformed(error))),
+            };
+            let Frame::Message {
+                seq,
+                sender,
+                signature,
+                xml,
+            } = frame
+            else {
+                return Ok(Err(too_large(length)));
+            };
+            let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+            hasher.update(&xml);
+            let mut remaining = length - head.len();
+            let mut chunk = vec![0_u8; 16 * 1024];
+            while remaining > 0 {
+                let take = remaining.min(chunk.len());
+                self.input.read_exact(&mut chunk[..take]).await?;
+                hasher.update(&chunk[..take]);
+                remaining -= take;
+            }
+            let message_length = xml.len() + (length - head.len());
+            let kept = xml[..xml.len().min(EXCEPTION_RAW_PREFIX_BYTES)].to_vec();
+            Ok(Ok((
+                Frame::Message {
+                    seq,
+                    sender,
+                    signature,
+                    xml: kept,
+                },
+                Some(Oversized {
+                    length: message_length,
+                    xxh3: hasher.digest(),
+                }),
+            )))
         };
         match tokio::time::timeout(self.config.frame_timeout, rest).await {
             Err(_) => Err(Closing::new(
@@ -323,17 +477,18 @@ impl Reader<'_> {
                 ),
             )),
             Ok(Err(error)) => Err(Closing::new("E_IO", error.to_string())),
-            Ok(Ok(Err(FrameError::TooLarge(length)))) => Err(Closing::new(
-                "E_SIZE",
-                format!(
-                    "frame of {length} bytes is larger than {}",
-                    crate::frame::FRAME_MAX_BYTES
-                ),
-            )),
-            Ok(Ok(Err(error))) => Err(Closing::new("E_FRAME", error.to_string())),
-            Ok(Ok(Ok(frame))) => Ok(Some(frame)),
+            Ok(Ok(Err(closing))) => Err(closing),
+            Ok(Ok(Ok(read))) => Ok(Some(read)),
         }
     }
+}
+
+/// A message frame longer than any message may be: read as far as its kept prefix.
+struct Oversized {
+    /// Length of the whole message.
+    length: usize,
+    /// xxh3 of the whole message.
+    xxh3: u64,
 }
 
 fn kind_name(frame: &Frame) -> &'static str {
@@ -373,7 +528,7 @@ async fn write_loop(
     mut replies: mpsc::Receiver<Reply>,
     mut pushes: mpsc::Receiver<Pushed>,
     mut control: mpsc::Receiver<Frame>,
-    window: Arc<Semaphore>,
+    (window, window_bytes): (Arc<Semaphore>, Arc<Semaphore>),
     (kick, mut kicked): (watch::Sender<bool>, watch::Receiver<bool>),
 ) {
     let mut output = BufWriter::with_capacity(64 * 1024, write);
@@ -408,6 +563,7 @@ async fn write_loop(
             reply = replies.recv(), if replies_open => match reply {
                 Some(reply) => {
                     window.add_permits(1);
+                    window_bytes.add_permits(reply.bytes as usize);
                     reply_frame(reply)
                 }
                 None => { replies_open = false; continue; }

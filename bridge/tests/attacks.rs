@@ -381,3 +381,122 @@ fn a_rejected_message_replayed_over_soap_gets_its_rejection_again() {
     assert_eq!(good.join().expect("the good participant"), (140, 20));
     assert!(engine.stop().success());
 }
+
+/// A connection from another loopback address (127.0.0.0/8 is all this machine's).
+fn connect_from(source: &str, target: std::net::SocketAddr) -> std::net::TcpStream {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .expect("a runtime");
+    let stream = runtime.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+        socket
+            .bind(format!("{source}:0").parse().expect("an address"))
+            .expect("binds");
+        socket.connect(target).await.expect("connects")
+    });
+    let stream = stream.into_std().expect("a std stream");
+    stream.set_nonblocking(false).expect("blocking");
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .expect("a timeout");
+    stream
+}
+
+#[test]
+fn sockets_that_never_log_on_hold_few_slots_for_a_short_time() {
+    let engine = Engine::start(&[
+        "--logon-timeout-s",
+        "1",
+        "--max-connections-per-source",
+        "8",
+    ]);
+    let refdata = refdata();
+    // Eight idle sockets from one address: all the slots that address gets.
+    let mut idle: Vec<std::net::TcpStream> = (0..8)
+        .map(|_| connect_from("127.0.0.2", engine.tcp))
+        .collect();
+    for stream in &mut idle {
+        assert!(matches!(
+            Frame::read_from(stream),
+            Ok(Some(Frame::Challenge { .. }))
+        ));
+    }
+    // A ninth from there is refused; a participant elsewhere is served.
+    let mut ninth = connect_from("127.0.0.2", engine.tcp);
+    let refused = Frame::read_from(&mut ninth).expect("reads");
+    assert!(
+        matches!(&refused, Some(Frame::Error { code, detail }) if code == "E_BUSY" && detail.contains("one address")),
+        "{refused:?}"
+    );
+    let good = well_behaved(&engine, &refdata, 20, 509);
+    // Heartbeats do not extend the logon deadline: each idle socket is closed with E_TIMEOUT.
+    use std::io::Write;
+    for stream in &mut idle {
+        stream
+            .write_all(&Frame::Heartbeat.encode())
+            .expect("writes");
+    }
+    for stream in &mut idle {
+        let closing = std::iter::from_fn(|| Frame::read_from(stream).expect("reads"))
+            .find(|frame| !matches!(frame, Frame::Heartbeat));
+        assert!(
+            matches!(&closing, Some(Frame::Error { code, detail }) if code == "E_TIMEOUT" && detail.contains("logon")),
+            "{closing:?}"
+        );
+    }
+    // A large frame before logon is refused from its prefix.
+    let mut big = connect_from("127.0.0.3", engine.tcp);
+    let _ = Frame::read_from(&mut big).expect("a challenge");
+    big.write_all(&(1024_u32 * 1024).to_be_bytes())
+        .expect("writes");
+    big.write_all(b"L").expect("writes");
+    let refused = Frame::read_from(&mut big).expect("reads");
+    assert!(
+        matches!(&refused, Some(Frame::Error { code, .. }) if code == "E_SIZE"),
+        "{refused:?}"
+    );
+    assert_eq!(good.join().expect("the good participant"), (140, 20));
+    assert!(engine.stop().success());
+}
+
+#[test]
+fn oversized_messages_are_answered_without_being_held() {
+    let engine = Engine::start(&[]);
+    let refdata = refdata();
+    let good = well_behaved(&engine, &refdata, 20, 510);
+    let line = trade_lines(&refdata, 1, 511).remove(0);
+    let broker = sign::claimed_sender(&line).expect("a sender").to_owned();
+    let (mut writer, mut reader) = connect_as(&engine, &refdata, &[&broker], false);
+    // 50 frames of a 1 MiB message each: every one NAKed E_SIZE as it is read.
+    let padding = "x".repeat(1024 * 1024 - 1024);
+    let huge = String::from_utf8(line.clone())
+        .expect("UTF-8")
+        .replace("</Msg>", &format!("<!--{padding}--></Msg>"))
+        .into_bytes();
+    for seq in 0..50 {
+        writer
+            .send(&message(&refdata, seq, huge.clone()))
+            .expect("sends");
+    }
+    writer.send(&message(&refdata, 50, line)).expect("sends");
+    writer.flush().expect("flushes");
+    let mut sizes = 0;
+    let mut accepted = false;
+    for _ in 0..51 {
+        match reader.next_frame().expect("reads").expect("open") {
+            Frame::Nak { code, .. } => {
+                assert_eq!(code, ste_engine::reason::ReasonCode::Size);
+                sizes += 1;
+            }
+            Frame::Ack {
+                seq: 50,
+                duplicate: false,
+            } => accepted = true,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!((sizes, accepted), (50, true));
+    assert_eq!(good.join().expect("the good participant"), (140, 20));
+    assert!(engine.stop().success());
+}

@@ -425,7 +425,8 @@ fn push_escaped(out: &mut String, text: &str) {
     }
 }
 
-fn push_element(out: &mut String, name: &str, value: &str) {
+/// Appends `<name>value</name>`, the value escaped.
+pub fn push_element(out: &mut String, name: &str, value: &str) {
     out.push('<');
     out.push_str(name);
     out.push('>');

@@ -300,6 +300,12 @@ struct RejectedItem {
     correlation: u64,
 }
 
+/// Bytes of its raw input an exception keeps when the input's signature was not checked (too
+/// large, unsigned, a bad signature, unreadable, refused by a listener): what an
+/// unauthenticated client can make the engine store is bounded. The detail then gives the full
+/// length and its xxh3 hash.
+pub const EXCEPTION_RAW_PREFIX_BYTES: usize = 4096;
+
 /// Messages per batch on the inbound queues: one channel operation (and at most one wake-up of a
 /// validator) per batch instead of per message.
 pub const INBOUND_BATCH_MESSAGES: usize = 64;
@@ -1316,6 +1322,22 @@ fn run_writer(
     })
 }
 
+/// The raw bytes an exception of unchecked input keeps: at most
+/// [`EXCEPTION_RAW_PREFIX_BYTES`], with the full length and hash added to the detail.
+fn bounded_raw(mut raw: Vec<u8>, detail: String) -> (Vec<u8>, String) {
+    if raw.len() <= EXCEPTION_RAW_PREFIX_BYTES {
+        return (raw, detail);
+    }
+    let detail = format!(
+        "{detail} (the first {EXCEPTION_RAW_PREFIX_BYTES} of {} bytes are kept, xxh3 {:016x})",
+        raw.len(),
+        xxhash_rust::xxh3::xxh3_64(&raw)
+    );
+    raw.truncate(EXCEPTION_RAW_PREFIX_BYTES);
+    raw.shrink_to_fit();
+    (raw, detail)
+}
+
 fn run_exception_writer(
     rx: Receiver<Stamped<RejectedItem>>,
     mut store: Box<dyn Store>,
@@ -1338,14 +1360,15 @@ fn run_exception_writer(
                 correlation: item.correlation,
                 result: AckResult::Rejected(item.rejection.code),
             });
+            let (raw, detail) = bounded_raw(item.bytes, item.rejection.detail);
             batch.exceptions.push(ExceptionRow {
                 received_on: today,
                 trade_key: None,
                 sender: item.sender,
                 msg_id: None,
                 code: item.rejection.code,
-                detail: item.rejection.detail,
-                raw: item.bytes,
+                detail,
+                raw,
             });
         }
         let (_, retries) = commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
@@ -1420,4 +1443,27 @@ fn run_sampler(
         }
     }
     out.flush().map_err(PipelineError::Samples)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unchecked_input_keeps_a_bounded_prefix_with_its_length_and_hash() {
+        let raw = vec![b'x'; 1024 * 1024];
+        let (kept, detail) = bounded_raw(raw.clone(), "not a SOAP envelope".into());
+        assert_eq!(kept, raw[..EXCEPTION_RAW_PREFIX_BYTES]);
+        assert!(detail.starts_with("not a SOAP envelope"), "{detail}");
+        assert!(detail.contains("of 1048576 bytes"), "{detail}");
+        assert!(
+            detail.contains(&format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&raw))),
+            "{detail}"
+        );
+        let small = b"<Msg/>".to_vec();
+        assert_eq!(
+            bounded_raw(small.clone(), "short".into()),
+            (small, "short".to_owned())
+        );
+    }
 }
