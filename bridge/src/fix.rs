@@ -51,8 +51,7 @@ use ste_engine::pipeline::{AckResult, Envelope};
 use ste_engine::reason::{ReasonCode, Rejection};
 use ste_engine::sign::{self, KeyedMac};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
-use tokio::net::tcp::OwnedWriteHalf;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch, Semaphore};
 use tracing::{debug, warn};
 
@@ -773,6 +772,8 @@ pub struct FixConfig {
     pub max_connections: usize,
     /// Connections served at once from one source address.
     pub max_connections_per_source: usize,
+    /// TLS for every connection, when set.
+    pub tls: Option<crate::tls::Tls>,
     /// Application messages one session may have in flight.
     pub window: usize,
     /// Time allowed from a message's first byte to its last.
@@ -783,11 +784,25 @@ pub struct FixConfig {
     pub push_capacity: usize,
 }
 
+impl FixConfig {
+    fn accepting(&self) -> crate::listener::Accepting {
+        crate::listener::Accepting {
+            tls: self.tls.as_ref().map(|tls| tls.0.clone()),
+            handshake_timeout: self.message_timeout,
+            ..crate::listener::Accepting::plain(crate::listener::ConnectionLimits {
+                total: self.max_connections,
+                per_source: self.max_connections_per_source,
+            })
+        }
+    }
+}
+
 impl Default for FixConfig {
     fn default() -> Self {
         Self {
             max_connections: 1024,
             max_connections_per_source: 64,
+            tls: None,
             window: 4096,
             message_timeout: Duration::from_secs(10),
             logon_timeout: Duration::from_secs(10),
@@ -864,7 +879,7 @@ struct Pending {
 
 /// The engine's side of one session: outbound sequence numbers and header.
 struct Outbound {
-    output: BufWriter<OwnedWriteHalf>,
+    output: BufWriter<tokio::io::WriteHalf<crate::listener::Connection>>,
     participant: String,
     next_seq: u64,
 }
@@ -969,11 +984,7 @@ pub async fn serve(
     config: FixConfig,
     shutdown: watch::Receiver<bool>,
 ) {
-    let max = config.max_connections;
-    let limits = crate::listener::ConnectionLimits {
-        total: max,
-        per_source: config.max_connections_per_source,
-    };
+    let accepting = config.accepting();
     let refusal = |why: &str| {
         encode(&[
             (35, "5".into()),
@@ -984,9 +995,14 @@ pub async fn serve(
         ])
     };
     let stop = shutdown.clone();
-    accept_loop(listener, "FIX", limits, shutdown, refusal, |stream| {
-        session(stream, gateway.clone(), config.clone(), stop.clone())
-    })
+    accept_loop(
+        listener,
+        "FIX",
+        accepting,
+        shutdown,
+        refusal,
+        move |stream| session(stream, gateway.clone(), config.clone(), stop.clone()),
+    )
     .await;
 }
 
@@ -994,12 +1010,12 @@ pub async fn serve(
 type Ending = Option<String>;
 
 async fn session(
-    stream: TcpStream,
+    stream: crate::listener::Connection,
     gateway: GatewayHandle,
     config: FixConfig,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let (read, write) = stream.into_split();
+    let (read, write) = tokio::io::split(stream);
     let mut input = BufReader::with_capacity(64 * 1024, read);
     let mut outbound = Outbound {
         output: BufWriter::with_capacity(64 * 1024, write),

@@ -16,3 +16,4 @@ pub mod gateway;
 pub mod listener;
 pub mod soap;
 pub mod tcp;
+pub mod tls;

@@ -17,6 +17,7 @@ use ste_bridge::fix::{self, FixConfig};
 use ste_bridge::gateway::{Gateway, GatewayConfig};
 use ste_bridge::soap::{self, SoapConfig};
 use ste_bridge::tcp::{self, TcpConfig};
+use ste_bridge::tls::{self, Tls, TlsFiles};
 use ste_engine::keys::KeyRing;
 use ste_engine::pipeline::{PipelineConfig, StoreConfig};
 use ste_engine::profile::Tolerances;
@@ -106,6 +107,18 @@ struct Cli {
     /// DATA_DIR/throwaway-keys.csv (owner-only) for local clients; loopback listeners only.
     #[arg(long, conflicts_with = "keys")]
     throwaway_keys: bool,
+    /// The node's TLS certificate chain (PEM, leaf first): TLS on all three listeners.
+    #[arg(long, env = "STE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "STE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA (PEM) on every listener (mutual TLS).
+    #[arg(long, env = "STE_TLS_CLIENT_CA", requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
+    /// Serve plain TCP on addresses that are not loopback (without it, such a node needs TLS).
+    #[arg(long)]
+    plaintext: bool,
     /// Keep trades this many days after their trade date (postgres store only).
     #[arg(long, value_name = "DAYS")]
     retention_days: Option<u32>,
@@ -181,6 +194,47 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
     })
 }
 
+/// The first listener whose address is not on loopback, if any.
+fn off_loopback(cli: &Cli) -> anyhow::Result<Option<(&'static str, &str)>> {
+    for (name, address) in [
+        ("--tcp", &cli.tcp),
+        ("--http", &cli.http),
+        ("--fix", &cli.fix),
+    ] {
+        let resolved: Vec<std::net::SocketAddr> =
+            std::net::ToSocketAddrs::to_socket_addrs(address.as_str())
+                .with_context(|| format!("resolving {name} {address}"))?
+                .collect();
+        if resolved.is_empty() || resolved.iter().any(|a| !a.ip().is_loopback()) {
+            return Ok(Some((name, address.as_str())));
+        }
+    }
+    Ok(None)
+}
+
+/// The listeners' TLS: from the certificate files, or none — which a listener off loopback
+/// accepts only when told to (--plaintext).
+fn tls(cli: &Cli) -> anyhow::Result<Option<Tls>> {
+    match (&cli.tls_cert, &cli.tls_key) {
+        (Some(cert), Some(key)) => {
+            let files = TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: cli.tls_client_ca.clone(),
+            };
+            Ok(Some(tls::acceptor(&files).context("setting up TLS")?))
+        }
+        _ => {
+            if let Some((name, address)) = off_loopback(cli)? {
+                if !cli.plaintext {
+                    bail!("{name} {address} is not a loopback address: give the node a certificate (--tls-cert, --tls-key), or say --plaintext to serve plain TCP there");
+                }
+            }
+            Ok(None)
+        }
+    }
+}
+
 /// The key set the node verifies with: the key file, or throw-away keys when every listener is
 /// on loopback (a stranger on the network must never meet keys nobody manages).
 fn key_ring(cli: &Cli, refdata: &RefData) -> anyhow::Result<KeyRing> {
@@ -216,6 +270,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let config = gateway_config(&cli)?;
     let refdata = RefData::embedded().context("loading the compiled-in reference data")?;
     let ring = key_ring(&cli, &refdata)?;
+    let tls = tls(&cli)?;
     let refdata = Arc::new(
         refdata
             .with_keys(&ring)
@@ -230,6 +285,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let gateway = Gateway::start(&config, refdata).context("starting the engine")?;
     let handle = gateway.handle();
     let tcp_config = TcpConfig {
+        tls: tls.clone(),
         max_connections: cli.max_connections.max(1),
         max_connections_per_source: cli.max_connections_per_source.max(1),
         window: cli.window.max(1),
@@ -240,6 +296,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         ..TcpConfig::default()
     };
     let soap_config = SoapConfig {
+        tls: tls.clone(),
         max_connections: cli.max_connections.max(1),
         max_connections_per_source: cli.max_connections_per_source.max(1),
         max_body_bytes: cli.max_body_bytes.max(1024),
@@ -247,6 +304,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         body_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
     };
     let fix_config = FixConfig {
+        tls,
         max_connections: cli.max_connections.max(1),
         max_connections_per_source: cli.max_connections_per_source.max(1),
         window: cli.window.max(1),

@@ -50,6 +50,8 @@ pub struct SoapConfig {
     pub max_connections: usize,
     /// Connections served at once from one source address.
     pub max_connections_per_source: usize,
+    /// TLS for every connection, when set.
+    pub tls: Option<crate::tls::Tls>,
     /// Largest request body; a longer declared or sent body is refused with 413.
     pub max_body_bytes: usize,
     /// Time allowed to send a request's headers (and to start the next one on a kept-alive
@@ -59,11 +61,25 @@ pub struct SoapConfig {
     pub body_timeout: Duration,
 }
 
+impl SoapConfig {
+    fn accepting(&self) -> crate::listener::Accepting {
+        crate::listener::Accepting {
+            tls: self.tls.as_ref().map(|tls| tls.0.clone()),
+            handshake_timeout: self.header_timeout,
+            ..crate::listener::Accepting::plain(crate::listener::ConnectionLimits {
+                total: self.max_connections,
+                per_source: self.max_connections_per_source,
+            })
+        }
+    }
+}
+
 impl Default for SoapConfig {
     fn default() -> Self {
         Self {
             max_connections: 1024,
             max_connections_per_source: 64,
+            tls: None,
             max_body_bytes: 1024 * 1024,
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(10),
@@ -695,10 +711,15 @@ impl Service {
                     .and_then(|h| h.to_str().ok())
                     .unwrap_or("127.0.0.1")
                     .to_owned();
+                let scheme = if self.config.tls.is_some() {
+                    "https"
+                } else {
+                    "http"
+                };
                 return respond(
                     StatusCode::OK,
                     "text/xml; charset=utf-8",
-                    wsdl(&format!("http://{host}/soap")),
+                    wsdl(&format!("{scheme}://{host}/soap")),
                 );
             }
             return respond(
@@ -855,11 +876,7 @@ pub async fn serve(
     config: SoapConfig,
     shutdown: watch::Receiver<bool>,
 ) {
-    let max = config.max_connections;
-    let limits = crate::listener::ConnectionLimits {
-        total: max,
-        per_source: config.max_connections_per_source,
-    };
+    let accepting = config.accepting();
     let service = Arc::new(Service {
         gateway,
         config,
@@ -873,32 +890,39 @@ pub async fn serve(
         .into_bytes()
     };
     let stop = shutdown.clone();
-    accept_loop(listener, "SOAP", limits, shutdown, refusal, |stream| {
-        let (handler, mut stop) = (service.clone(), stop.clone());
-        async move {
-            let header_timeout = handler.config.header_timeout;
-            let connection = http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(header_timeout)
-                .keep_alive(true)
-                .max_buf_size(64 * 1024)
-                .serve_connection(
-                    TokioIo::new(stream),
-                    service_fn(move |request| {
-                        let handler = handler.clone();
-                        async move { Ok::<_, Infallible>(handler.handle(request).await) }
-                    }),
-                );
-            tokio::pin!(connection);
-            tokio::select! {
-                _ = connection.as_mut() => {}
-                _ = stop.changed() => {
-                    connection.as_mut().graceful_shutdown();
-                    let _ = connection.as_mut().await;
+    accept_loop(
+        listener,
+        "SOAP",
+        accepting,
+        shutdown,
+        refusal,
+        move |stream| {
+            let (handler, mut stop) = (service.clone(), stop.clone());
+            async move {
+                let header_timeout = handler.config.header_timeout;
+                let connection = http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(header_timeout)
+                    .keep_alive(true)
+                    .max_buf_size(64 * 1024)
+                    .serve_connection(
+                        TokioIo::new(stream),
+                        service_fn(move |request| {
+                            let handler = handler.clone();
+                            async move { Ok::<_, Infallible>(handler.handle(request).await) }
+                        }),
+                    );
+                tokio::pin!(connection);
+                tokio::select! {
+                    _ = connection.as_mut() => {}
+                    _ = stop.changed() => {
+                        connection.as_mut().graceful_shutdown();
+                        let _ = connection.as_mut().await;
+                    }
                 }
             }
-        }
-    })
+        },
+    )
     .await;
 }
 

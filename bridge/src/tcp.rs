@@ -14,14 +14,14 @@ use ste_engine::pipeline::{AckResult, Envelope, EXCEPTION_RAW_PREFIX_BYTES};
 use ste_engine::reason::{ReasonCode, Rejection};
 use ste_engine::sign::SIGNATURE_LEN;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{ReadHalf, WriteHalf};
+use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch, Semaphore};
 use tracing::warn;
 
 use crate::frame::{check_length, Frame, FrameError, LENGTH_PREFIX_BYTES, NONCE_LEN};
 use crate::gateway::{GatewayHandle, Pushed, Reply, Subscriber};
-use crate::listener::accept_loop;
+use crate::listener::{accept_loop, Accepting, Connection, ConnectionLimits};
 
 /// How long one write to a participant may take before its connection is closed.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -45,6 +45,8 @@ pub struct TcpConfig {
     pub max_connections: usize,
     /// Connections served at once from one source address.
     pub max_connections_per_source: usize,
+    /// TLS for every connection, when set.
+    pub tls: Option<crate::tls::Tls>,
     /// Messages one connection may have in flight (submitted and not yet answered).
     pub window: usize,
     /// Time allowed from the first byte of a frame to its last (a slow-client bound).
@@ -65,12 +67,26 @@ impl Default for TcpConfig {
         Self {
             max_connections: 1024,
             max_connections_per_source: 64,
+            tls: None,
             window: 4096,
             frame_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(300),
             logon_timeout: Duration::from_secs(10),
             window_bytes: 4 * 1024 * 1024,
             push_capacity: 65_536,
+        }
+    }
+}
+
+impl TcpConfig {
+    fn accepting(&self) -> Accepting {
+        Accepting {
+            tls: self.tls.as_ref().map(|tls| tls.0.clone()),
+            handshake_timeout: self.frame_timeout,
+            ..Accepting::plain(ConnectionLimits {
+                total: self.max_connections,
+                per_source: self.max_connections_per_source,
+            })
         }
     }
 }
@@ -98,11 +114,6 @@ pub async fn serve(
     config: TcpConfig,
     shutdown: watch::Receiver<bool>,
 ) {
-    let max = config.max_connections;
-    let limits = crate::listener::ConnectionLimits {
-        total: max,
-        per_source: config.max_connections_per_source,
-    };
     let refusal = |why: &str| {
         Frame::Error {
             code: "E_BUSY".into(),
@@ -114,21 +125,21 @@ pub async fn serve(
     accept_loop(
         listener,
         "framed XML",
-        limits,
+        config.accepting(),
         shutdown,
         refusal,
-        |stream| connection(stream, gateway.clone(), config.clone(), stop.clone()),
+        move |stream| connection(stream, gateway.clone(), config.clone(), stop.clone()),
     )
     .await;
 }
 
 async fn connection(
-    stream: TcpStream,
+    stream: Connection,
     gateway: GatewayHandle,
     config: TcpConfig,
     shutdown: watch::Receiver<bool>,
 ) {
-    let (read, write) = stream.into_split();
+    let (read, write) = tokio::io::split(stream);
     let id = gateway.connection_id();
     let (reply_tx, reply_rx) = mpsc::channel::<Reply>(config.window + 1);
     let (push_tx, push_rx) = mpsc::channel::<Pushed>(config.push_capacity.max(1));
@@ -189,7 +200,7 @@ async fn connection(
 }
 
 struct Reader<'a> {
-    input: BufReader<OwnedReadHalf>,
+    input: BufReader<ReadHalf<Connection>>,
     gateway: GatewayHandle,
     config: &'a TcpConfig,
     connection: u64,
@@ -524,7 +535,7 @@ fn reply_frame(reply: Reply) -> Frame {
 /// Writes control frames, answers and pushes until every source has closed (or the subscriber
 /// is kicked for falling behind).
 async fn write_loop(
-    write: OwnedWriteHalf,
+    write: WriteHalf<Connection>,
     mut replies: mpsc::Receiver<Reply>,
     mut pushes: mpsc::Receiver<Pushed>,
     mut control: mpsc::Receiver<Frame>,

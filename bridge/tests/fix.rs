@@ -4,51 +4,14 @@
 
 mod common;
 
-use std::process::Command;
-
 use base64::Engine as _;
 use common::{
-    connect_as, everyone, key_hex, message, python, refdata, trade_lines, Engine, RawSession,
+    connect_as, everyone, fix_pairs, key_hex, message, refdata, simplefix, trade_lines, Engine,
+    RawSession,
 };
 use ste_bridge::frame::{Frame, PushClass};
 use ste_bridge::soap::{BRIDGE_NS, SOAP11_NS};
 use ste_engine::sign;
-
-fn fix_pairs(line: &[u8]) -> serde_json::Value {
-    let pairs = ste_bridge::fix::to_fix(line).expect("maps to FIX");
-    serde_json::Value::Array(
-        pairs
-            .into_iter()
-            .map(|(tag, value)| serde_json::json!([tag, value]))
-            .collect(),
-    )
-}
-
-/// Runs the simplefix participant on a scenario; its JSON result.
-fn simplefix(engine: &Engine, scenario: serde_json::Value) -> serde_json::Value {
-    let dir = tempfile::tempdir().expect("a temporary folder");
-    let path = dir.path().join("scenario.json");
-    let mut scenario = scenario;
-    scenario["host"] = "127.0.0.1".into();
-    scenario["port"] = engine.fix.port().into();
-    std::fs::write(&path, serde_json::to_vec(&scenario).expect("JSON")).expect("writes");
-    let output = Command::new(python())
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/clients/fix_simplefix.py"
-        ))
-        .arg(&path)
-        .output()
-        .expect(
-            "python3 runs (with simplefix: pip install -r bridge/tests/clients/requirements.txt)",
-        );
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).expect("JSON")
-}
 
 fn sender_of(line: &[u8]) -> &str {
     sign::claimed_sender(line).expect("a sender")

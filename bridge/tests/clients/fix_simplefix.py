@@ -2,7 +2,9 @@
 
 usage: fix_simplefix.py SCENARIO.json
 SCENARIO: {"host", "port", "participant", "key_hex", "mode", "messages": [[[tag, value], ...], ...],
-           "signers": [key_hex per message, optional], "cls": N}
+           "signers": [key_hex per message, optional], "cls": N,
+           "tls": {"ca", "cert", "key"} (optional: TLS, trusting the CA file; cert and key, when
+           given, are the client certificate)}
   mode "trade":   log on, send every message (signed), collect every answer and N pushed CLS,
                   answer TestRequests, log out.
   mode "gap":     log on, send message 1 as MsgSeqNum 2, skip 3, send message 2 as 4; expect a
@@ -17,6 +19,7 @@ import hashlib
 import hmac
 import json
 import socket
+import ssl
 import sys
 
 import simplefix
@@ -32,6 +35,12 @@ class Session:
     def __init__(self, spec):
         self.spec = spec
         self.sock = socket.create_connection((spec["host"], spec["port"]), timeout=30)
+        tls = spec.get("tls")
+        if tls is not None:
+            context = ssl.create_default_context(cafile=tls["ca"])
+            if tls.get("cert"):
+                context.load_cert_chain(tls["cert"], tls["key"])
+            self.sock = context.wrap_socket(self.sock, server_hostname="localhost")
         self.parser = simplefix.FixParser()
         self.seq = 1
         self.me = spec["participant"]

@@ -371,3 +371,40 @@ pub fn well_behaved(
         (acks, cls)
     })
 }
+
+/// The FIX fields of a canonical line, as JSON pairs for the simplefix client.
+pub fn fix_pairs(line: &[u8]) -> serde_json::Value {
+    let pairs = ste_bridge::fix::to_fix(line).expect("maps to FIX");
+    serde_json::Value::Array(
+        pairs
+            .into_iter()
+            .map(|(tag, value)| serde_json::json!([tag, value]))
+            .collect(),
+    )
+}
+
+/// Runs the simplefix participant on a scenario; its JSON result.
+pub fn simplefix(engine: &Engine, scenario: serde_json::Value) -> serde_json::Value {
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let path = dir.path().join("scenario.json");
+    let mut scenario = scenario;
+    scenario["host"] = "127.0.0.1".into();
+    scenario["port"] = engine.fix.port().into();
+    std::fs::write(&path, serde_json::to_vec(&scenario).expect("JSON")).expect("writes");
+    let output = std::process::Command::new(python())
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/clients/fix_simplefix.py"
+        ))
+        .arg(&path)
+        .output()
+        .expect(
+            "python3 runs (with simplefix: pip install -r bridge/tests/clients/requirements.txt)",
+        );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("JSON")
+}
