@@ -536,19 +536,25 @@ fn texts_of<'a>(xml: &'a str, tag: &str) -> Vec<&'a str> {
 
 /// The status advice of a mismatched trade, as pushed to its broker.
 pub fn advice_xml(advice: &ste_engine::matcher::Advice) -> String {
-    let (broker, trade_ref) = advice
-        .trade_key
-        .split_once('/')
-        .unwrap_or((advice.trade_key.as_str(), ""));
+    status_advice_xml("MISMATCHED", &advice.trade_key, &advice.failed)
+}
+
+/// A status advice: the trade's status, its key and, for MISMATCHED, the failed criteria.
+fn status_advice_xml(
+    status: &str,
+    trade_key: &str,
+    failed: &[ste_engine::reason::Criterion],
+) -> String {
+    let (broker, trade_ref) = trade_key.split_once('/').unwrap_or((trade_key, ""));
     use ste_engine::codec::push_element;
     let mut xml = format!(
-        "<Advice xmlns=\"{}\"><Status>MISMATCHED</Status>",
+        "<Advice xmlns=\"{}\"><Status>{status}</Status>",
         ste_engine::codec::NAMESPACE
     );
     // Identifiers are printable ASCII, which includes '<' and '&': every text is escaped.
     push_element(&mut xml, "Broker", broker);
     push_element(&mut xml, "TradeRef", trade_ref);
-    for criterion in &advice.failed {
+    for criterion in failed {
         xml.push_str("<Failed>");
         push_element(&mut xml, "Criterion", &criterion.to_string());
         push_element(&mut xml, "Reason", criterion.reason());
@@ -592,6 +598,11 @@ fn push(shared: &Shared, event: &OutboundEvent) {
                 vec![broker.to_owned()],
             )
         }
+        OutboundEvent::Aged(aged) => (
+            PushClass::Advice,
+            Arc::from(status_advice_xml("AGED", &aged.trade_key, &[]).into_bytes()),
+            aged.parties.clone(),
+        ),
     };
     let mut sent_to = AHashSet::new();
     let mut slow = AHashSet::new();

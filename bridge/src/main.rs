@@ -19,7 +19,7 @@ use ste_bridge::soap::{self, SoapConfig};
 use ste_bridge::tcp::{self, TcpConfig};
 use ste_bridge::tls::{self, Tls, TlsFiles};
 use ste_engine::keys::KeyRing;
-use ste_engine::pipeline::{PipelineConfig, StoreConfig};
+use ste_engine::pipeline::{Aging, PipelineConfig, StoreConfig};
 use ste_engine::profile::Tolerances;
 use ste_engine::refdata::RefData;
 use tracing::info;
@@ -119,6 +119,14 @@ struct Cli {
     /// Serve plain TCP on addresses that are not loopback (without it, such a node needs TLS).
     #[arg(long)]
     plaintext: bool,
+    /// Age out an unmatched trade after this many whole business days of its market without
+    /// a message (AGED advice to its parties, then E_CLOSED); 0: never.
+    #[arg(long, env = "STE_AGING_BUSINESS_DAYS", default_value_t = 20)]
+    aging_business_days: u32,
+    /// How often an idle matcher wakes up to check whether a new day has begun (aging runs
+    /// once a day).
+    #[arg(long, default_value_t = 60_000)]
+    aging_check_ms: u64,
     /// Keep trades this many days after their trade date (postgres store only).
     #[arg(long, value_name = "DAYS")]
     retention_days: Option<u32>,
@@ -186,6 +194,10 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
             // unconfirmed CLS are emitted again.
             recover: true,
             retention_days: cli.retention_days,
+            aging: (cli.aging_business_days > 0).then(|| Aging {
+                business_days: cli.aging_business_days,
+                check_interval: Duration::from_millis(cli.aging_check_ms.max(1)),
+            }),
             ..PipelineConfig::default()
         },
         tolerances: Tolerances::load(cli.profile.as_deref())?,

@@ -500,3 +500,84 @@ fn oversized_messages_are_answered_without_being_held() {
     assert_eq!(good.join().expect("the good participant"), (140, 20));
     assert!(engine.stop().success());
 }
+
+#[test]
+fn trades_left_unmatched_age_out_with_an_advice_to_their_parties() {
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let cls_out = dir.path().join("cls.xml");
+    let refdata = refdata();
+    let lines = trade_lines(&refdata, 1, 512);
+    let bics = everyone(&refdata);
+    let names: Vec<&str> = bics.iter().map(String::as_str).collect();
+
+    // A participant sends six of a trade's seven messages and never the last.
+    let engine = Engine::start_embedded(dir.path(), &cls_out);
+    let (mut writer, mut reader) = connect_as(&engine, &refdata, &names, false);
+    for (seq, line) in lines[..6].iter().enumerate() {
+        writer
+            .send(&message(&refdata, seq as u64, line.clone()))
+            .expect("sends");
+    }
+    writer.flush().expect("flushes");
+    for _ in 0..6 {
+        assert!(matches!(reader.next_frame(), Ok(Some(Frame::Ack { .. }))));
+    }
+    drop((writer, reader));
+    assert!(engine.stop().success());
+
+    // Sixty days pass (the messages' arrival days are moved back in the shards).
+    for shard in 0..2 {
+        let path = dir
+            .path()
+            .join("store")
+            .join(format!("shard-{shard}.sqlite"));
+        let mut store = ste_engine::store::SqliteStore::open(&path).expect("the shard");
+        store
+            .execute("UPDATE messages SET received_on = received_on - 60")
+            .expect("updated");
+    }
+
+    // The node comes back; its parties listen; on the matchers' first wake-up the trade ages
+    // out, and each party hears of it.
+    let engine = Engine::start_embedded_with(dir.path(), &cls_out, &["--aging-check-ms", "2000"]);
+    let broker = sign::claimed_sender(&lines[0])
+        .expect("a sender")
+        .to_owned();
+    let custodian = {
+        let text = String::from_utf8(lines[3].clone()).expect("UTF-8");
+        let start = text.find("<Custodian>").expect("a SET names its custodian") + 11;
+        text[start..start + text[start..].find('<').expect("its end")].to_owned()
+    };
+    let (_broker_writer, mut broker_reader) = connect_as(&engine, &refdata, &[&broker], true);
+    let (_custodian_writer, mut custodian_reader) =
+        connect_as(&engine, &refdata, &[&custodian], true);
+    for reader in [&mut broker_reader, &mut custodian_reader] {
+        match reader.next_frame().expect("reads") {
+            Some(Frame::Push {
+                class: PushClass::Advice,
+                xml,
+            }) => {
+                let xml = String::from_utf8(xml).expect("UTF-8");
+                assert!(xml.contains("<Status>AGED</Status>"), "{xml}");
+            }
+            other => panic!("an AGED advice, not {other:?}"),
+        }
+    }
+    // Closed: the missing message is too late.
+    let (mut writer, mut reader) = connect_as(&engine, &refdata, &names, false);
+    writer
+        .send(&message(&refdata, 6, lines[6].clone()))
+        .expect("sends");
+    writer.flush().expect("flushes");
+    assert!(
+        matches!(
+            reader.next_frame(),
+            Ok(Some(Frame::Nak {
+                code: ste_engine::reason::ReasonCode::Closed,
+                ..
+            }))
+        ),
+        "E_CLOSED"
+    );
+    assert!(engine.stop().success());
+}

@@ -77,6 +77,8 @@ pub enum TradeStatus {
     Matched,
     /// CANs removed every message; a later NEW reopens it.
     Cancelled,
+    /// Left unmatched for the aging period: closed and released from memory.
+    Aged,
 }
 
 impl TradeStatus {
@@ -87,6 +89,7 @@ impl TradeStatus {
             Self::Mismatched => "MISMATCHED",
             Self::Matched => "MATCHED",
             Self::Cancelled => "CANCELLED",
+            Self::Aged => "AGED",
         }
     }
 }
@@ -148,6 +151,25 @@ struct Trade {
     date: Date,
     first_injected_ns: u64,
     last_failed: Vec<Criterion>,
+    /// The day of the trade's latest accepted message: aging counts from there.
+    last_active: Date,
+}
+
+/// A closed trade: the date its rows are stored under, and whether it aged out (else matched).
+#[derive(Debug, Clone, Copy)]
+struct Closed {
+    date: Date,
+    aged: bool,
+}
+
+/// A trade that aged out: what its rows and its AGED advice need.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgedTrade {
+    pub trade_key: String,
+    /// The date the trade's rows are stored under.
+    pub trade_date: Date,
+    /// Its parties, to be told: Broker, InvMgr and the custodians its messages name.
+    pub parties: Vec<String>,
 }
 
 /// Final counts of a shard.
@@ -161,6 +183,7 @@ pub struct ShardCounts {
     pub mismatched: u64,
     pub pending: u64,
     pub cancelled: u64,
+    pub aged: u64,
 }
 
 /// The matching state machine of one shard.
@@ -169,13 +192,16 @@ pub struct Matcher {
     tolerances: Tolerances,
     open: AHashMap<Box<str>, Trade>,
     /// Matched trades and the date their rows are stored under.
-    closed: AHashMap<HashKey, Date>,
+    /// (It fills the entry's padding: an aged trade costs no more than a matched one.)
+    closed: AHashMap<HashKey, Closed>,
     /// Every message key seen after its signature checked out, with its verdict: the content
     /// hash of the first message under the key and how it was answered ([`Verdict`]).
     seen: AHashMap<HashKey, Verdict>,
     /// Message keys named by an accepted CAN or AMD.
     named: AHashSet<HashKey>,
     accepted: u64,
+    /// Trades aged out (they are among the closed ones).
+    aged: u64,
 }
 
 impl Matcher {
@@ -189,6 +215,7 @@ impl Matcher {
             seen: AHashMap::new(),
             named: AHashSet::new(),
             accepted: 0,
+            aged: 0,
         }
     }
 
@@ -207,7 +234,7 @@ impl Matcher {
         today: Date,
     ) -> Outcome {
         let date = msg.trade_date.unwrap_or(today);
-        self.process_dated(msg, raw, injected_ns, now, date)
+        self.process_dated(msg, raw, injected_ns, now, date, today)
     }
 
     fn process_dated(
@@ -217,6 +244,7 @@ impl Matcher {
         injected_ns: u64,
         now: &str,
         date_if_new: Date,
+        received_on: Date,
     ) -> Outcome {
         let key = message_key(&msg.sender, &msg.msg_id);
         if let Some(seen) = self.answer_seen(key, raw, &msg.sender, &msg.msg_id) {
@@ -224,14 +252,17 @@ impl Matcher {
         }
         let trade_key = msg.trade_key();
         let is_named = self.named.contains(&key);
-        if let Some(&date) = self.closed.get(&hash_key(&[&trade_key])) {
+        if let Some(&Closed { date, aged }) = self.closed.get(&hash_key(&[&trade_key])) {
             if !is_named {
                 return self.reject(
                     key,
                     raw,
                     Rejection::new(
                         ReasonCode::Closed,
-                        format!("trade {trade_key} is already matched"),
+                        format!(
+                            "trade {trade_key} is already {}",
+                            if aged { "aged out" } else { "matched" }
+                        ),
                     ),
                 );
             }
@@ -270,8 +301,10 @@ impl Matcher {
                 date: date_if_new,
                 first_injected_ns: injected_ns,
                 last_failed: Vec::new(),
+                last_active: received_on,
             });
         trade.first_injected_ns = trade.first_injected_ns.min(injected_ns);
+        trade.last_active = trade.last_active.max(received_on);
         trade.messages.push(Held { key, msg });
         self.evaluate(trade_key, now)
     }
@@ -286,10 +319,71 @@ impl Matcher {
         raw: &[u8],
         injected_ns: u64,
         stored_date: Option<Date>,
+        received_on: Date,
     ) -> bool {
         let date = stored_date.or(msg.trade_date).unwrap_or(Date::MIN);
-        let outcome = self.process_dated(msg, raw, injected_ns, "", date);
+        let outcome = self.process_dated(msg, raw, injected_ns, "", date, received_on);
         outcome.disposition == Disposition::Accepted
+    }
+
+    /// Ages out every open trade that has had no accepted message for `business_days` whole
+    /// business days of its security's market (weekends and that market's holidays do not
+    /// count) before `today`: it is closed — later messages for it are E_CLOSED — and its
+    /// messages are released, keeping only the closed trade's hash and date. A trade whose
+    /// messages name no known security counts weekends only.
+    pub fn age_out(&mut self, today: Date, business_days: u32) -> Vec<AgedTrade> {
+        let refdata = self.refdata.clone();
+        let mut aged = Vec::new();
+        self.open.retain(|trade_key, trade| {
+            let market = trade
+                .messages
+                .iter()
+                .find_map(|held| held.msg.isin.as_deref())
+                .and_then(|isin| refdata.security(isin))
+                .map(|security| security.market.as_str())
+                .unwrap_or("");
+            let mut elapsed = 0_u32;
+            let mut day = trade.last_active;
+            while elapsed < business_days {
+                day = day.next_day().unwrap_or(Date::MAX);
+                if day >= today {
+                    return true;
+                }
+                if refdata.is_business_day(market, day) {
+                    elapsed += 1;
+                }
+            }
+            let mut parties: Vec<String> = Vec::new();
+            for held in &trade.messages {
+                let named = [
+                    Some(&held.msg.broker),
+                    held.msg.inv_mgr.as_ref(),
+                    held.msg.custodian.as_ref(),
+                ];
+                for party in named.into_iter().flatten() {
+                    if !parties.contains(party) {
+                        parties.push(party.clone());
+                    }
+                }
+            }
+            aged.push(AgedTrade {
+                trade_key: trade_key.to_string(),
+                trade_date: trade.date,
+                parties,
+            });
+            false
+        });
+        for trade in &aged {
+            self.closed.insert(
+                hash_key(&[&trade.trade_key]),
+                Closed {
+                    date: trade.trade_date,
+                    aged: true,
+                },
+            );
+        }
+        self.aged += aged.len() as u64;
+        aged
     }
 
     /// The answer to a message whose key was seen before: the first answer again for an exact
@@ -419,7 +513,8 @@ impl Matcher {
             });
         if status == TradeStatus::Matched {
             self.open.remove(trade_key.as_str());
-            self.closed.insert(hash_key(&[&trade_key]), date);
+            self.closed
+                .insert(hash_key(&[&trade_key]), Closed { date, aged: false });
         } else if let Some(trade) = self.open.get_mut(trade_key.as_str()) {
             trade.status = status;
             trade.last_failed = failed;
@@ -439,7 +534,8 @@ impl Matcher {
         let mut counts = ShardCounts {
             trades: (self.open.len() + self.closed.len()) as u64,
             messages: self.accepted,
-            matched: self.closed.len() as u64,
+            matched: self.closed.len() as u64 - self.aged,
+            aged: self.aged,
             ..ShardCounts::default()
         };
         for trade in self.open.values() {
@@ -447,6 +543,7 @@ impl Matcher {
                 TradeStatus::Pending => counts.pending += 1,
                 TradeStatus::Mismatched => counts.mismatched += 1,
                 TradeStatus::Cancelled => counts.cancelled += 1,
+                TradeStatus::Aged => counts.aged += 1,
                 TradeStatus::Matched => counts.matched += 1,
             }
         }
@@ -455,8 +552,12 @@ impl Matcher {
 
     /// The status of a trade, if the shard knows it.
     pub fn status_of(&self, trade_key: &str) -> Option<TradeStatus> {
-        if self.closed.contains_key(&hash_key(&[trade_key])) {
-            return Some(TradeStatus::Matched);
+        if let Some(closed) = self.closed.get(&hash_key(&[trade_key])) {
+            return Some(if closed.aged {
+                TradeStatus::Aged
+            } else {
+                TradeStatus::Matched
+            });
         }
         self.open.get(trade_key).map(|trade| trade.status)
     }

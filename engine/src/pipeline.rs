@@ -24,7 +24,7 @@ use time::format_description::well_known::Rfc3339;
 use time::{Date, OffsetDateTime};
 
 use crate::codec::encode_cls;
-use crate::matcher::{Advice, Disposition, Matcher, Outcome, ShardCounts};
+use crate::matcher::{Advice, Disposition, Matcher, Outcome, ShardCounts, TradeStatus};
 use crate::model::Msg;
 use crate::profile::Tolerances;
 use crate::reason::{ReasonCode, Rejection};
@@ -85,6 +85,8 @@ pub enum OutboundEvent {
         redelivered: bool,
     },
     Mismatched(Advice),
+    /// A trade aged out, committed: its parties are told.
+    Aged(crate::matcher::AgedTrade),
 }
 
 /// Delivery confirmations from the consumer of the outbound queue. CLS of a shard arrive in
@@ -150,6 +152,27 @@ pub struct PipelineConfig {
     /// Keep a shard's trades this many days after their trade date, then drop them (whole
     /// monthly partitions: needs the postgres store). `None` keeps everything.
     pub retention_days: Option<u32>,
+    /// When unmatched trades age out; `None`: never.
+    pub aging: Option<Aging>,
+}
+
+/// Aging of unmatched trades: closed after `business_days` whole business days of their
+/// market without an accepted message (DESIGN.md section 4; default 20, after T2S's recycling
+/// period). Each matcher runs it once a day, at its first wake-up of the day: a batch, or an
+/// idle wait of `check_interval`.
+#[derive(Debug, Clone, Copy)]
+pub struct Aging {
+    pub business_days: u32,
+    pub check_interval: Duration,
+}
+
+impl Default for Aging {
+    fn default() -> Self {
+        Self {
+            business_days: 20,
+            check_interval: Duration::from_secs(60),
+        }
+    }
 }
 
 /// Retries of a failed commit: exponential backoff from `backoff_first` to `backoff_max`, for
@@ -223,6 +246,7 @@ impl Default for PipelineConfig {
             retry: RetryPolicy::default(),
             recover: false,
             retention_days: None,
+            aging: Some(Aging::default()),
         }
     }
 }
@@ -285,7 +309,18 @@ impl MessageMeta {
     }
 }
 
+/// What a shard writer writes: the outcome of a message, or a trade that aged out.
+// Messages are the hot path and aged trades rare: boxing the large variant would cost every
+// message an allocation to save queue slots a few bytes.
+#[allow(clippy::large_enum_variant)]
+enum ToStore {
+    Message(Processed),
+    Aged(crate::matcher::AgedTrade),
+}
+
 struct Processed {
+    /// The day the matcher took the message, which aging counts from.
+    received_on: Date,
     outcome: Outcome,
     meta: MessageMeta,
     bytes: Vec<u8>,
@@ -597,7 +632,7 @@ impl Pipeline {
         let mut store_stations = Vec::new();
         let mut writers = Vec::new();
         for ((shard, store), redeliver) in stores.into_iter().enumerate().zip(undelivered) {
-            let (tx, rx) = bounded::<Stamped<Processed>>(capacity);
+            let (tx, rx) = bounded::<Stamped<ToStore>>(capacity);
             let station = Station::new(format!("store.{shard}"));
             store_txs.push(tx);
             store_stations.push(station.clone());
@@ -655,8 +690,9 @@ impl Pipeline {
             match_stations.push(station.clone());
             let store_tx = store_txs[shard].clone();
             let store_station = store_stations[shard].clone();
+            let aging = config.aging;
             matchers.push(spawn(format!("matcher-{shard}"), move || {
-                run_matcher(rx, matcher, station, store_tx, store_station, clock)
+                run_matcher(rx, matcher, station, store_tx, store_station, clock, aging)
             }));
         }
         drop(store_txs);
@@ -844,6 +880,7 @@ fn restore_matcher(
     tolerances: &Tolerances,
 ) -> Result<Matcher, PipelineError> {
     let mut matcher = Matcher::new(refdata.clone(), tolerances.clone());
+    let restart_day = OffsetDateTime::now_utc().date();
     let mut disagreements = 0_u64;
     let mut taken_back = 0_u64;
     let started = Instant::now();
@@ -856,7 +893,14 @@ fn restore_matcher(
         let typed = crate::codec::parse_fields(&stored.raw)
             .and_then(|fields| crate::validate::typed_fields(&fields));
         let restored = match typed {
-            Ok(msg) => matcher.restore(msg, &stored.raw, stored.injected_ns, stored.trade_date),
+            Ok(msg) => matcher.restore(
+                msg,
+                &stored.raw,
+                stored.injected_ns,
+                stored.trade_date,
+                // A row written before days were kept counts from the restart.
+                stored.received_on.unwrap_or(restart_day),
+            ),
             Err(_) => false,
         };
         if !restored {
@@ -1041,24 +1085,49 @@ fn run_matcher(
     rx: Receiver<Stamped<Validated>>,
     mut matcher: Matcher,
     station: Arc<Station>,
-    store_tx: Sender<Stamped<Processed>>,
+    store_tx: Sender<Stamped<ToStore>>,
     store_station: Arc<Station>,
     clock: RunClock,
+    aging: Option<Aging>,
 ) -> Result<ShardCounts, PipelineError> {
     let mut wall = MatchedAtClock {
         last_ms: -1,
         text: String::new(),
         today: Date::MIN,
     };
-    for (items, enqueued_ns) in rx {
+    let mut aged_on: Option<Date> = None;
+    // Without aging the matcher only waits for batches; the wait merely bounds a wake-up.
+    let wait = aging.map_or(Duration::from_secs(3600), |aging| aging.check_interval);
+    loop {
+        let received = match rx.recv_timeout(wait) {
+            Ok(batch) => Some(batch),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+        };
+        if let Some(aging) = aging {
+            // Once a day, at the first wake-up of the day.
+            let today = OffsetDateTime::now_utc().date();
+            if aged_on != Some(today) {
+                aged_on = Some(today);
+                let aged = matcher.age_out(today, aging.business_days);
+                if !aged.is_empty() {
+                    tracing::info!(trades = aged.len(), %today, "unmatched trades aged out");
+                    let items = aged.into_iter().map(ToStore::Aged).collect();
+                    send_batch(&store_tx, &store_station, items, clock, "store")?;
+                }
+            }
+        }
+        let Some((items, enqueued_ns)) = received else {
+            continue;
+        };
         let started = Instant::now();
         let count = items.len() as u64;
         let mut processed = Vec::with_capacity(items.len());
         for item in items {
+            let (now, today) = wall.now();
             let (meta, outcome) = match item.verdict {
                 Ok(msg) => {
                     let meta = MessageMeta::of(&msg);
-                    let (now, today) = wall.now();
                     let outcome = matcher.process(msg, &item.bytes, item.injected_ns, now, today);
                     (meta, outcome)
                 }
@@ -1081,13 +1150,14 @@ fn run_matcher(
                     (meta, Outcome::only(disposition))
                 }
             };
-            processed.push(Processed {
+            processed.push(ToStore::Message(Processed {
+                received_on: today,
                 outcome,
                 meta,
                 bytes: item.bytes,
                 correlation: item.correlation,
                 injected_ns: item.injected_ns,
-            });
+            }));
         }
         let busy_ns = started.elapsed().as_nanos() as u64;
         send_batch(&store_tx, &store_station, processed, clock, "store")?;
@@ -1142,8 +1212,29 @@ struct WriterContext {
     retention_days: Option<u32>,
 }
 
+/// Records a trade's new status in the batch: only its last status in a batch is written.
+fn set_trade_status(
+    batch: &mut Batch,
+    trade_rows: &mut AHashMap<String, usize>,
+    trade_key: &str,
+    trade_date: Date,
+    status: TradeStatus,
+) {
+    match trade_rows.get(trade_key) {
+        Some(index) => batch.trades[*index].status = status,
+        None => {
+            trade_rows.insert(trade_key.to_owned(), batch.trades.len());
+            batch.trades.push(TradeRow {
+                trade_date,
+                trade_key: trade_key.to_owned(),
+                status,
+            });
+        }
+    }
+}
+
 fn run_writer(
-    rx: Receiver<Stamped<Processed>>,
+    rx: Receiver<Stamped<ToStore>>,
     mut store: Box<dyn Store>,
     context: WriterContext,
     redeliver: Vec<crate::store::UndeliveredCls>,
@@ -1204,6 +1295,20 @@ fn run_writer(
         let mut trade_rows: AHashMap<String, usize> = AHashMap::new();
         let count = items.len() as u64;
         for item in items {
+            let item = match item {
+                ToStore::Message(item) => item,
+                ToStore::Aged(aged) => {
+                    set_trade_status(
+                        &mut batch,
+                        &mut trade_rows,
+                        &aged.trade_key,
+                        aged.trade_date,
+                        TradeStatus::Aged,
+                    );
+                    events.push(OutboundEvent::Aged(aged));
+                    continue;
+                }
+            };
             let meta = item.meta;
             let trade_key = meta.trade_key;
             let trade_date = item.outcome.trade_date;
@@ -1219,6 +1324,7 @@ fn run_writer(
                         related_id: meta.related_id,
                         injected_ns: item.injected_ns,
                         raw: item.bytes,
+                        received_on: item.received_on,
                     });
                     AckResult::Accepted
                 }
@@ -1242,17 +1348,7 @@ fn run_writer(
                 result,
             });
             if let Some(status) = item.outcome.trade_status {
-                match trade_rows.get(&trade_key) {
-                    Some(index) => batch.trades[*index].status = status,
-                    None => {
-                        trade_rows.insert(trade_key.clone(), batch.trades.len());
-                        batch.trades.push(TradeRow {
-                            trade_date,
-                            trade_key: trade_key.clone(),
-                            status,
-                        });
-                    }
-                }
+                set_trade_status(&mut batch, &mut trade_rows, &trade_key, trade_date, status);
             }
             if let Some(cls) = item.outcome.cls {
                 let body = encode_cls(&cls);

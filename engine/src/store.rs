@@ -26,6 +26,8 @@ pub struct MessageRow {
     pub related_id: Option<String>,
     pub injected_ns: u64,
     pub raw: Vec<u8>,
+    /// The day the message arrived: aging counts business days from a trade's latest one.
+    pub received_on: Date,
 }
 
 /// A trade's new status.
@@ -109,6 +111,8 @@ pub struct StoredMessage {
     pub injected_ns: u64,
     /// The date of the partition the message is kept in, where the store partitions by date.
     pub trade_date: Option<Date>,
+    /// The day the message arrived, where the store has it.
+    pub received_on: Option<Date>,
 }
 
 /// A rejection a matcher remembers (see [`crate::matcher::Matcher::refuse`]): an exception row
@@ -239,6 +243,7 @@ impl Store for MemoryStore {
                 raw: row.raw.clone(),
                 injected_ns: row.injected_ns,
                 trade_date: Some(row.trade_date),
+                received_on: Some(row.received_on),
             });
             count += 1;
         }
@@ -369,7 +374,7 @@ async fn write_batch(
     let mut transaction = connection.begin().await?;
     for chunk in batch.messages.chunks(SQLITE_ROWS_PER_STATEMENT) {
         let mut query = QueryBuilder::<Sqlite>::new(
-            "INSERT INTO messages (trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw) ",
+            "INSERT INTO messages (trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on) ",
         );
         query.push_values(chunk, |mut row, message| {
             row.push_bind(message.trade_key.as_str())
@@ -379,7 +384,8 @@ async fn write_batch(
                 .push_bind(message.function)
                 .push_bind(message.related_id.as_deref())
                 .push_bind(message.injected_ns as i64)
-                .push_bind(message.raw.as_slice());
+                .push_bind(message.raw.as_slice())
+                .push_bind(message.received_on.to_julian_day());
         });
         query.build().execute(&mut *transaction).await?;
     }
@@ -570,9 +576,9 @@ fn read_pages<T>(
 
 impl SqliteStore {
     fn read_page(&mut self, after_id: i64) -> Result<Vec<(i64, StoredMessage)>, StoreError> {
-        let result: Result<Vec<(i64, Vec<u8>, i64)>, _> = self.runtime.block_on(
+        let result: Result<Vec<SqliteStoredRow>, _> = self.runtime.block_on(
             sqlx::query_as(
-                "SELECT id, raw, injected_ns FROM messages WHERE id > ? ORDER BY id LIMIT ?",
+                "SELECT id, raw, injected_ns, received_on FROM messages WHERE id > ? ORDER BY id LIMIT ?",
             )
             .bind(after_id)
             .bind(RECOVERY_PAGE_ROWS)
@@ -581,11 +587,12 @@ impl SqliteStore {
         let rows = result.map_err(|source| self.database_error(source))?;
         Ok(rows
             .into_iter()
-            .map(|(id, raw, injected_ns)| {
+            .map(|(id, raw, injected_ns, received_on)| {
                 let message = StoredMessage {
                     raw,
                     injected_ns: injected_ns as u64,
                     trade_date: None,
+                    received_on: received_on.and_then(|day| Date::from_julian_day(day).ok()),
                 };
                 (id, message)
             })
@@ -610,7 +617,11 @@ pub struct PgStore {
 }
 
 /// A stored message as read back: id, raw bytes, injection time, trade date.
-type PgStoredRow = (i64, Vec<u8>, i64, Date);
+/// A `messages` row of the embedded store as recovery reads it: id, raw, injected_ns,
+/// received_on (Julian day).
+type SqliteStoredRow = (i64, Vec<u8>, i64, Option<i32>);
+
+type PgStoredRow = (i64, Vec<u8>, i64, Date, Option<Date>);
 
 /// The tables partitioned by month.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -782,7 +793,7 @@ fn binary_copy_rows(rows: &[MessageRow]) -> Vec<u8> {
     let mut out = Vec::with_capacity(PG_COPY_HEADER.len() + size + 2);
     out.extend_from_slice(PG_COPY_HEADER);
     for row in rows {
-        out.extend_from_slice(&9_i16.to_be_bytes());
+        out.extend_from_slice(&10_i16.to_be_bytes());
         // A date is the number of days since 2000-01-01.
         let days = row.trade_date.to_julian_day() - PG_EPOCH_JULIAN_DAY;
         field(&mut out, Some(&days.to_be_bytes()));
@@ -794,6 +805,8 @@ fn binary_copy_rows(rows: &[MessageRow]) -> Vec<u8> {
         field(&mut out, row.related_id.as_deref().map(str::as_bytes));
         field(&mut out, Some(&(row.injected_ns as i64).to_be_bytes()));
         field(&mut out, Some(&row.raw));
+        let received = row.received_on.to_julian_day() - PG_EPOCH_JULIAN_DAY;
+        field(&mut out, Some(&received.to_be_bytes()));
     }
     out.extend_from_slice(&(-1_i16).to_be_bytes());
     out
@@ -899,7 +912,7 @@ async fn write_pg_batch(
         // already committed, which is what a retry after a lost reply needs to learn.
         let mut copy = transaction
             .copy_in_raw(
-                "COPY messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw) \
+                "COPY messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on) \
                  FROM STDIN WITH (FORMAT binary)",
             )
             .await?;
@@ -1131,7 +1144,7 @@ impl Store for PgStore {
             |after_id| {
                 let result: Result<Vec<PgStoredRow>, _> = self.runtime.block_on(
                     sqlx::query_as(
-                        "SELECT id, raw, injected_ns, trade_date FROM messages \
+                        "SELECT id, raw, injected_ns, trade_date, received_on FROM messages \
                          WHERE id > $1 ORDER BY id LIMIT $2",
                     )
                     .bind(after_id)
@@ -1141,11 +1154,12 @@ impl Store for PgStore {
                 let rows = result.map_err(|source| database_error(&self.name, source))?;
                 Ok(rows
                     .into_iter()
-                    .map(|(id, raw, injected_ns, trade_date)| {
+                    .map(|(id, raw, injected_ns, trade_date, received_on)| {
                         let message = StoredMessage {
                             raw,
                             injected_ns: injected_ns as u64,
                             trade_date: Some(trade_date),
+                            received_on,
                         };
                         (id, message)
                     })
@@ -1241,6 +1255,7 @@ mod tests {
                 related_id: None,
                 injected_ns: 7,
                 raw: b"<Msg/>".to_vec(),
+                received_on: DAY,
             }],
             trades: vec![
                 TradeRow {

@@ -170,6 +170,7 @@ fn a_replayed_batch_changes_nothing() {
             related_id: None,
             injected_ns: 1,
             raw: b"<Msg/>".to_vec(),
+            received_on: time::macros::date!(2026 - 11 - 30),
         }],
         trades: vec![TradeRow {
             trade_date: time::macros::date!(2026 - 01 - 30),
@@ -338,6 +339,7 @@ fn trades_are_kept_by_month_and_retention_drops_whole_months() {
             related_id: None,
             injected_ns: 1,
             raw: b"<Msg/>".to_vec(),
+            received_on: time::macros::date!(2026 - 11 - 30),
         }],
         ..Batch::default()
     };

@@ -971,10 +971,85 @@ fn a_trade_is_stored_under_the_date_of_its_first_accepted_message() {
         cancel.clone(),
         raw.as_bytes(),
         0,
-        Some(date!(2026 - 11 - 02))
+        Some(date!(2026 - 11 - 02)),
+        today
     ));
     assert_eq!(
         stored_date(&mut restored, &messages[0]),
         date!(2026 - 11 - 02)
     );
+}
+
+/// Processes `messages` on `day`.
+fn process_on(matcher: &mut Matcher, messages: &[Msg], day: time::Date) -> Vec<Disposition> {
+    messages
+        .iter()
+        .map(|msg| {
+            let raw = encode_msg(msg);
+            matcher
+                .process(
+                    msg.clone(),
+                    raw.as_bytes(),
+                    0,
+                    "2026-12-24T10:00:00.000Z",
+                    day,
+                )
+                .disposition
+        })
+        .collect()
+}
+
+#[test]
+fn unmatched_trades_age_out_after_business_days_of_their_market() {
+    use time::macros::date;
+    // A London trade left incomplete on Thursday 24 December 2026: Friday 25 is a holiday of
+    // XLON, then a weekend; Monday 28 is its first business day after.
+    let messages = london_trade(600, 400);
+    let key = messages[0].trade_key();
+    let mut matcher = matcher();
+    process_on(&mut matcher, &messages[..6], date!(2026 - 12 - 24));
+    assert_eq!(matcher.status_of(&key), Some(TradeStatus::Pending));
+    // On Monday no whole business day has passed (the holiday does not count).
+    assert!(matcher.age_out(date!(2026 - 12 - 28), 1).is_empty());
+    assert_eq!(matcher.status_of(&key), Some(TradeStatus::Pending));
+    // On Tuesday Monday has: one business day.
+    let aged = matcher.age_out(date!(2026 - 12 - 29), 1);
+    assert_eq!(aged.len(), 1);
+    assert_eq!(aged[0].trade_key, key);
+    let broker = messages[0].broker.clone();
+    let inv_mgr = messages[0].inv_mgr.clone().expect("an investment manager");
+    assert!(aged[0].parties.contains(&broker) && aged[0].parties.contains(&inv_mgr));
+    let custodian = messages
+        .iter()
+        .find_map(|m| m.custodian.clone())
+        .expect("a custodian");
+    assert!(
+        aged[0].parties.contains(&custodian),
+        "{:?}",
+        aged[0].parties
+    );
+    assert_eq!(matcher.status_of(&key), Some(TradeStatus::Aged));
+    assert_eq!(matcher.counts().aged, 1);
+    assert_eq!(matcher.counts().matched, 0);
+    // Closed: the missing message comes too late; an exact re-send is still a duplicate.
+    let late = process_on(&mut matcher, &messages[6..], date!(2026 - 12 - 30));
+    assert_eq!(code(&late[0]), Some(ReasonCode::Closed));
+    assert_eq!(
+        process_on(&mut matcher, &messages[..1], date!(2026 - 12 - 30)),
+        vec![Disposition::Duplicate]
+    );
+    // A later message restarts the count: a trade touched on Monday is not aged on Tuesday.
+    let other = london_trade(300, 200);
+    let other: Vec<Msg> = other
+        .into_iter()
+        .map(|mut m| {
+            m.trade_ref = "T-AGING-2".to_owned();
+            m.msg_id.push_str("-2");
+            m
+        })
+        .collect();
+    process_on(&mut matcher, &other[..3], date!(2026 - 12 - 24));
+    process_on(&mut matcher, &other[3..5], date!(2026 - 12 - 28));
+    assert!(matcher.age_out(date!(2026 - 12 - 29), 1).is_empty());
+    assert_eq!(matcher.age_out(date!(2026 - 12 - 30), 1).len(), 1);
 }

@@ -48,6 +48,8 @@ pub struct SinkReport {
     pub cls_already_held: u64,
     /// MISMATCHED status advices received.
     pub mismatched_advices: u64,
+    /// AGED advices received.
+    pub aged_advices: u64,
     pub latency: Histogram<u64>,
 }
 
@@ -92,6 +94,7 @@ pub struct Sink {
     cls_redelivered: u64,
     cls_already_held: u64,
     mismatched_advices: u64,
+    aged_advices: u64,
 }
 
 /// The ClsId of a CLS line.
@@ -149,6 +152,7 @@ impl Sink {
             cls_redelivered: 0,
             cls_already_held,
             mismatched_advices: 0,
+            aged_advices: 0,
         })
     }
 
@@ -178,6 +182,7 @@ impl Sink {
                 }
             }
             OutboundEvent::Mismatched(_) => self.mismatched_advices += 1,
+            OutboundEvent::Aged(_) => self.aged_advices += 1,
         }
         Ok(())
     }
@@ -199,6 +204,7 @@ impl Sink {
             cls_redelivered: self.cls_redelivered,
             cls_already_held: self.cls_already_held,
             mismatched_advices: self.mismatched_advices,
+            aged_advices: self.aged_advices,
             latency: self.latency,
         })
     }

@@ -38,8 +38,15 @@ impl Engine {
     /// Starts the engine binary with the embedded store in `dir` (kept across restarts),
     /// appending every CLS to `cls_out`.
     pub fn start_embedded(dir: &Path, cls_out: &Path) -> Engine {
+        Engine::start_embedded_with(dir, cls_out, &[])
+    }
+
+    /// [`Engine::start_embedded`] with `extra` flags.
+    pub fn start_embedded_with(dir: &Path, cls_out: &Path, extra: &[&str]) -> Engine {
         let cls_out = cls_out.to_str().expect("a UTF-8 path");
-        Engine::launch(dir, &["--store", "embedded", "--cls-out", cls_out], None)
+        let mut args = vec!["--store", "embedded", "--cls-out", cls_out];
+        args.extend_from_slice(extra);
+        Engine::launch(dir, &args, None)
     }
 
     fn launch(dir: &Path, args: &[&str], owned: Option<tempfile::TempDir>) -> Engine {
