@@ -1,0 +1,432 @@
+//! `attackbench`: what hostile clients cost the others, against the `engine` binary on loopback.
+//!
+//! 1. Slowdown: a framed-XML run of whole trades alone, then while two clients keep posting
+//!    namespace-flood SOAP bodies (1 MiB: 25,000 `xmlns` declarations and 157,000 empty
+//!    children), alternated; the ratio of the medians.
+//! 2. Memory: the engine's resident set before and after each memory attack — 600 frames of a
+//!    1 MiB message on one connection, FIX sessions holding large messages past a sequence gap,
+//!    1,100 sockets that never log on — and the disk the exceptions of 135 unauthenticated 1 MiB
+//!    SOAP requests take.
+//!
+//! `cargo build --release -p ste-bridge && target/release/attackbench [--trades 2000] [--rounds 3]`
+//! (the `engine` binary is taken from beside this one).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use ste_bridge::client::{self, Logon};
+use ste_bridge::fix;
+use ste_bridge::frame::{Frame, PushClass};
+use ste_engine::generator::{Generator, GeneratorConfig};
+use ste_engine::keys::KeyRing;
+use ste_engine::pipeline::sign_line;
+use ste_engine::refdata::RefData;
+
+fn arg(name: &str, default: u64) -> u64 {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A running engine node.
+struct Node {
+    child: Child,
+    tcp: SocketAddr,
+    http: SocketAddr,
+    fix: SocketAddr,
+}
+
+impl Node {
+    fn start(data_dir: &Path, keys: &Path, extra: &[&str]) -> anyhow::Result<Node> {
+        let engine = std::env::current_exe()?
+            .parent()
+            .context("a folder")?
+            .join("engine");
+        let mut child = Command::new(&engine)
+            .args([
+                "--tcp",
+                "127.0.0.1:0",
+                "--http",
+                "127.0.0.1:0",
+                "--fix",
+                "127.0.0.1:0",
+            ])
+            .args(["--sample-ms", "0"])
+            .arg("--data-dir")
+            .arg(data_dir)
+            .arg("--keys")
+            .arg(keys)
+            .args(extra)
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", engine.display()))?;
+        let mut lines = BufReader::new(child.stdout.take().context("stdout")?);
+        let mut address = |label: &str| -> anyhow::Result<SocketAddr> {
+            let mut line = String::new();
+            lines.read_line(&mut line)?;
+            line.trim()
+                .strip_prefix(label)
+                .and_then(|rest| rest.trim().parse().ok())
+                .with_context(|| format!("expected {label} ADDRESS, got {line:?}"))
+        };
+        let (tcp, http, fix) = (address("tcp")?, address("http")?, address("fix")?);
+        Ok(Node {
+            child,
+            tcp,
+            http,
+            fix,
+        })
+    }
+
+    fn rss_mib(&self) -> f64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .ok()
+            .and_then(|status| {
+                status
+                    .lines()
+                    .find_map(|line| line.strip_prefix("VmRSS:"))
+                    .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            })
+            .map_or(0.0, |kb| kb / 1024.0)
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One framed-XML run: every line sent on one connection logged on as everyone, then every
+/// answer and CLS awaited. Its duration.
+fn framed_run(
+    node: &Node,
+    refdata: &RefData,
+    lines: &[Vec<u8>],
+    trades: usize,
+) -> anyhow::Result<f64> {
+    let bics: Vec<String> = refdata
+        .participants()
+        .iter()
+        .map(|p| p.bic.clone())
+        .collect();
+    let logons: Vec<Logon<'_>> = bics
+        .iter()
+        .map(|bic| Logon {
+            participant: bic,
+            key: refdata.participant_mac(bic).expect("a key").1,
+            subscribe: true,
+        })
+        .collect();
+    let (mut writer, mut reader) = client::connect(node.tcp, &logons)?;
+    let frames: Vec<Frame> = lines
+        .iter()
+        .enumerate()
+        .map(|(seq, line)| {
+            let envelope = sign_line(refdata, line.clone(), seq as u64, 0);
+            Frame::Message {
+                seq: seq as u64,
+                sender: envelope.sender.unwrap_or_default(),
+                signature: envelope.signature.unwrap_or([0; 32]),
+                xml: envelope.bytes,
+            }
+        })
+        .collect();
+    let started = Instant::now();
+    let expected = frames.len();
+    let sender = std::thread::spawn(move || -> anyhow::Result<()> {
+        for frame in &frames {
+            writer.send(frame)?;
+        }
+        writer.flush()?;
+        Ok(())
+    });
+    let (mut answers, mut cls) = (0, 0);
+    while answers < expected || cls < trades {
+        match reader.next_frame()? {
+            Some(Frame::Ack { .. } | Frame::Nak { .. }) => answers += 1,
+            Some(Frame::Push {
+                class: PushClass::Cls,
+                ..
+            }) => cls += 1,
+            Some(_) => {}
+            None => anyhow::bail!("the engine closed the run's connection"),
+        }
+    }
+    sender
+        .join()
+        .map_err(|_| anyhow::anyhow!("the sender panicked"))??;
+    Ok(started.elapsed().as_secs_f64())
+}
+
+/// The namespace-flood SOAP body.
+fn flood_body() -> Vec<u8> {
+    let mut body =
+        String::from("<s:Envelope xmlns:s=\"http://schemas.xmlsoap.org/soap/envelope/\"");
+    for i in 0..25_000 {
+        body.push_str(&format!(" xmlns:p{i}=\"u\""));
+    }
+    body.push_str("><s:Body>");
+    while body.len() < 1024 * 1024 - 64 {
+        body.push_str("<a/>");
+    }
+    body.push_str("</s:Body></s:Envelope>");
+    body.into_bytes()
+}
+
+fn post(address: SocketAddr, body: &[u8]) -> std::io::Result<()> {
+    let mut stream = TcpStream::connect(address)?;
+    stream.set_read_timeout(Some(Duration::from_secs(60)))?;
+    write!(
+        stream,
+        "POST /soap HTTP/1.1\r\nHost: localhost\r\nContent-Type: text/xml\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )?;
+    stream.write_all(body)?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response)?;
+    Ok(())
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn main() -> anyhow::Result<()> {
+    let trades = arg("--trades", 2000) as usize;
+    let rounds = arg("--rounds", 3) as usize;
+    let refdata = RefData::embedded()?;
+    let ring = KeyRing::generate_for(&refdata);
+    let dir = std::env::temp_dir().join(format!("attackbench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let keys = dir.join("keys.csv");
+    ring.write(&keys)?;
+    let refdata = refdata.with_keys(&ring)?;
+
+    // 1. Slowdown of a framed-XML run by two namespace-flood SOAP clients.
+    let node = Node::start(&dir.join("slowdown"), &keys, &["--store", "memory"])?;
+    let body = Arc::new(flood_body());
+    let (mut alone, mut flooded) = (Vec::new(), Vec::new());
+    let mut floods_answered = 0_u64;
+    for round in 0..rounds {
+        let lines: Vec<Vec<u8>> = Generator::new(
+            &refdata,
+            GeneratorConfig {
+                seed: 1000 + round as u64 * 2,
+                ..GeneratorConfig::clean(trades as u64)
+            },
+        )
+        .collect();
+        alone.push(framed_run(&node, &refdata, &lines, trades)?);
+        let stop = Arc::new(AtomicBool::new(false));
+        let flooders: Vec<_> = (0..2)
+            .map(|_| {
+                let (stop, body, address) = (stop.clone(), body.clone(), node.http);
+                std::thread::spawn(move || {
+                    let mut answered = 0_u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        if post(address, &body).is_ok() {
+                            answered += 1;
+                        }
+                    }
+                    answered
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(200));
+        let lines: Vec<Vec<u8>> = Generator::new(
+            &refdata,
+            GeneratorConfig {
+                seed: 1001 + round as u64 * 2,
+                ..GeneratorConfig::clean(trades as u64)
+            },
+        )
+        .collect();
+        flooded.push(framed_run(&node, &refdata, &lines, trades)?);
+        stop.store(true, Ordering::Relaxed);
+        for flooder in flooders {
+            floods_answered += flooder.join().unwrap_or(0);
+        }
+    }
+    let (alone_s, flooded_s) = (median(alone.clone()), median(flooded.clone()));
+    println!(
+        "attackbench ({trades} trades of 7 messages over framed XML, {rounds} rounds alternated)"
+    );
+    println!("  run alone                 {alone_s:>8.3} s  (runs: {alone:.3?})");
+    println!("  run beside 2 SOAP floods  {flooded_s:>8.3} s  (runs: {flooded:.3?}; {floods_answered} flood requests answered)");
+    println!(
+        "  slowdown                  {:>8.2}x  (target < 1.5x)",
+        flooded_s / alone_s
+    );
+    drop(node);
+
+    // 2. Memory under each attack, on a fresh node each (embedded store, for the disk figure).
+    println!("  memory of the engine (resident set, MiB):");
+    let node = Node::start(&dir.join("frames"), &keys, &["--store", "memory"])?;
+    let before = node.rss_mib();
+    {
+        let bic = &refdata.participants()[0].bic;
+        let logons = [Logon {
+            participant: bic,
+            key: refdata.participant_mac(bic).expect("a key").1,
+            subscribe: false,
+        }];
+        let (mut writer, mut reader) = client::connect(node.tcp, &logons)?;
+        let line = Generator::new(&refdata, GeneratorConfig::clean(1))
+            .next()
+            .context("a line")?;
+        let padding = "x".repeat(1024 * 1024 - 1024);
+        let huge = String::from_utf8(line)?.replace("</Msg>", &format!("<!--{padding}--></Msg>"));
+        let sender = std::thread::spawn(move || -> anyhow::Result<()> {
+            for seq in 0..600 {
+                writer.send(&Frame::Message {
+                    seq,
+                    sender: bic_owned(&huge),
+                    signature: [0; 32],
+                    xml: huge.clone().into_bytes(),
+                })?;
+            }
+            writer.flush()?;
+            Ok(())
+        });
+        for _ in 0..600 {
+            reader.next_frame()?;
+        }
+        sender
+            .join()
+            .map_err(|_| anyhow::anyhow!("the sender panicked"))??;
+    }
+    println!(
+        "    600 frames of a 1 MiB message     {before:>7.1} -> {:>7.1}",
+        node.rss_mib()
+    );
+    drop(node);
+
+    let node = Node::start(&dir.join("fixgap"), &keys, &["--store", "memory"])?;
+    let before = node.rss_mib();
+    let filler = "x".repeat(60 * 1024);
+    for session in 0..20 {
+        let bic = &refdata.participants()[session].bic;
+        let mut stream = TcpStream::connect(node.fix)?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let sending_time = fix::utc_timestamp();
+        let key = refdata.participant_mac(bic).expect("a key").1;
+        let logon = fix::encode(&[
+            (35, "A".into()),
+            (49, bic.clone()),
+            (56, "STE".into()),
+            (34, "1".into()),
+            (52, sending_time.clone()),
+            (98, "0".into()),
+            (108, "30".into()),
+            (554, fix::logon_password(key, &sending_time, bic)),
+        ]);
+        stream.write_all(&logon)?;
+        for seq in 10..40_u64 {
+            let message = fix::encode(&[
+                (35, "1".into()),
+                (49, bic.clone()),
+                (56, "STE".into()),
+                (34, seq.to_string()),
+                (52, fix::utc_timestamp()),
+                (112, filler.clone()),
+            ]);
+            if stream.write_all(&message).is_err() {
+                break;
+            }
+        }
+        let mut sink = Vec::new();
+        let _ = stream.read_to_end(&mut sink);
+    }
+    println!(
+        "    20 FIX sessions, 30 x 60 KiB past a gap {before:>5.1} -> {:>7.1}",
+        node.rss_mib()
+    );
+    drop(node);
+
+    let node = Node::start(&dir.join("idle"), &keys, &["--store", "memory"])?;
+    let before = node.rss_mib();
+    let mut idle = Vec::new();
+    let mut challenged = 0;
+    // From one address of the loopback range other than the participant's.
+    let source: std::net::IpAddr = "127.0.0.2".parse()?;
+    for _ in 0..1_100 {
+        idle.push(socket_from(source, node.tcp)?);
+    }
+    for socket in &mut idle {
+        socket.set_read_timeout(Some(Duration::from_millis(200)))?;
+        if matches!(Frame::read_from(socket), Ok(Some(Frame::Challenge { .. }))) {
+            challenged += 1;
+        }
+    }
+    let good = {
+        let bic = &refdata.participants()[1].bic;
+        let logons = [Logon {
+            participant: bic,
+            key: refdata.participant_mac(bic).expect("a key").1,
+            subscribe: false,
+        }];
+        client::connect(node.tcp, &logons).is_ok()
+    };
+    println!(
+        "    1,100 idle sockets from one address  {before:>6.1} -> {:>7.1}  ({challenged} served, the rest refused; a participant from another address logs on: {good})",
+        node.rss_mib()
+    );
+    drop(idle);
+    drop(node);
+
+    let data = dir.join("garbage");
+    let node = Node::start(&data, &keys, &["--store", "embedded"])?;
+    let garbage = vec![b'x'; 1024 * 1024 - 1024];
+    for _ in 0..135 {
+        post(node.http, &garbage)?;
+    }
+    let exceptions = std::fs::metadata(data.join("store").join("exceptions.sqlite"))
+        .map(|m| m.len())
+        .unwrap_or(0);
+    let wal = std::fs::metadata(data.join("store").join("exceptions.sqlite-wal"))
+        .map(|m| m.len())
+        .unwrap_or(0);
+    println!(
+        "    135 unauthenticated 1 MiB SOAP requests: exceptions store {:.2} MiB on disk",
+        (exceptions + wal) as f64 / (1024.0 * 1024.0)
+    );
+    drop(node);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// The first `<Sender>` of a message.
+fn bic_owned(xml: &str) -> String {
+    ste_engine::sign::claimed_sender(xml.as_bytes())
+        .unwrap_or("")
+        .to_owned()
+}
+
+/// A connection from `source` (an address of this machine's loopback range).
+fn socket_from(source: std::net::IpAddr, target: SocketAddr) -> anyhow::Result<TcpStream> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()?;
+    let stream = runtime.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(SocketAddr::new(source, 0))?;
+        socket.connect(target).await
+    })?;
+    let stream = stream.into_std()?;
+    stream.set_nonblocking(false)?;
+    Ok(stream)
+}
