@@ -127,7 +127,8 @@ struct Cli {
     /// once a day).
     #[arg(long, default_value_t = 60_000)]
     aging_check_ms: u64,
-    /// Keep trades this many days after their trade date (postgres store only).
+    /// Keep trades this many days after their trade date, and exceptions as long after they
+    /// arrived (embedded and postgres stores).
     #[arg(long, value_name = "DAYS")]
     retention_days: Option<u32>,
 }
@@ -177,8 +178,8 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
     if shards == 0 || cli.validators == 0 {
         bail!("--shards and --validators must be at least 1");
     }
-    if cli.retention_days.is_some() && !matches!(cli.store, StoreArg::Postgres) {
-        bail!("--retention-days applies to the postgres store only");
+    if cli.retention_days.is_some() && matches!(cli.store, StoreArg::Memory) {
+        bail!("--retention-days needs a durable store (embedded or postgres)");
     }
     std::fs::create_dir_all(&cli.data_dir)
         .with_context(|| format!("creating {}", cli.data_dir.display()))?;

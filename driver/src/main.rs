@@ -186,9 +186,9 @@ struct RunArgs {
     /// as duplicates.
     #[arg(long)]
     resume: bool,
-    /// Keep trades this many days after their trade date, then drop them: whole monthly
-    /// partitions, when each shard starts and once a day (postgres store only; default: keep
-    /// everything).
+    /// Keep trades this many days after their trade date, then drop them (postgres: whole
+    /// monthly partitions; embedded: the expired rows), when each shard starts and once a day;
+    /// exceptions likewise by the day they arrived (default: keep everything).
     #[arg(long, value_name = "DAYS")]
     retention_days: Option<u32>,
     /// Send the load to a running engine node instead of running the pipeline in process:
@@ -943,8 +943,8 @@ fn run_config(args: RunArgs) -> anyhow::Result<RunConfig> {
     if args.resume && args.run_dir.is_none() && store != StoreChoice::Postgres {
         bail!("--resume needs the --run-dir of the run to continue");
     }
-    if args.retention_days.is_some() && store != StoreChoice::Postgres {
-        bail!("--retention-days drops monthly partitions of the postgres store; the {} store keeps everything", store.as_str());
+    if args.retention_days.is_some() && store == StoreChoice::Memory {
+        bail!("--retention-days needs a durable store (embedded or postgres); the memory store keeps everything");
     }
     let config = RunConfig {
         source,

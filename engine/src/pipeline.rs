@@ -149,8 +149,9 @@ pub struct PipelineConfig {
     /// Rebuild each matcher from the messages its shard already holds; otherwise a shard that
     /// holds messages is refused.
     pub recover: bool,
-    /// Keep a shard's trades this many days after their trade date, then drop them (whole
-    /// monthly partitions: needs the postgres store). `None` keeps everything.
+    /// Keep a shard's trades this many days after their trade date, then drop them (postgres:
+    /// whole monthly partitions; embedded: the expired rows), and exceptions this many days
+    /// after they arrived. `None` keeps everything.
     pub retention_days: Option<u32>,
     /// When unmatched trades age out; `None`: never.
     pub aging: Option<Aging>,
@@ -556,10 +557,9 @@ impl Pipeline {
             }
         }
         let mut stores = Vec::with_capacity(shards as usize);
-        if config.retention_days.is_some() && !matches!(config.store, StoreConfig::Postgres { .. })
-        {
+        if config.retention_days.is_some() && matches!(config.store, StoreConfig::Memory) {
             return Err(PipelineError::Config(
-                "retention drops monthly partitions: it needs the postgres store".to_owned(),
+                "retention needs a durable store (embedded or postgres)".to_owned(),
             ));
         }
         for shard in 0..shards as usize {

@@ -168,11 +168,10 @@ pub trait Store: Send {
         &mut self,
         visit: &mut dyn FnMut(StoredRejection),
     ) -> Result<u64, StoreError>;
-    /// Drops what is older than `keep_days` days before `today`. Only a store partitioned by
-    /// date can: the others refuse.
+    /// Drops what is older than `keep_days` days before `today`. The memory store refuses.
     fn purge(&mut self, _today: Date, _keep_days: u32) -> Result<PurgeReport, StoreError> {
         Err(StoreError::Unsupported(
-            "retention needs a store partitioned by date (the postgres store)",
+            "retention needs a durable store (embedded or postgres)",
         ))
     }
 }
@@ -374,7 +373,7 @@ async fn write_batch(
     let mut transaction = connection.begin().await?;
     for chunk in batch.messages.chunks(SQLITE_ROWS_PER_STATEMENT) {
         let mut query = QueryBuilder::<Sqlite>::new(
-            "INSERT INTO messages (trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on) ",
+            "INSERT INTO messages (trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on, trade_date) ",
         );
         query.push_values(chunk, |mut row, message| {
             row.push_bind(message.trade_key.as_str())
@@ -385,27 +384,32 @@ async fn write_batch(
                 .push_bind(message.related_id.as_deref())
                 .push_bind(message.injected_ns as i64)
                 .push_bind(message.raw.as_slice())
-                .push_bind(message.received_on.to_julian_day());
+                .push_bind(message.received_on.to_julian_day())
+                .push_bind(message.trade_date.to_julian_day());
         });
         query.build().execute(&mut *transaction).await?;
     }
     for chunk in batch.trades.chunks(SQLITE_ROWS_PER_STATEMENT) {
-        let mut query =
-            QueryBuilder::<Sqlite>::new("INSERT INTO trade_status (trade_key, status) ");
+        let mut query = QueryBuilder::<Sqlite>::new(
+            "INSERT INTO trade_status (trade_key, status, trade_date) ",
+        );
         query.push_values(chunk, |mut row, trade| {
             row.push_bind(trade.trade_key.as_str())
-                .push_bind(trade.status.as_str());
+                .push_bind(trade.status.as_str())
+                .push_bind(trade.trade_date.to_julian_day());
         });
         query.build().execute(&mut *transaction).await?;
     }
     let mut outbox_ids: ahash::AHashMap<String, i64> = ahash::AHashMap::new();
     for chunk in batch.cls.chunks(SQLITE_ROWS_PER_STATEMENT) {
-        let mut query =
-            QueryBuilder::<Sqlite>::new("INSERT INTO cls_outbox (cls_id, trade_key, body) ");
+        let mut query = QueryBuilder::<Sqlite>::new(
+            "INSERT INTO cls_outbox (cls_id, trade_key, body, trade_date) ",
+        );
         query.push_values(chunk, |mut row, cls| {
             row.push_bind(cls.cls_id.as_str())
                 .push_bind(cls.trade_key.as_str())
-                .push_bind(cls.body.as_str());
+                .push_bind(cls.body.as_str())
+                .push_bind(cls.trade_date.to_julian_day());
         });
         query.push(" RETURNING id, cls_id");
         let returned: Vec<(i64, String)> =
@@ -414,7 +418,7 @@ async fn write_batch(
     }
     for chunk in batch.exceptions.chunks(SQLITE_ROWS_PER_STATEMENT) {
         let mut query = QueryBuilder::<Sqlite>::new(
-            "INSERT INTO exceptions (trade_key, sender, msg_id, code, detail, raw) ",
+            "INSERT INTO exceptions (trade_key, sender, msg_id, code, detail, raw, received_on) ",
         );
         query.push_values(chunk, |mut row, exception| {
             row.push_bind(exception.trade_key.as_deref())
@@ -422,7 +426,8 @@ async fn write_batch(
                 .push_bind(exception.msg_id.as_deref())
                 .push_bind(exception.code.as_str())
                 .push_bind(exception.detail.as_str())
-                .push_bind(exception.raw.as_slice());
+                .push_bind(exception.raw.as_slice())
+                .push_bind(exception.received_on.to_julian_day());
         });
         query.build().execute(&mut *transaction).await?;
     }
@@ -461,7 +466,69 @@ fn undelivered_rows(rows: Vec<(i64, String, String)>) -> Vec<UndeliveredCls> {
         .collect()
 }
 
+/// Deletes from an embedded shard what expired before `horizon`: the rows of trades whose date
+/// is earlier, unless the outbox still holds a CLS of theirs above the delivery watermark, and
+/// exceptions that arrived earlier. One transaction; the freed pages are reused by later rows
+/// (the file does not shrink).
+async fn purge_expired(
+    connection: &mut SqliteConnection,
+    horizon: Date,
+) -> Result<PurgeReport, sqlx::Error> {
+    const UNDELIVERED: &str = "SELECT trade_key FROM cls_outbox WHERE id >          COALESCE((SELECT delivered_through FROM cls_delivery WHERE id = 1), 0)";
+    let horizon = horizon.to_julian_day();
+    let mut transaction = connection.begin().await?;
+    let kept: i64 = sqlx::query_scalar(&format!(
+        "SELECT COUNT(DISTINCT trade_key) FROM messages WHERE trade_date < ? AND trade_key IN ({UNDELIVERED})"
+    ))
+    .bind(horizon)
+    .fetch_one(&mut *transaction)
+    .await?;
+    let mut dropped = Vec::new();
+    for (table, condition) in [
+        ("messages", format!("trade_date < ? AND trade_key NOT IN ({UNDELIVERED})")),
+        ("trade_status", format!("trade_date < ? AND trade_key NOT IN ({UNDELIVERED})")),
+        (
+            "cls_outbox",
+            "trade_date < ? AND id <= COALESCE((SELECT delivered_through FROM cls_delivery WHERE id = 1), 0)"
+                .to_owned(),
+        ),
+        ("exceptions", "received_on < ?".to_owned()),
+    ] {
+        let deleted = sqlx::query(&format!("DELETE FROM {table} WHERE {condition}"))
+            .bind(horizon)
+            .execute(&mut *transaction)
+            .await?
+            .rows_affected();
+        if deleted > 0 {
+            dropped.push(format!("{table}: {deleted} rows"));
+        }
+    }
+    transaction.commit().await?;
+    if kept > 0 {
+        tracing::warn!(
+            trades = kept,
+            "trades past retention kept: their outbox holds CLS not confirmed delivered"
+        );
+    }
+    Ok(PurgeReport {
+        dropped,
+        kept_undelivered: Vec::new(),
+    })
+}
+
 impl Store for SqliteStore {
+    fn purge(&mut self, today: Date, keep_days: u32) -> Result<PurgeReport, StoreError> {
+        let horizon = today - time::Duration::days(i64::from(keep_days));
+        let result = self
+            .runtime
+            .block_on(purge_expired(&mut self.connection, horizon));
+        let report = result.map_err(|source| self.database_error(source))?;
+        if !report.dropped.is_empty() {
+            tracing::info!(rows = ?report.dropped, "retention deleted expired rows");
+        }
+        Ok(report)
+    }
+
     fn commit(&mut self, batch: &mut Batch) -> Result<Vec<i64>, StoreError> {
         let result = self
             .runtime
@@ -716,7 +783,7 @@ impl std::fmt::Display for Month {
 /// What a retention purge did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PurgeReport {
-    /// The partitions dropped.
+    /// What was dropped: partitions (postgres), or tables and row counts (embedded).
     pub dropped: Vec<String>,
     /// Months past the horizon kept because their outbox holds a CLS not confirmed delivered.
     pub kept_undelivered: Vec<Month>,

@@ -296,3 +296,44 @@ fn a_rejected_msgid_stays_spent_across_a_restart() {
         assert_eq!(results, vec![expected]);
     }
 }
+
+#[test]
+fn embedded_retention_deletes_what_expired_and_keeps_undelivered_cls() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let refdata = refdata();
+    let config = PipelineConfig {
+        recover: true,
+        ..embedded(dir.path(), 1)
+    };
+    // 50 trades whose CLS nobody confirms, and a message that is refused (an exception).
+    let mut lines: Vec<Vec<u8>> = Generator::new(&refdata, GeneratorConfig::clean(50)).collect();
+    lines.push(b"<Msg>not signed</Msg>".to_vec());
+    run_lines(&config, &refdata, &lines);
+    let path = dir.path().join("shard-0.sqlite");
+    let far_future = time::macros::date!(2040 - 01 - 01);
+    {
+        let mut store = SqliteStore::open(&path).expect("reopens");
+        let before = store.row_counts().expect("counts");
+        assert_eq!((before.messages, before.cls), (350, 50));
+        // Every trade has expired by 2040, but none of its CLS was confirmed: all kept.
+        store.purge(far_future, 30).expect("purges");
+        assert_eq!(store.row_counts().expect("counts"), before);
+        // Once the sink has confirmed them, they go.
+        store
+            .execute("INSERT INTO cls_delivery (id, delivered_through) VALUES (1, 1000000) ON CONFLICT (id) DO UPDATE SET delivered_through = excluded.delivered_through")
+            .expect("confirmed");
+        // Kept ten years, nothing has expired today.
+        let today = time::OffsetDateTime::now_utc().date();
+        assert!(store.purge(today, 3650).expect("purges").dropped.is_empty());
+        assert_eq!(store.row_counts().expect("counts"), before);
+        let report = store.purge(far_future, 30).expect("purges");
+        assert!(!report.dropped.is_empty());
+        let after = store.row_counts().expect("counts");
+        assert_eq!((after.messages, after.cls, after.trades), (0, 0, 0));
+    }
+    // The exception store has its own file, and its own retention.
+    let mut exceptions = SqliteStore::open(&dir.path().join("exceptions.sqlite")).expect("reopens");
+    assert_eq!(exceptions.row_counts().expect("counts").exceptions, 1);
+    exceptions.purge(far_future, 30).expect("purges");
+    assert_eq!(exceptions.row_counts().expect("counts").exceptions, 0);
+}
