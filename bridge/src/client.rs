@@ -1,8 +1,11 @@
 //! A blocking framed-XML client: connect, log on, then send on one half and read on the other
-//! (typically from two threads).
+//! (typically from two threads). Over TLS ([`connect_tls`]) the two halves talk to a tunnel
+//! thread through a socket pair, and the tunnel carries the bytes over rustls: a TLS session
+//! cannot be split between two threads, a socket can.
 
-use std::io::{BufReader, BufWriter, Write};
+use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
+use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use ste_engine::sign::KeyedMac;
@@ -30,9 +33,57 @@ pub enum ClientError {
     Closed,
 }
 
+/// The byte stream under a client: TCP to the engine, or one end of the socket pair whose
+/// other end a TLS tunnel serves.
+enum Stream {
+    Tcp(TcpStream),
+    Local(UnixStream),
+}
+
+impl Stream {
+    fn try_clone(&self) -> std::io::Result<Stream> {
+        Ok(match self {
+            Stream::Tcp(stream) => Stream::Tcp(stream.try_clone()?),
+            Stream::Local(stream) => Stream::Local(stream.try_clone()?),
+        })
+    }
+
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(stream) => stream.set_read_timeout(timeout),
+            Stream::Local(stream) => stream.set_read_timeout(timeout),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(stream) => stream.read(buf),
+            Stream::Local(stream) => stream.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(stream) => stream.write(buf),
+            Stream::Local(stream) => stream.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(stream) => stream.flush(),
+            Stream::Local(stream) => stream.flush(),
+        }
+    }
+}
+
 /// The sending half.
 pub struct FrameWriter {
-    output: BufWriter<TcpStream>,
+    output: BufWriter<Stream>,
 }
 
 impl FrameWriter {
@@ -55,7 +106,7 @@ impl FrameWriter {
 
 /// The receiving half.
 pub struct FrameReader {
-    input: BufReader<TcpStream>,
+    input: BufReader<Stream>,
 }
 
 impl FrameReader {
@@ -78,6 +129,49 @@ pub fn connect(
 ) -> Result<(FrameWriter, FrameReader), ClientError> {
     let stream = TcpStream::connect(address)?;
     stream.set_nodelay(true)?;
+    log_on(Stream::Tcp(stream), logons)
+}
+
+/// Connects over TLS to `address` (verifying the engine's certificate as `server_name`, with
+/// the client certificate `tls` may carry) and logs on as each of `logons`. The tunnel thread
+/// ends when the connection does.
+pub fn connect_tls(
+    address: &str,
+    server_name: &str,
+    tls: &crate::tls::ClientTls,
+    logons: &[Logon<'_>],
+) -> Result<(FrameWriter, FrameReader), ClientError> {
+    let connector = crate::tls::connector(tls)
+        .map_err(|error| ClientError::Io(std::io::Error::other(error.to_string())))?;
+    let name = rustls::pki_types::ServerName::try_from(server_name.to_owned())
+        .map_err(|error| ClientError::Io(std::io::Error::other(error.to_string())))?;
+    let (ours, theirs) = UnixStream::pair()?;
+    theirs.set_nonblocking(true)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()?;
+    // The TLS handshake first, so that a refused certificate is this call's error.
+    let tls_stream = runtime.block_on(async {
+        let tcp = tokio::net::TcpStream::connect(address).await?;
+        tcp.set_nodelay(true)?;
+        connector.connect(name, tcp).await
+    })?;
+    std::thread::Builder::new()
+        .name("tls-tunnel".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let Ok(mut local) = tokio::net::UnixStream::from_std(theirs) else {
+                    return;
+                };
+                let mut tls_stream = tls_stream;
+                let _ = tokio::io::copy_bidirectional(&mut local, &mut tls_stream).await;
+            });
+        })?;
+    log_on(Stream::Local(ours), logons)
+}
+
+/// Reads the challenge on `stream` and logs on as each of `logons`.
+fn log_on(stream: Stream, logons: &[Logon<'_>]) -> Result<(FrameWriter, FrameReader), ClientError> {
     stream.set_read_timeout(Some(Duration::from_secs(30)))?;
     let mut reader = FrameReader {
         input: BufReader::with_capacity(64 * 1024, stream.try_clone()?),

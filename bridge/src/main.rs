@@ -258,18 +258,8 @@ fn key_ring(cli: &Cli, refdata: &RefData) -> anyhow::Result<KeyRing> {
     if !cli.throwaway_keys {
         bail!("no signing keys: give a key file (--keys FILE or STE_KEYS_FILE), or --throwaway-keys for a loopback-only node");
     }
-    for (name, address) in [
-        ("--tcp", &cli.tcp),
-        ("--http", &cli.http),
-        ("--fix", &cli.fix),
-    ] {
-        let resolved: Vec<std::net::SocketAddr> =
-            std::net::ToSocketAddrs::to_socket_addrs(address.as_str())
-                .with_context(|| format!("resolving {name} {address}"))?
-                .collect();
-        if resolved.is_empty() || resolved.iter().any(|a| !a.ip().is_loopback()) {
-            bail!("--throwaway-keys serves loopback listeners only, and {name} {address} is not one: give a key file (--keys FILE)");
-        }
+    if let Some((name, address)) = off_loopback(cli)? {
+        bail!("--throwaway-keys serves loopback listeners only, and {name} {address} is not one: give a key file (--keys FILE)");
     }
     let ring = KeyRing::generate_for(refdata);
     let path = cli.data_dir.join("throwaway-keys.csv");

@@ -90,3 +90,39 @@ pub fn acceptor(files: &TlsFiles) -> Result<Tls, TlsError> {
         .map_err(|error| TlsError::Config(error.to_string()))?;
     Ok(Tls(TlsAcceptor::from(Arc::new(config))))
 }
+
+/// What a client trusts, and the certificate it presents where the engine asks for one.
+#[derive(Debug, Clone)]
+pub struct ClientTls {
+    /// The CA that signed the engine's certificate (PEM).
+    pub ca: PathBuf,
+    /// The client's certificate chain and key (PEM), for engines that require one.
+    pub identity: Option<(PathBuf, PathBuf)>,
+}
+
+/// A client-side TLS configuration, with the same provider and versions as the listeners.
+pub fn connector(files: &ClientTls) -> Result<tokio_rustls::TlsConnector, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for certificate in certificates(&files.ca)? {
+        roots
+            .add(certificate)
+            .map_err(|error| pem_error(&files.ca, error))?;
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|error| TlsError::Config(error.to_string()))?
+    .with_root_certificates(roots);
+    let config = match &files.identity {
+        Some((cert, key)) => {
+            let chain = certificates(cert)?;
+            let key = PrivateKeyDer::from_pem_file(key).map_err(|error| pem_error(key, error))?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|error| TlsError::Config(error.to_string()))?
+        }
+        None => builder.with_no_client_auth(),
+    };
+    Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+}

@@ -32,43 +32,7 @@ fn simplefix_sessions_trade_recover_a_gap_and_are_refused_when_they_should_be() 
 
     // A whole trade, each party over its own FIX session, in the order the parties send; the
     // last session waits for the CLS, pushed to it as an XML message.
-    let mut senders: Vec<&str> = Vec::new();
-    for line in first {
-        if !senders.contains(&sender_of(line)) {
-            senders.push(sender_of(line));
-        }
-    }
-    for (index, sender) in senders.iter().enumerate() {
-        let messages: Vec<serde_json::Value> = first
-            .iter()
-            .filter(|line| sender_of(line) == *sender)
-            .map(|line| fix_pairs(line))
-            .collect();
-        let count = messages.len();
-        let last = index + 1 == senders.len();
-        let result = simplefix(
-            &engine,
-            serde_json::json!({
-                "participant": sender,
-                "key_hex": key_hex(&refdata, sender),
-                "mode": "trade",
-                "messages": messages,
-                "cls": if last { 1 } else { 0 },
-            }),
-        );
-        let answers = result["answers"].as_array().expect("answers");
-        assert_eq!(answers.len(), count, "{result}");
-        for answer in answers {
-            let status = answer[2].as_str().expect("a status");
-            assert!(
-                status == "0" || status == "3",
-                "accepted (AR/P 0, AU 3): {result}"
-            );
-        }
-        if last {
-            assert_eq!(result["cls"], 1, "the CLS pushed over FIX: {result}");
-        }
-    }
+    common::fix_trade_by_parties(&engine, &refdata, first, serde_json::Value::Null);
 
     // A sequence gap: MsgSeqNum 3 skipped; the engine asks for it and then takes 4 as well.
     let broker = sender_of(&second[0]);

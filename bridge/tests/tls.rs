@@ -149,41 +149,7 @@ fn zeep_over_https_and_simplefix_over_tls_complete_trades() {
     assert_eq!(answers, vec!["ACCEPTED"; 7]);
 
     // A whole trade over FIX on TLS, a session per party; the last one hears the CLS.
-    let sender_of = |line: &Vec<u8>| sign::claimed_sender(line).expect("a sender").to_owned();
-    let mut senders: Vec<String> = Vec::new();
-    for line in second {
-        if !senders.contains(&sender_of(line)) {
-            senders.push(sender_of(line));
-        }
-    }
-    for (index, sender) in senders.iter().enumerate() {
-        let messages: Vec<serde_json::Value> = second
-            .iter()
-            .filter(|line| sender_of(line) == *sender)
-            .map(|line| fix_pairs(line))
-            .collect();
-        let last = index + 1 == senders.len();
-        let result = simplefix(
-            &engine,
-            serde_json::json!({
-                "participant": sender,
-                "key_hex": key_hex(&refdata, sender),
-                "mode": "trade",
-                "messages": messages,
-                "cls": if last { 1 } else { 0 },
-                "tls": {"ca": pki.ca},
-            }),
-        );
-        let answers = result["answers"].as_array().expect("answers");
-        assert_eq!(answers.len(), messages.len(), "{result}");
-        assert!(
-            answers.iter().all(|a| a[2] == "0" || a[2] == "3"),
-            "accepted: {result}"
-        );
-        if last {
-            assert_eq!(result["cls"], 1, "the CLS pushed over FIX on TLS: {result}");
-        }
-    }
+    common::fix_trade_by_parties(&engine, &refdata, second, serde_json::json!({"ca": pki.ca}));
     // The framed-XML listener speaks TLS too: a plain client gets no challenge, a TLS client
     // logs on and has a message accepted.
     {
@@ -198,69 +164,44 @@ fn zeep_over_https_and_simplefix_over_tls_complete_trades() {
             Ok(Some(Frame::Challenge { .. }))
         ));
     }
+    // The client the driver uses for tls:// targets: a socket pair to a tunnel thread.
     let third = trade_lines(&refdata, 3, 71).remove(14);
-    let mut tls = framed_tls(&engine, &pki.ca);
-    let Ok(Some(Frame::Challenge { nonce })) = Frame::read_from(&mut tls) else {
-        panic!("a challenge over TLS");
-    };
     let sender = sign::claimed_sender(&third).expect("a sender").to_owned();
     let key = refdata.participant_mac(&sender).expect("a key").1;
-    {
-        use std::io::Write;
-        let logon = Frame::Logon {
-            subscribe: false,
-            participant: sender.clone(),
-            mac: ste_bridge::frame::logon_mac(key, &nonce, &sender),
-        };
-        tls.write_all(&logon.encode()).expect("writes");
-        tls.write_all(&common::message(&refdata, 1, third).encode())
-            .expect("writes");
-        tls.flush().expect("flushes");
-    }
+    let logons = [ste_bridge::client::Logon {
+        participant: &sender,
+        key,
+        subscribe: false,
+    }];
+    let tls = ste_bridge::tls::ClientTls {
+        ca: pki.ca.clone(),
+        identity: None,
+    };
+    let (mut writer, mut reader) =
+        ste_bridge::client::connect_tls(&engine.tcp.to_string(), "localhost", &tls, &logons)
+            .expect("logs on over TLS");
+    writer
+        .send(&common::message(&refdata, 1, third))
+        .expect("sends");
+    writer.flush().expect("flushes");
     assert!(matches!(
-        Frame::read_from(&mut tls),
-        Ok(Some(Frame::LogonOk { .. }))
-    ));
-    assert!(matches!(
-        Frame::read_from(&mut tls),
+        reader.next_frame(),
         Ok(Some(Frame::Ack {
             seq: 1,
             duplicate: false
         }))
     ));
-    drop(tls);
+    // The engine's certificate is checked: another name is refused.
+    assert!(ste_bridge::client::connect_tls(
+        &engine.tcp.to_string(),
+        "not-the-engine.example",
+        &tls,
+        &logons
+    )
+    .is_err());
     assert!(engine.stop().success());
     let stream = std::fs::read_to_string(&cls_out).expect("the CLS stream");
     assert_eq!(stream.lines().count(), 2, "{stream}");
-}
-
-/// A blocking TLS connection to the framed-XML listener, trusting `ca`.
-fn framed_tls(
-    engine: &Engine,
-    ca: &Path,
-) -> rustls::StreamOwned<rustls::ClientConnection, std::net::TcpStream> {
-    use rustls::pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    for certificate in rustls::pki_types::CertificateDer::pem_file_iter(ca).expect("the CA") {
-        roots
-            .add(certificate.expect("a certificate"))
-            .expect("added");
-    }
-    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .expect("versions")
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    let name = rustls::pki_types::ServerName::try_from("localhost").expect("a name");
-    let connection =
-        rustls::ClientConnection::new(std::sync::Arc::new(config), name).expect("a connection");
-    let socket = std::net::TcpStream::connect(engine.tcp).expect("connects");
-    socket
-        .set_read_timeout(Some(std::time::Duration::from_secs(20)))
-        .expect("a timeout");
-    rustls::StreamOwned::new(connection, socket)
 }
 
 #[test]
@@ -327,6 +268,24 @@ fn client_certificates_are_required_where_configured() {
         }),
     );
     assert!(result["logout_text"].is_null(), "{result}");
+    // And the framed-XML client: refused without the certificate, logged on with it.
+    let key = refdata.participant_mac(&broker).expect("a key").1;
+    let logons = [ste_bridge::client::Logon {
+        participant: &broker,
+        key,
+        subscribe: false,
+    }];
+    let without = ste_bridge::tls::ClientTls {
+        ca: pki.ca.clone(),
+        identity: None,
+    };
+    let with = ste_bridge::tls::ClientTls {
+        identity: Some((pki.client_cert.clone(), pki.client_key.clone())),
+        ..without.clone()
+    };
+    let address = engine.tcp.to_string();
+    assert!(ste_bridge::client::connect_tls(&address, "localhost", &without, &logons).is_err());
+    assert!(ste_bridge::client::connect_tls(&address, "localhost", &with, &logons).is_ok());
     assert!(engine.stop().success());
 }
 

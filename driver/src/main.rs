@@ -192,9 +192,19 @@ struct RunArgs {
     #[arg(long, value_name = "DAYS")]
     retention_days: Option<u32>,
     /// Send the load to a running engine node instead of running the pipeline in process:
-    /// tcp://HOST:PORT (its framed-XML listener). The store options then belong to the engine.
+    /// tcp://HOST:PORT or tls://HOST:PORT (its framed-XML listener). The store options then
+    /// belong to the engine.
     #[arg(long, value_name = "URL")]
     target: Option<String>,
+    /// For a tls:// target: the CA that signed the engine's certificate (PEM).
+    #[arg(long, value_name = "FILE")]
+    tls_ca: Option<PathBuf>,
+    /// For a tls:// target that requires client certificates: this client's chain (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// Connections to the --target engine; a trade's messages share one.
     #[arg(long, default_value_t = 4)]
     connections: usize,
@@ -486,6 +496,10 @@ const REMOTE_WINDOW: u64 = 4096;
 fn run_remote(args: RunArgs, target: String, refdata: Arc<RefData>) -> anyhow::Result<()> {
     let json = args.json;
     let config = RemoteConfig {
+        tls: args.tls_ca.clone().map(|ca| ste_bridge::tls::ClientTls {
+            ca,
+            identity: args.tls_cert.clone().zip(args.tls_key.clone()),
+        }),
         address: target,
         connections: args.connections,
         window: args.window.unwrap_or(REMOTE_WINDOW),

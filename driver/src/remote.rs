@@ -30,8 +30,10 @@ const CLS_WAIT: Duration = Duration::from_secs(60);
 /// A run against an engine node.
 #[derive(Debug, Clone)]
 pub struct RemoteConfig {
-    /// `HOST:PORT` of the engine's framed-XML listener.
+    /// `tcp://HOST:PORT` or `tls://HOST:PORT` of the engine's framed-XML listener.
     pub address: String,
+    /// What a `tls://` target is verified with (and the client certificate, if any).
+    pub tls: Option<ste_bridge::tls::ClientTls>,
     pub connections: usize,
     /// Messages in flight per connection.
     pub window: u64,
@@ -82,10 +84,28 @@ struct Link {
 
 /// Runs the source against the engine at `config.address`.
 pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Result<RemoteSummary> {
-    let address = config
-        .address
-        .strip_prefix("tcp://")
-        .with_context(|| format!("--target {} is not tcp://HOST:PORT", config.address))?
+    let (address, tls) = match (
+        config.address.strip_prefix("tcp://"),
+        config.address.strip_prefix("tls://"),
+    ) {
+        (Some(address), _) => (address.to_owned(), None),
+        (_, Some(address)) => {
+            let tls = config.tls.clone().context(
+                "a tls:// target needs the CA that signed its certificate (--tls-ca FILE)",
+            )?;
+            (address.to_owned(), Some(tls))
+        }
+        _ => anyhow::bail!(
+            "--target {} is neither tcp://HOST:PORT nor tls://HOST:PORT",
+            config.address
+        ),
+    };
+    // The name the engine's certificate must carry: the target's host.
+    let host = address
+        .rsplit_once(':')
+        .map_or(address.as_str(), |(host, _)| host)
+        .trim_start_matches('[')
+        .trim_end_matches(']')
         .to_owned();
     let connections = config.connections.max(1);
     let window = config.window.max(1);
@@ -110,8 +130,12 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
                 })
             })
             .collect();
-        let (writer, mut reader) = client::connect(address.as_str(), &logons)
-            .with_context(|| format!("connecting to {address}"))?;
+        let connected = match &tls {
+            Some(tls) => client::connect_tls(&address, &host, tls, &logons),
+            None => client::connect(address.as_str(), &logons),
+        };
+        let (writer, mut reader) =
+            connected.with_context(|| format!("connecting to {}", config.address))?;
         let link = Arc::new(Link {
             answered: AtomicU64::new(0),
             cls: AtomicU64::new(0),

@@ -415,3 +415,53 @@ pub fn simplefix(engine: &Engine, scenario: serde_json::Value) -> serde_json::Va
     );
     serde_json::from_slice(&output.stdout).expect("JSON")
 }
+
+/// A whole trade over FIX, each party over its own simplefix session in the order the parties
+/// send (`tls`: the scenario's TLS settings, or null); every message must be accepted, and the
+/// last session must hear the CLS pushed over FIX.
+pub fn fix_trade_by_parties(
+    engine: &Engine,
+    refdata: &RefData,
+    trade: &[Vec<u8>],
+    tls: serde_json::Value,
+) {
+    let sender_of = |line: &[u8]| {
+        ste_engine::sign::claimed_sender(line)
+            .expect("a sender")
+            .to_owned()
+    };
+    let mut senders: Vec<String> = Vec::new();
+    for line in trade {
+        if !senders.contains(&sender_of(line)) {
+            senders.push(sender_of(line));
+        }
+    }
+    for (index, sender) in senders.iter().enumerate() {
+        let messages: Vec<serde_json::Value> = trade
+            .iter()
+            .filter(|line| sender_of(line) == *sender)
+            .map(|line| fix_pairs(line))
+            .collect();
+        let last = index + 1 == senders.len();
+        let mut scenario = serde_json::json!({
+            "participant": sender,
+            "key_hex": key_hex(refdata, sender),
+            "mode": "trade",
+            "messages": messages,
+            "cls": if last { 1 } else { 0 },
+        });
+        if !tls.is_null() {
+            scenario["tls"] = tls.clone();
+        }
+        let result = simplefix(engine, scenario);
+        let answers = result["answers"].as_array().expect("answers");
+        assert_eq!(answers.len(), messages.len(), "{result}");
+        assert!(
+            answers.iter().all(|a| a[2] == "0" || a[2] == "3"),
+            "accepted (AR/P 0, AU 3): {result}"
+        );
+        if last {
+            assert_eq!(result["cls"], 1, "the CLS pushed over FIX: {result}");
+        }
+    }
+}
