@@ -9,6 +9,7 @@
 //! - [`fix`]: FIX 4.4 sessions and the mapping of STE messages to FIX;
 //! - [`client`]: a blocking framed-XML client (the driver's `--target tcp://`).
 
+pub mod bench;
 pub mod client;
 pub mod fix;
 pub mod frame;

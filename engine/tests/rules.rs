@@ -673,21 +673,7 @@ fn flip_check_digit(isin: &str) -> String {
 // The matcher's codes: E_DUPID, E_CONFLICT and E_CLOSED, passing and failing.
 
 fn process_all(matcher: &mut Matcher, messages: &[Msg]) -> Vec<Disposition> {
-    messages
-        .iter()
-        .map(|msg| {
-            let raw = encode_msg(msg);
-            matcher
-                .process(
-                    msg.clone(),
-                    raw.as_bytes(),
-                    0,
-                    "2026-08-04T10:00:00.000Z",
-                    time::macros::date!(2026 - 08 - 04),
-                )
-                .disposition
-        })
-        .collect()
+    process_on(matcher, messages, time::macros::date!(2026 - 08 - 04))
 }
 
 fn code(disposition: &Disposition) -> Option<ReasonCode> {

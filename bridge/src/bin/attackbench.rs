@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use ste_bridge::bench::arg;
 use ste_bridge::client::{self, Logon};
 use ste_bridge::fix;
 use ste_bridge::frame::{Frame, PushClass};
@@ -27,15 +28,6 @@ use ste_engine::generator::{Generator, GeneratorConfig};
 use ste_engine::keys::KeyRing;
 use ste_engine::pipeline::sign_line;
 use ste_engine::refdata::RefData;
-
-fn arg(name: &str, default: u64) -> u64 {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// A running engine node.
 struct Node {
@@ -91,15 +83,7 @@ impl Node {
     }
 
     fn rss_mib(&self) -> f64 {
-        std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .ok()
-            .and_then(|status| {
-                status
-                    .lines()
-                    .find_map(|line| line.strip_prefix("VmRSS:"))
-                    .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-            })
-            .map_or(0.0, |kb| kb / 1024.0)
+        ste_bridge::bench::rss_bytes(&self.child.id().to_string()) as f64 / (1024.0 * 1024.0)
     }
 }
 

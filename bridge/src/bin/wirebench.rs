@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use base64::Engine as _;
+use ste_bridge::bench::arg;
 use ste_bridge::fix;
 use ste_bridge::frame::Frame;
 use ste_bridge::gateway::{Gateway, GatewayConfig};
@@ -33,15 +34,6 @@ use ste_engine::sign;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const MTOM_BOUNDARY: &str = "MIMEBoundary_ste_7f3a";
-
-fn arg(name: &str, default: u64) -> u64 {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// One message as each format carries it.
 struct Wire {

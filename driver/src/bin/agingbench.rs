@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use cap::Cap;
+use ste_bridge::bench::{arg, rss_bytes as rss_of};
 use ste_engine::codec::parse_fields;
 use ste_engine::generator::{Generator, GeneratorConfig, MESSAGES_PER_TRADE};
 use ste_engine::matcher::{Matcher, TradeStatus};
@@ -19,26 +20,9 @@ use ste_engine::validate::typed_fields;
 #[global_allocator]
 static ALLOCATOR: Cap<mimalloc::MiMalloc> = Cap::new(mimalloc::MiMalloc, usize::MAX);
 
-fn arg(name: &str, default: u64) -> u64 {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// The resident set of this process, from /proc (0 where there is none).
+/// The resident set of this process.
 fn rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix("VmRSS:"))
-                .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
+    rss_of("self")
 }
 
 fn mib(bytes: u64) -> f64 {
