@@ -90,6 +90,39 @@ impl Pki {
     }
 }
 
+impl Pki {
+    /// What a client trusts, with the client certificate or without.
+    fn client(&self, with_certificate: bool) -> ste_bridge::tls::ClientTls {
+        ste_bridge::tls::ClientTls {
+            ca: self.ca.clone(),
+            identity: with_certificate.then(|| (self.client_cert.clone(), self.client_key.clone())),
+        }
+    }
+}
+
+/// The framed-XML client over TLS, logged on as `participant`, checking the engine's
+/// certificate for `server_name`.
+fn framed_tls(
+    engine: &Engine,
+    participant: &str,
+    server_name: &str,
+    tls: ste_bridge::tls::ClientTls,
+) -> Result<
+    (
+        ste_bridge::client::FrameWriter,
+        ste_bridge::client::FrameReader,
+    ),
+    ste_bridge::client::ClientError,
+> {
+    let refdata = refdata();
+    let logons = [ste_bridge::client::Logon {
+        participant,
+        key: refdata.participant_mac(participant).expect("a key").1,
+        subscribe: false,
+    }];
+    ste_bridge::client::connect_tls(&engine.tcp.to_string(), server_name, &tls, &logons)
+}
+
 fn start(args: &[String]) -> Engine {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     Engine::start(&args)
@@ -167,19 +200,8 @@ fn zeep_over_https_and_simplefix_over_tls_complete_trades() {
     // The client the driver uses for tls:// targets: a socket pair to a tunnel thread.
     let third = trade_lines(&refdata, 3, 71).remove(14);
     let sender = sign::claimed_sender(&third).expect("a sender").to_owned();
-    let key = refdata.participant_mac(&sender).expect("a key").1;
-    let logons = [ste_bridge::client::Logon {
-        participant: &sender,
-        key,
-        subscribe: false,
-    }];
-    let tls = ste_bridge::tls::ClientTls {
-        ca: pki.ca.clone(),
-        identity: None,
-    };
     let (mut writer, mut reader) =
-        ste_bridge::client::connect_tls(&engine.tcp.to_string(), "localhost", &tls, &logons)
-            .expect("logs on over TLS");
+        framed_tls(&engine, &sender, "localhost", pki.client(false)).expect("logs on over TLS");
     writer
         .send(&common::message(&refdata, 1, third))
         .expect("sends");
@@ -192,11 +214,11 @@ fn zeep_over_https_and_simplefix_over_tls_complete_trades() {
         }))
     ));
     // The engine's certificate is checked: another name is refused.
-    assert!(ste_bridge::client::connect_tls(
-        &engine.tcp.to_string(),
+    assert!(framed_tls(
+        &engine,
+        &sender,
         "not-the-engine.example",
-        &tls,
-        &logons
+        pki.client(false)
     )
     .is_err());
     assert!(engine.stop().success());
@@ -269,23 +291,8 @@ fn client_certificates_are_required_where_configured() {
     );
     assert!(result["logout_text"].is_null(), "{result}");
     // And the framed-XML client: refused without the certificate, logged on with it.
-    let key = refdata.participant_mac(&broker).expect("a key").1;
-    let logons = [ste_bridge::client::Logon {
-        participant: &broker,
-        key,
-        subscribe: false,
-    }];
-    let without = ste_bridge::tls::ClientTls {
-        ca: pki.ca.clone(),
-        identity: None,
-    };
-    let with = ste_bridge::tls::ClientTls {
-        identity: Some((pki.client_cert.clone(), pki.client_key.clone())),
-        ..without.clone()
-    };
-    let address = engine.tcp.to_string();
-    assert!(ste_bridge::client::connect_tls(&address, "localhost", &without, &logons).is_err());
-    assert!(ste_bridge::client::connect_tls(&address, "localhost", &with, &logons).is_ok());
+    assert!(framed_tls(&engine, &broker, "localhost", pki.client(false)).is_err());
+    assert!(framed_tls(&engine, &broker, "localhost", pki.client(true)).is_ok());
     assert!(engine.stop().success());
 }
 

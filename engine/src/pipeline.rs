@@ -990,8 +990,12 @@ fn run_validator(
             // exception writer.
             let verdict = match result {
                 Ok(msg) => Ok(msg),
-                Err(rejection) if !refused_by_listener && rejection.code > ReasonCode::Sig => {
-                    match crate::validate::identity_of(&envelope.bytes) {
+                Err(rejection) => {
+                    let remembered = !refused_by_listener && rejection.code > ReasonCode::Sig;
+                    match remembered
+                        .then(|| crate::validate::identity_of(&envelope.bytes))
+                        .flatten()
+                    {
                         Some(identity) => Err(Refused {
                             rejection,
                             identity,
@@ -1006,15 +1010,6 @@ fn run_validator(
                             continue;
                         }
                     }
-                }
-                Err(rejection) => {
-                    rejected.push(RejectedItem {
-                        rejection,
-                        sender: envelope.sender,
-                        bytes: envelope.bytes,
-                        correlation: envelope.correlation,
-                    });
-                    continue;
                 }
             };
             let (broker, trade_ref) = match &verdict {

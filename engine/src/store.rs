@@ -581,10 +581,7 @@ impl Store for SqliteStore {
         &mut self,
         visit: &mut dyn FnMut(StoredRejection),
     ) -> Result<u64, StoreError> {
-        let query = format!(
-            "SELECT id, sender, msg_id, code, raw FROM exceptions \
-             WHERE id > ? AND {REMEMBERED_EXCEPTIONS_SQL} ORDER BY id LIMIT ?"
-        );
+        let query = remembered_rejections_query("?", "?");
         read_pages(
             |after_id| {
                 let result: Result<Vec<RejectionRow>, _> = self.runtime.block_on(
@@ -599,6 +596,15 @@ impl Store for SqliteStore {
             visit,
         )
     }
+}
+
+/// The page query of remembered rejections, with the store's placeholders for the last id
+/// read and the page size.
+fn remembered_rejections_query(after_id: &str, limit: &str) -> String {
+    format!(
+        "SELECT id, sender, msg_id, code, raw FROM exceptions \
+         WHERE id > {after_id} AND {REMEMBERED_EXCEPTIONS_SQL} ORDER BY id LIMIT {limit}"
+    )
 }
 
 /// An `exceptions` row as recovery reads it: id, sender, msg_id, code, raw.
@@ -1240,10 +1246,7 @@ impl Store for PgStore {
         &mut self,
         visit: &mut dyn FnMut(StoredRejection),
     ) -> Result<u64, StoreError> {
-        let query = format!(
-            "SELECT id, sender, msg_id, code, raw FROM exceptions \
-             WHERE id > $1 AND {REMEMBERED_EXCEPTIONS_SQL} ORDER BY id LIMIT $2"
-        );
+        let query = remembered_rejections_query("$1", "$2");
         read_pages(
             |after_id| {
                 let result: Result<Vec<RejectionRow>, _> = self.runtime.block_on(
