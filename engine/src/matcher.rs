@@ -634,9 +634,9 @@ impl<'a> Group<'a> {
                 failed.push(criterion);
             }
         };
-        fn all_equal<'m, T: PartialEq>(
+        fn all_equal<'m, T: PartialEq + 'm>(
             messages: impl IntoIterator<Item = &'m &'m Msg>,
-            field: impl Fn(&Msg) -> T,
+            field: impl Fn(&'m Msg) -> T,
         ) -> bool {
             let mut values = messages.into_iter().map(|m| field(m));
             match values.next() {
@@ -645,19 +645,28 @@ impl<'a> Group<'a> {
             }
         }
         let noe_alc = || std::iter::once(&self.noe).chain(self.alcs.iter());
-        check(Criterion::C01, all_equal(self.all, |m| m.trade_ref.clone()));
-        check(Criterion::C02, all_equal(self.all, |m| m.broker.clone()));
-        check(Criterion::C03, all_equal(self.all, |m| m.inv_mgr.clone()));
+        check(
+            Criterion::C01,
+            all_equal(self.all, |m| m.trade_ref.as_str()),
+        );
+        check(Criterion::C02, all_equal(self.all, |m| m.broker.as_str()));
+        check(
+            Criterion::C03,
+            all_equal(self.all, |m| m.inv_mgr.as_deref()),
+        );
         check(Criterion::C04, all_equal(self.all, |m| m.side));
-        check(Criterion::C05, all_equal(self.all, |m| m.isin.clone()));
+        check(Criterion::C05, all_equal(self.all, |m| m.isin.as_deref()));
         check(Criterion::C06, all_equal(self.all, |m| m.trade_date));
         check(Criterion::C07, all_equal(self.all, |m| m.settle_date));
-        check(Criterion::C08, all_equal(noe_alc(), |m| m.market.clone()));
+        check(
+            Criterion::C08,
+            all_equal(noe_alc(), |m| m.market.as_deref()),
+        );
         check(
             Criterion::C09,
             all_equal(noe_alc().chain(self.nprs.iter()), |m| m.price),
         );
-        check(Criterion::C10, all_equal(self.all, |m| m.ccy.clone()));
+        check(Criterion::C10, all_equal(self.all, |m| m.ccy.as_deref()));
         let allocated: u64 = self.alcs.iter().filter_map(|alc| alc.qty).sum();
         check(
             Criterion::C11,

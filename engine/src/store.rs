@@ -141,8 +141,9 @@ pub const RECOVERY_PAGE_ROWS: i64 = 10_000;
 /// A shard's durable storage.
 pub trait Store: Send {
     /// Writes the whole batch in one transaction and returns the outbox id of each of its CLS,
-    /// in order. On success the store may have taken the rows out of `batch`; on failure it
-    /// leaves `batch` as it was, so that it can be retried.
+    /// in order. On success the store may have taken the rows out of `batch`; on a failure
+    /// that [`Store::is_transient`] calls transient it leaves `batch` as it was, so that it can
+    /// be retried.
     fn commit(&mut self, batch: &mut Batch) -> Result<Vec<i64>, StoreError>;
     /// The outbox rows above the delivery watermark, in outbox order.
     fn undelivered_cls(&mut self) -> Result<Vec<UndeliveredCls>, StoreError>;
@@ -368,25 +369,32 @@ impl SqliteStore {
 
 async fn write_batch(
     connection: &mut SqliteConnection,
-    batch: &Batch,
+    batch: &mut Batch,
 ) -> Result<Vec<i64>, sqlx::Error> {
     let mut transaction = connection.begin().await?;
-    for chunk in batch.messages.chunks(SQLITE_ROWS_PER_STATEMENT) {
+    // The rows are bound by value: sqlx copies every borrowed argument before it hands the
+    // statement to SQLite's thread, and the raw bytes are most of what a batch holds. The
+    // embedded store's errors are never transient, so a failed batch is not retried.
+    let mut messages = std::mem::take(&mut batch.messages).into_iter();
+    while messages.len() > 0 {
         let mut query = QueryBuilder::<Sqlite>::new(
             "INSERT INTO messages (trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on, trade_date) ",
         );
-        query.push_values(chunk, |mut row, message| {
-            row.push_bind(message.trade_key.as_str())
-                .push_bind(message.sender.as_str())
-                .push_bind(message.msg_id.as_str())
-                .push_bind(message.msg_type)
-                .push_bind(message.function)
-                .push_bind(message.related_id.as_deref())
-                .push_bind(message.injected_ns as i64)
-                .push_bind(message.raw.as_slice())
-                .push_bind(message.received_on.to_julian_day())
-                .push_bind(message.trade_date.to_julian_day());
-        });
+        query.push_values(
+            messages.by_ref().take(SQLITE_ROWS_PER_STATEMENT),
+            |mut row, message| {
+                row.push_bind(message.trade_key)
+                    .push_bind(message.sender)
+                    .push_bind(message.msg_id)
+                    .push_bind(message.msg_type)
+                    .push_bind(message.function)
+                    .push_bind(message.related_id)
+                    .push_bind(message.injected_ns as i64)
+                    .push_bind(message.raw)
+                    .push_bind(message.received_on.to_julian_day())
+                    .push_bind(message.trade_date.to_julian_day());
+            },
+        );
         query.build().execute(&mut *transaction).await?;
     }
     for chunk in batch.trades.chunks(SQLITE_ROWS_PER_STATEMENT) {
