@@ -1,0 +1,687 @@
+//! A shard in a PostgreSQL database.
+
+use sqlx::postgres::PgConnection;
+use sqlx::Connection;
+use time::Date;
+
+use super::{
+    connect_and_migrate, database_error, io_runtime, outbox_ids_in_order, read_pages,
+    remembered_rejections_query, stored_rejections, undelivered_rows, Batch, ClsRow, MessageRow,
+    PurgeReport, RejectionRow, RowCounts, Store, StoreError, StoredMessage, StoredRejection,
+    UndeliveredCls, RECOVERY_PAGE_ROWS, UNDELIVERED_QUERY,
+};
+
+static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/postgres");
+
+/// A shard in a PostgreSQL database, written through sqlx with one `UNNEST` insert per table and
+/// batch, inside one transaction. Inserts with a natural key are idempotent.
+pub struct PgStore {
+    name: String,
+    url: String,
+    /// Set by a reconnect: the next commit may be a batch whose earlier commit succeeded but
+    /// whose reply was lost.
+    retrying: bool,
+    /// Partitions known to exist, by table and month.
+    partitions: ahash::AHashSet<(PartitionedTable, Month)>,
+    runtime: tokio::runtime::Runtime,
+    connection: PgConnection,
+}
+
+/// A stored message as read back: id, raw bytes, injection time, trade date.
+type PgStoredRow = (i64, Vec<u8>, i64, Date, Option<Date>);
+
+/// The tables partitioned by month.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum PartitionedTable {
+    Messages,
+    Trades,
+    ClsOutbox,
+    Exceptions,
+}
+
+impl PartitionedTable {
+    const ALL: [Self; 4] = [
+        Self::Messages,
+        Self::Trades,
+        Self::ClsOutbox,
+        Self::Exceptions,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Messages => "messages",
+            Self::Trades => "trades",
+            Self::ClsOutbox => "cls_outbox",
+            Self::Exceptions => "exceptions",
+        }
+    }
+
+    fn partition(self, month: Month) -> String {
+        format!("{}_p{:04}{:02}", self.name(), month.year, month.month)
+    }
+}
+
+/// A calendar month: the span of one partition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Month {
+    pub year: i32,
+    pub month: u8,
+}
+
+impl Month {
+    pub fn of(date: Date) -> Self {
+        Self {
+            year: date.year(),
+            month: date.month() as u8,
+        }
+    }
+
+    fn next(self) -> Self {
+        if self.month == 12 {
+            Self {
+                year: self.year + 1,
+                month: 1,
+            }
+        } else {
+            Self {
+                year: self.year,
+                month: self.month + 1,
+            }
+        }
+    }
+
+    /// The first day, as PostgreSQL reads a date.
+    fn first_day(self) -> String {
+        format!("{:04}-{:02}-01", self.year, self.month)
+    }
+
+    /// Whether every day of the month is before `day`.
+    fn ends_before(self, day: Date) -> bool {
+        self.next() <= Self::of(day)
+    }
+
+    /// The month of a partition named by [`PartitionedTable::partition`].
+    fn of_partition(table: PartitionedTable, name: &str) -> Option<Self> {
+        let digits = name.strip_prefix(table.name())?.strip_prefix("_p")?;
+        if digits.len() != 6 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let month = Self {
+            year: digits[..4].parse().ok()?,
+            month: digits[4..].parse().ok()?,
+        };
+        (1..=12).contains(&month.month).then_some(month)
+    }
+}
+
+impl std::fmt::Display for Month {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:04}-{:02}", self.year, self.month)
+    }
+}
+
+/// The partitions that `batch` writes to.
+fn partitions_of(batch: &Batch) -> ahash::AHashSet<(PartitionedTable, Month)> {
+    let mut needed = ahash::AHashSet::new();
+    let dated = [
+        (
+            PartitionedTable::Messages,
+            batch
+                .messages
+                .iter()
+                .map(|r| r.trade_date)
+                .collect::<Vec<_>>(),
+        ),
+        (
+            PartitionedTable::Trades,
+            batch.trades.iter().map(|r| r.trade_date).collect(),
+        ),
+        (
+            PartitionedTable::ClsOutbox,
+            batch.cls.iter().map(|r| r.trade_date).collect(),
+        ),
+        (
+            PartitionedTable::Exceptions,
+            batch.exceptions.iter().map(|r| r.received_on).collect(),
+        ),
+    ];
+    for (table, dates) in dated {
+        needed.extend(dates.into_iter().map(|date| (table, Month::of(date))));
+    }
+    needed
+}
+
+/// The statements creating `partitions` where they do not exist yet.
+fn create_partitions_sql(partitions: &[(PartitionedTable, Month)]) -> String {
+    partitions
+        .iter()
+        .map(|&(table, month)| {
+            format!(
+                "CREATE TABLE IF NOT EXISTS \"{}\" PARTITION OF {} FOR VALUES FROM ('{}') TO ('{}');",
+                table.partition(month),
+                table.name(),
+                month.first_day(),
+                month.next().first_day()
+            )
+        })
+        .collect()
+}
+
+/// PostgreSQL's binary COPY header: signature, flags, header extension length.
+const PG_COPY_HEADER: &[u8] = b"PGCOPY\n\xff\r\n\0\0\0\0\0\0\0\0\0";
+
+/// The Julian day number of 2000-01-01, PostgreSQL's epoch for dates.
+const PG_EPOCH_JULIAN_DAY: i32 = 2_451_545;
+
+/// Encodes message rows in PostgreSQL's binary COPY format.
+fn binary_copy_rows(rows: &[MessageRow]) -> Vec<u8> {
+    fn field(out: &mut Vec<u8>, value: Option<&[u8]>) {
+        match value {
+            Some(bytes) => {
+                out.extend_from_slice(&(bytes.len() as i32).to_be_bytes());
+                out.extend_from_slice(bytes);
+            }
+            None => out.extend_from_slice(&(-1_i32).to_be_bytes()),
+        }
+    }
+    let size: usize = rows
+        .iter()
+        .map(|r| 128 + r.raw.len() + r.trade_key.len())
+        .sum();
+    let mut out = Vec::with_capacity(PG_COPY_HEADER.len() + size + 2);
+    out.extend_from_slice(PG_COPY_HEADER);
+    for row in rows {
+        out.extend_from_slice(&10_i16.to_be_bytes());
+        // A date is the number of days since 2000-01-01.
+        let days = row.trade_date.to_julian_day() - PG_EPOCH_JULIAN_DAY;
+        field(&mut out, Some(&days.to_be_bytes()));
+        field(&mut out, Some(row.trade_key.as_bytes()));
+        field(&mut out, Some(row.sender.as_bytes()));
+        field(&mut out, Some(row.msg_id.as_bytes()));
+        field(&mut out, Some(row.msg_type.as_bytes()));
+        field(&mut out, Some(row.function.as_bytes()));
+        field(&mut out, row.related_id.as_deref().map(str::as_bytes));
+        field(&mut out, Some(&(row.injected_ns as i64).to_be_bytes()));
+        field(&mut out, Some(&row.raw));
+        let received = row.received_on.to_julian_day() - PG_EPOCH_JULIAN_DAY;
+        field(&mut out, Some(&received.to_be_bytes()));
+    }
+    out.extend_from_slice(&(-1_i16).to_be_bytes());
+    out
+}
+
+/// The URL without its password, for messages.
+fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            let credentials = &url[scheme_end + 3..at];
+            match credentials.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme_end + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+impl PgStore {
+    /// Connects and applies the migrations (checksums verified by sqlx).
+    pub fn open(url: &str) -> Result<Self, StoreError> {
+        let name = redacted(url);
+        let runtime = io_runtime()?;
+        let connection = connect_and_migrate(
+            &runtime,
+            &name,
+            PgConnection::connect(url),
+            async |connection: &mut PgConnection| POSTGRES_MIGRATOR.run(connection).await,
+        )?;
+        Ok(Self {
+            name,
+            url: url.to_owned(),
+            retrying: false,
+            partitions: ahash::AHashSet::new(),
+            runtime,
+            connection,
+        })
+    }
+}
+
+/// Whether `error` is two sessions creating the same table at once: `CREATE TABLE IF NOT
+/// EXISTS` checks the name before it inserts into the catalogs, so the slower one meets the
+/// catalogs' unique keys (or `duplicate_table`).
+fn catalog_race(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(database) = error else {
+        return false;
+    };
+    match database.code().as_deref() {
+        Some("42P07") => true,
+        Some("23505") => database
+            .constraint()
+            .is_some_and(|constraint| constraint.starts_with("pg_")),
+        _ => false,
+    }
+}
+
+/// Finds the outbox ids of the batch's CLS that are already stored, by their key.
+async fn stored_outbox_ids(
+    connection: &mut PgConnection,
+    batch: &Batch,
+    ids: &mut ahash::AHashMap<String, i64>,
+) -> Result<(), sqlx::Error> {
+    let missing: Vec<&ClsRow> = batch
+        .cls
+        .iter()
+        .filter(|row| !ids.contains_key(&row.cls_id))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let rows: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT id, cls_id FROM cls_outbox \
+         WHERE (cls_id, trade_date) IN (SELECT * FROM UNNEST($1::text[], $2::date[]))",
+    )
+    .bind(
+        missing
+            .iter()
+            .map(|r| r.cls_id.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(missing.iter().map(|r| r.trade_date).collect::<Vec<_>>())
+    .fetch_all(&mut *connection)
+    .await?;
+    ids.extend(rows.into_iter().map(|(id, cls_id)| (cls_id, id)));
+    Ok(())
+}
+
+async fn write_pg_batch(
+    connection: &mut PgConnection,
+    batch: &Batch,
+    create_partitions: &str,
+) -> Result<Vec<i64>, sqlx::Error> {
+    let mut transaction = connection.begin().await?;
+    if !create_partitions.is_empty() {
+        sqlx::raw_sql(create_partitions)
+            .execute(&mut *transaction)
+            .await?;
+    }
+    if !batch.messages.is_empty() {
+        // The bulk of every batch goes in through binary COPY, PostgreSQL's fastest load path.
+        // COPY cannot skip existing rows; the (sender, msg_id) key refuses a batch that was
+        // already committed, which is what a retry after a lost reply needs to learn.
+        let mut copy = transaction
+            .copy_in_raw(
+                "COPY messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on) \
+                 FROM STDIN WITH (FORMAT binary)",
+            )
+            .await?;
+        copy.send(binary_copy_rows(&batch.messages)).await?;
+        copy.finish().await?;
+    }
+    if !batch.trades.is_empty() {
+        let rows = &batch.trades;
+        sqlx::query(
+            "INSERT INTO trades (trade_date, trade_key, status) \
+             SELECT * FROM UNNEST($1::date[], $2::text[], $3::text[]) \
+             ON CONFLICT (trade_key, trade_date) DO UPDATE SET status = excluded.status",
+        )
+        .bind(rows.iter().map(|r| r.trade_date).collect::<Vec<_>>())
+        .bind(
+            rows.iter()
+                .map(|r| r.trade_key.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(rows.iter().map(|r| r.status.as_str()).collect::<Vec<_>>())
+        .execute(&mut *transaction)
+        .await?;
+    }
+    let mut outbox_ids: ahash::AHashMap<String, i64> = ahash::AHashMap::new();
+    if !batch.cls.is_empty() {
+        let rows = &batch.cls;
+        let inserted: Vec<(i64, String)> = sqlx::query_as(
+            "INSERT INTO cls_outbox (trade_date, cls_id, trade_key, body) \
+             SELECT * FROM UNNEST($1::date[], $2::text[], $3::text[], $4::text[]) \
+             ON CONFLICT (cls_id, trade_date) DO NOTHING RETURNING id, cls_id",
+        )
+        .bind(rows.iter().map(|r| r.trade_date).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.cls_id.as_str()).collect::<Vec<_>>())
+        .bind(
+            rows.iter()
+                .map(|r| r.trade_key.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(rows.iter().map(|r| r.body.as_str()).collect::<Vec<_>>())
+        .fetch_all(&mut *transaction)
+        .await?;
+        outbox_ids.extend(inserted.into_iter().map(|(id, cls_id)| (cls_id, id)));
+        // Rows that a replayed batch had already written keep their ids.
+        stored_outbox_ids(&mut transaction, batch, &mut outbox_ids).await?;
+    }
+    if !batch.exceptions.is_empty() {
+        let rows = &batch.exceptions;
+        sqlx::query(
+            "INSERT INTO exceptions (received_on, trade_key, sender, msg_id, code, detail, raw) \
+             SELECT * FROM UNNEST($1::date[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bytea[])",
+        )
+        .bind(rows.iter().map(|r| r.received_on).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.trade_key.as_deref()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.sender.as_deref()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.msg_id.as_deref()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.code.as_str()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.detail.as_str()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.raw.as_slice()).collect::<Vec<_>>())
+        .execute(&mut *transaction)
+        .await?;
+    }
+    if let Some(through) = batch.delivered_through {
+        sqlx::query(
+            "INSERT INTO cls_delivery (id, delivered_through) VALUES (1, $1) \
+             ON CONFLICT (id) DO UPDATE SET delivered_through = GREATEST(cls_delivery.delivered_through, excluded.delivered_through)",
+        )
+        .bind(through)
+        .execute(&mut *transaction)
+        .await?;
+    }
+    transaction.commit().await?;
+    Ok(outbox_ids_in_order(batch, &outbox_ids))
+}
+
+/// Drops the partitions whose month ended before `horizon`, except the months whose outbox
+/// still holds a CLS not confirmed delivered.
+async fn purge_partitions(
+    connection: &mut PgConnection,
+    horizon: Date,
+) -> Result<(PurgeReport, Vec<(PartitionedTable, Month)>), sqlx::Error> {
+    let parents: Vec<&str> = PartitionedTable::ALL.iter().map(|t| t.name()).collect();
+    let children: Vec<(String, String)> = sqlx::query_as(
+        "SELECT parent.relname::text, child.relname::text FROM pg_inherits \
+         JOIN pg_class parent ON parent.oid = pg_inherits.inhparent \
+         JOIN pg_class child ON child.oid = pg_inherits.inhrelid \
+         WHERE parent.relname = ANY($1) AND pg_table_is_visible(parent.oid) \
+         ORDER BY child.relname",
+    )
+    .bind(&parents)
+    .fetch_all(&mut *connection)
+    .await?;
+    let mut expired: Vec<(PartitionedTable, Month)> = Vec::new();
+    for (parent, child) in &children {
+        let Some(table) = PartitionedTable::ALL
+            .into_iter()
+            .find(|t| t.name() == parent)
+        else {
+            continue;
+        };
+        if let Some(month) = Month::of_partition(table, child) {
+            if month.ends_before(horizon) {
+                expired.push((table, month));
+            }
+        }
+    }
+    let mut report = PurgeReport::default();
+    let outbox_months: Vec<Month> = expired
+        .iter()
+        .filter(|(table, _)| *table == PartitionedTable::ClsOutbox)
+        .map(|&(_, month)| month)
+        .collect();
+    for month in outbox_months {
+        let undelivered: bool = sqlx::query_scalar(&format!(
+            "SELECT EXISTS (SELECT 1 FROM \"{}\" WHERE id > \
+             COALESCE((SELECT delivered_through FROM cls_delivery WHERE id = 1), 0))",
+            PartitionedTable::ClsOutbox.partition(month)
+        ))
+        .fetch_one(&mut *connection)
+        .await?;
+        if undelivered {
+            report.kept_undelivered.push(month);
+        }
+    }
+    // A kept month keeps its messages, trades and outbox together; its exceptions may go.
+    expired.retain(|&(table, month)| {
+        table == PartitionedTable::Exceptions || !report.kept_undelivered.contains(&month)
+    });
+    if expired.is_empty() {
+        return Ok((report, expired));
+    }
+    let names: Vec<String> = expired
+        .iter()
+        .map(|&(table, month)| table.partition(month))
+        .collect();
+    let drop = format!(
+        "DROP TABLE {}",
+        names
+            .iter()
+            .map(|name| format!("\"{name}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    sqlx::raw_sql(&drop).execute(&mut *connection).await?;
+    report.dropped = names;
+    Ok((report, expired))
+}
+
+impl Store for PgStore {
+    fn commit(&mut self, batch: &mut Batch) -> Result<Vec<i64>, StoreError> {
+        let retrying = std::mem::take(&mut self.retrying);
+        let mut new_partitions: Vec<(PartitionedTable, Month)> = partitions_of(batch)
+            .into_iter()
+            .filter(|partition| !self.partitions.contains(partition))
+            .collect();
+        new_partitions.sort_by_key(|&(table, month)| (month, table as u8));
+        let create = create_partitions_sql(&new_partitions);
+        let mut result =
+            self.runtime
+                .block_on(write_pg_batch(&mut self.connection, batch, &create));
+        if !create.is_empty() && matches!(&result, Err(error) if catalog_race(error)) {
+            // Another writer of this database created the same partition at the same moment
+            // (shard 0's writer and the exceptions writer share `exceptions`): it exists now.
+            result = self
+                .runtime
+                .block_on(write_pg_batch(&mut self.connection, batch, &create));
+        }
+        let error = match result {
+            Ok(ids) => {
+                self.partitions.extend(new_partitions);
+                return Ok(ids);
+            }
+            Err(error) => error,
+        };
+        // A retried batch whose messages are already there was committed before the connection
+        // broke: the transaction is all or nothing, so all of it is there.
+        let already_committed = retrying
+            && !batch.messages.is_empty()
+            && !catalog_race(&error)
+            && matches!(&error, sqlx::Error::Database(database) if database.code().as_deref() == Some("23505"));
+        let result = if already_committed {
+            tracing::warn!(store = %self.name, "a retried batch had already been committed");
+            self.runtime.block_on(async {
+                let mut ids = ahash::AHashMap::new();
+                stored_outbox_ids(&mut self.connection, batch, &mut ids).await?;
+                Ok(outbox_ids_in_order(batch, &ids))
+            })
+        } else {
+            Err(error)
+        };
+        result.map_err(|source| database_error(&self.name, source))
+    }
+
+    fn undelivered_cls(&mut self) -> Result<Vec<UndeliveredCls>, StoreError> {
+        let result = self
+            .runtime
+            .block_on(sqlx::query_as(UNDELIVERED_QUERY).fetch_all(&mut self.connection));
+        result
+            .map(undelivered_rows)
+            .map_err(|source| database_error(&self.name, source))
+    }
+
+    /// Lost connections, a server shutting down or starting up, and serialization failures.
+    fn is_transient(&self, error: &StoreError) -> bool {
+        let StoreError::Database { source, .. } = error else {
+            return false;
+        };
+        match source {
+            sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed
+            | sqlx::Error::Protocol(_) => true,
+            sqlx::Error::Database(database) => database.code().is_some_and(|code| {
+                code.starts_with("08")
+                    || matches!(
+                        &*code,
+                        "57P01" | "57P02" | "57P03" | "53300" | "40001" | "40P01"
+                    )
+            }),
+            _ => false,
+        }
+    }
+
+    fn for_each_accepted(
+        &mut self,
+        visit: &mut dyn FnMut(StoredMessage),
+    ) -> Result<u64, StoreError> {
+        read_pages(
+            |after_id| {
+                let result: Result<Vec<PgStoredRow>, _> = self.runtime.block_on(
+                    sqlx::query_as(
+                        "SELECT id, raw, injected_ns, trade_date, received_on FROM messages \
+                         WHERE id > $1 ORDER BY id LIMIT $2",
+                    )
+                    .bind(after_id)
+                    .bind(RECOVERY_PAGE_ROWS)
+                    .fetch_all(&mut self.connection),
+                );
+                let rows = result.map_err(|source| database_error(&self.name, source))?;
+                Ok(rows
+                    .into_iter()
+                    .map(|(id, raw, injected_ns, trade_date, received_on)| {
+                        let message = StoredMessage {
+                            raw,
+                            injected_ns: injected_ns as u64,
+                            trade_date: Some(trade_date),
+                            received_on,
+                        };
+                        (id, message)
+                    })
+                    .collect())
+            },
+            visit,
+        )
+    }
+
+    fn for_each_remembered_rejection(
+        &mut self,
+        visit: &mut dyn FnMut(StoredRejection),
+    ) -> Result<u64, StoreError> {
+        let query = remembered_rejections_query("$1", "$2");
+        read_pages(
+            |after_id| {
+                let result: Result<Vec<RejectionRow>, _> = self.runtime.block_on(
+                    sqlx::query_as(&query)
+                        .bind(after_id)
+                        .bind(RECOVERY_PAGE_ROWS)
+                        .fetch_all(&mut self.connection),
+                );
+                let rows = result.map_err(|source| database_error(&self.name, source))?;
+                Ok(stored_rejections(rows))
+            },
+            visit,
+        )
+    }
+
+    fn purge(&mut self, today: Date, keep_days: u32) -> Result<PurgeReport, StoreError> {
+        let horizon = today - time::Duration::days(i64::from(keep_days));
+        let result = self
+            .runtime
+            .block_on(purge_partitions(&mut self.connection, horizon));
+        let (report, dropped) = result.map_err(|source| database_error(&self.name, source))?;
+        for partition in &dropped {
+            self.partitions.remove(partition);
+        }
+        for month in &report.kept_undelivered {
+            tracing::warn!(store = %self.name, %month, "month past retention kept: its outbox holds CLS not confirmed delivered");
+        }
+        if !report.dropped.is_empty() {
+            tracing::info!(store = %self.name, partitions = ?report.dropped, "retention dropped partitions");
+        }
+        Ok(report)
+    }
+
+    fn reconnect(&mut self) -> Result<(), StoreError> {
+        self.retrying = true;
+        let result = self.runtime.block_on(PgConnection::connect(&self.url));
+        self.connection = result.map_err(|source| database_error(&self.name, source))?;
+        Ok(())
+    }
+
+    fn row_counts(&mut self) -> Result<RowCounts, StoreError> {
+        let result = self.runtime.block_on(async {
+            let counts: (i64, i64, i64, i64) = sqlx::query_as(
+                "SELECT (SELECT COUNT(*) FROM messages), (SELECT COUNT(*) FROM trades), \
+                 (SELECT COUNT(*) FROM cls_outbox), (SELECT COUNT(*) FROM exceptions)",
+            )
+            .fetch_one(&mut self.connection)
+            .await?;
+            Ok::<_, sqlx::Error>(counts)
+        });
+        let counts = result.map_err(|source| database_error(&self.name, source))?;
+        Ok(RowCounts {
+            messages: counts.0 as u64,
+            trades: counts.1 as u64,
+            cls: counts.2 as u64,
+            exceptions: counts.3 as u64,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn months_name_and_bound_their_partitions() {
+        let november = Month::of(time::macros::date!(2026 - 11 - 30));
+        assert_eq!(november.to_string(), "2026-11");
+        assert_eq!(
+            PartitionedTable::ClsOutbox.partition(november),
+            "cls_outbox_p202611"
+        );
+        assert_eq!(
+            Month::of_partition(PartitionedTable::ClsOutbox, "cls_outbox_p202611"),
+            Some(november)
+        );
+        assert_eq!(
+            Month::of_partition(PartitionedTable::Trades, "cls_outbox_p202611"),
+            None
+        );
+        assert_eq!(
+            Month::of_partition(PartitionedTable::Trades, "trades_p202613"),
+            None
+        );
+        assert_eq!(
+            Month::of_partition(PartitionedTable::Trades, "trades_default"),
+            None
+        );
+        let december = Month::of(time::macros::date!(2026 - 12 - 01));
+        assert_eq!(november.next(), december);
+        assert_eq!(december.next().first_day(), "2027-01-01");
+        // A month has passed a horizon when its last day is before it.
+        assert!(!november.ends_before(time::macros::date!(2026 - 11 - 30)));
+        assert!(november.ends_before(time::macros::date!(2026 - 12 - 01)));
+        assert_eq!(
+            create_partitions_sql(&[(PartitionedTable::Messages, december)]),
+            "CREATE TABLE IF NOT EXISTS \"messages_p202612\" PARTITION OF messages \
+             FOR VALUES FROM ('2026-12-01') TO ('2027-01-01');"
+        );
+    }
+
+    #[test]
+    fn passwords_are_redacted_from_store_names() {
+        assert_eq!(
+            redacted("postgres://ste:secret@db:5432/ste"),
+            "postgres://ste:***@db:5432/ste"
+        );
+        assert_eq!(
+            redacted("postgres://postgres@127.0.0.1/x"),
+            "postgres://postgres@127.0.0.1/x"
+        );
+    }
+}

@@ -1,0 +1,375 @@
+//! The embedded default: one SQLite file per shard.
+
+use std::path::Path;
+
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
+use sqlx::{ConnectOptions, Connection, QueryBuilder, Sqlite, SqliteConnection};
+use time::Date;
+
+use super::{
+    connect_and_migrate, database_error, io_runtime, outbox_ids_in_order, read_pages,
+    remembered_rejections_query, stored_rejections, undelivered_rows, Batch, PurgeReport,
+    RejectionRow, RowCounts, Store, StoreError, StoredMessage, StoredRejection, UndeliveredCls,
+    RECOVERY_PAGE_ROWS, UNDELIVERED_QUERY,
+};
+
+static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
+
+/// Rows per multi-row INSERT: keeps every statement under SQLite's bound-parameter limit and
+/// lets sqlx reuse one prepared statement for every full chunk.
+const SQLITE_ROWS_PER_STATEMENT: usize = 500;
+/// SQLite page cache per shard, in KiB.
+const SQLITE_CACHE_KIB: u32 = 65_536;
+/// Larger pages: rows are appended and carry ~600-byte blobs, so fewer, fuller pages cost less.
+const SQLITE_PAGE_SIZE_BYTES: u32 = 16_384;
+
+/// The embedded default: one SQLite file per shard, written through sqlx.
+pub struct SqliteStore {
+    name: String,
+    runtime: tokio::runtime::Runtime,
+    connection: SqliteConnection,
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the file and applies the migrations.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let name = path.display().to_string();
+        let runtime = io_runtime()?;
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .pragma("cache_size", format!("-{SQLITE_CACHE_KIB}"))
+            .pragma("temp_store", "memory")
+            .page_size(SQLITE_PAGE_SIZE_BYTES)
+            .locking_mode(sqlx::sqlite::SqliteLockingMode::Exclusive);
+        let connection = connect_and_migrate(
+            &runtime,
+            &name,
+            options.connect(),
+            async |connection: &mut SqliteConnection| SQLITE_MIGRATOR.run(connection).await,
+        )?;
+        Ok(Self {
+            name,
+            runtime,
+            connection,
+        })
+    }
+
+    /// Runs one statement outside any batch (for tests and maintenance).
+    pub fn execute(&mut self, sql: &str) -> Result<(), StoreError> {
+        let result = self
+            .runtime
+            .block_on(sqlx::raw_sql(sql).execute(&mut self.connection));
+        result
+            .map(|_| ())
+            .map_err(|source| self.database_error(source))
+    }
+
+    fn database_error(&self, source: sqlx::Error) -> StoreError {
+        database_error(&self.name, source)
+    }
+}
+
+async fn write_batch(
+    connection: &mut SqliteConnection,
+    batch: &mut Batch,
+) -> Result<Vec<i64>, sqlx::Error> {
+    let mut transaction = connection.begin().await?;
+    // The rows are bound by value: sqlx copies every borrowed argument before it hands the
+    // statement to SQLite's thread, and the raw bytes are most of what a batch holds. The
+    // embedded store's errors are never transient, so a failed batch is not retried.
+    let mut messages = std::mem::take(&mut batch.messages).into_iter();
+    while messages.len() > 0 {
+        let mut query = QueryBuilder::<Sqlite>::new(
+            "INSERT INTO messages (trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on, trade_date) ",
+        );
+        query.push_values(
+            messages.by_ref().take(SQLITE_ROWS_PER_STATEMENT),
+            |mut row, message| {
+                row.push_bind(message.trade_key)
+                    .push_bind(message.sender)
+                    .push_bind(message.msg_id)
+                    .push_bind(message.msg_type)
+                    .push_bind(message.function)
+                    .push_bind(message.related_id)
+                    .push_bind(message.injected_ns as i64)
+                    .push_bind(message.raw)
+                    .push_bind(message.received_on.to_julian_day())
+                    .push_bind(message.trade_date.to_julian_day());
+            },
+        );
+        query.build().execute(&mut *transaction).await?;
+    }
+    for chunk in batch.trades.chunks(SQLITE_ROWS_PER_STATEMENT) {
+        let mut query = QueryBuilder::<Sqlite>::new(
+            "INSERT INTO trade_status (trade_key, status, trade_date) ",
+        );
+        query.push_values(chunk, |mut row, trade| {
+            row.push_bind(trade.trade_key.as_str())
+                .push_bind(trade.status.as_str())
+                .push_bind(trade.trade_date.to_julian_day());
+        });
+        query.build().execute(&mut *transaction).await?;
+    }
+    let mut outbox_ids: ahash::AHashMap<String, i64> = ahash::AHashMap::new();
+    for chunk in batch.cls.chunks(SQLITE_ROWS_PER_STATEMENT) {
+        let mut query = QueryBuilder::<Sqlite>::new(
+            "INSERT INTO cls_outbox (cls_id, trade_key, body, trade_date) ",
+        );
+        query.push_values(chunk, |mut row, cls| {
+            row.push_bind(cls.cls_id.as_str())
+                .push_bind(cls.trade_key.as_str())
+                .push_bind(cls.body.as_str())
+                .push_bind(cls.trade_date.to_julian_day());
+        });
+        query.push(" RETURNING id, cls_id");
+        let returned: Vec<(i64, String)> =
+            query.build_query_as().fetch_all(&mut *transaction).await?;
+        outbox_ids.extend(returned.into_iter().map(|(id, cls_id)| (cls_id, id)));
+    }
+    for chunk in batch.exceptions.chunks(SQLITE_ROWS_PER_STATEMENT) {
+        let mut query = QueryBuilder::<Sqlite>::new(
+            "INSERT INTO exceptions (trade_key, sender, msg_id, code, detail, raw, received_on) ",
+        );
+        query.push_values(chunk, |mut row, exception| {
+            row.push_bind(exception.trade_key.as_deref())
+                .push_bind(exception.sender.as_deref())
+                .push_bind(exception.msg_id.as_deref())
+                .push_bind(exception.code.as_str())
+                .push_bind(exception.detail.as_str())
+                .push_bind(exception.raw.as_slice())
+                .push_bind(exception.received_on.to_julian_day());
+        });
+        query.build().execute(&mut *transaction).await?;
+    }
+    if let Some(through) = batch.delivered_through {
+        sqlx::query(
+            "INSERT INTO cls_delivery (id, delivered_through) VALUES (1, ?) \
+             ON CONFLICT (id) DO UPDATE SET delivered_through = max(delivered_through, excluded.delivered_through)",
+        )
+        .bind(through)
+        .execute(&mut *transaction)
+        .await?;
+    }
+    transaction.commit().await?;
+    Ok(outbox_ids_in_order(batch, &outbox_ids))
+}
+
+/// Deletes from an embedded shard what expired before `horizon`: the rows of trades whose date
+/// is earlier, unless the outbox still holds a CLS of theirs above the delivery watermark, and
+/// exceptions that arrived earlier. One transaction; the freed pages are reused by later rows
+/// (the file does not shrink).
+async fn purge_expired(
+    connection: &mut SqliteConnection,
+    horizon: Date,
+) -> Result<PurgeReport, sqlx::Error> {
+    const UNDELIVERED: &str = "SELECT trade_key FROM cls_outbox WHERE id >          COALESCE((SELECT delivered_through FROM cls_delivery WHERE id = 1), 0)";
+    let horizon = horizon.to_julian_day();
+    let mut transaction = connection.begin().await?;
+    let kept: i64 = sqlx::query_scalar(&format!(
+        "SELECT COUNT(DISTINCT trade_key) FROM messages WHERE trade_date < ? AND trade_key IN ({UNDELIVERED})"
+    ))
+    .bind(horizon)
+    .fetch_one(&mut *transaction)
+    .await?;
+    let mut dropped = Vec::new();
+    for (table, condition) in [
+        ("messages", format!("trade_date < ? AND trade_key NOT IN ({UNDELIVERED})")),
+        ("trade_status", format!("trade_date < ? AND trade_key NOT IN ({UNDELIVERED})")),
+        (
+            "cls_outbox",
+            "trade_date < ? AND id <= COALESCE((SELECT delivered_through FROM cls_delivery WHERE id = 1), 0)"
+                .to_owned(),
+        ),
+        ("exceptions", "received_on < ?".to_owned()),
+    ] {
+        let deleted = sqlx::query(&format!("DELETE FROM {table} WHERE {condition}"))
+            .bind(horizon)
+            .execute(&mut *transaction)
+            .await?
+            .rows_affected();
+        if deleted > 0 {
+            dropped.push(format!("{table}: {deleted} rows"));
+        }
+    }
+    transaction.commit().await?;
+    if kept > 0 {
+        tracing::warn!(
+            trades = kept,
+            "trades past retention kept: their outbox holds CLS not confirmed delivered"
+        );
+    }
+    Ok(PurgeReport {
+        dropped,
+        kept_undelivered: Vec::new(),
+    })
+}
+
+impl Store for SqliteStore {
+    fn purge(&mut self, today: Date, keep_days: u32) -> Result<PurgeReport, StoreError> {
+        let horizon = today - time::Duration::days(i64::from(keep_days));
+        let result = self
+            .runtime
+            .block_on(purge_expired(&mut self.connection, horizon));
+        let report = result.map_err(|source| self.database_error(source))?;
+        if !report.dropped.is_empty() {
+            tracing::info!(rows = ?report.dropped, "retention deleted expired rows");
+        }
+        Ok(report)
+    }
+
+    fn commit(&mut self, batch: &mut Batch) -> Result<Vec<i64>, StoreError> {
+        let result = self
+            .runtime
+            .block_on(write_batch(&mut self.connection, batch));
+        result.map_err(|source| self.database_error(source))
+    }
+
+    fn undelivered_cls(&mut self) -> Result<Vec<UndeliveredCls>, StoreError> {
+        let result = self
+            .runtime
+            .block_on(sqlx::query_as(UNDELIVERED_QUERY).fetch_all(&mut self.connection));
+        result
+            .map(undelivered_rows)
+            .map_err(|source| self.database_error(source))
+    }
+
+    fn row_counts(&mut self) -> Result<RowCounts, StoreError> {
+        let result = self.runtime.block_on(async {
+            let mut counts = [0_i64; 4];
+            let queries = [
+                "SELECT COUNT(*) FROM messages",
+                "SELECT COUNT(DISTINCT trade_key) FROM trade_status",
+                "SELECT COUNT(*) FROM cls_outbox",
+                "SELECT COUNT(*) FROM exceptions",
+            ];
+            for (slot, query) in counts.iter_mut().zip(queries) {
+                *slot = sqlx::query_scalar(query)
+                    .fetch_one(&mut self.connection)
+                    .await?;
+            }
+            Ok::<_, sqlx::Error>(counts)
+        });
+        let counts = result.map_err(|source| self.database_error(source))?;
+        Ok(RowCounts {
+            messages: counts[0] as u64,
+            trades: counts[1] as u64,
+            cls: counts[2] as u64,
+            exceptions: counts[3] as u64,
+        })
+    }
+
+    fn for_each_accepted(
+        &mut self,
+        visit: &mut dyn FnMut(StoredMessage),
+    ) -> Result<u64, StoreError> {
+        read_pages(|after_id| self.read_page(after_id), visit)
+    }
+
+    fn for_each_remembered_rejection(
+        &mut self,
+        visit: &mut dyn FnMut(StoredRejection),
+    ) -> Result<u64, StoreError> {
+        let query = remembered_rejections_query("?", "?");
+        read_pages(
+            |after_id| {
+                let result: Result<Vec<RejectionRow>, _> = self.runtime.block_on(
+                    sqlx::query_as(&query)
+                        .bind(after_id)
+                        .bind(RECOVERY_PAGE_ROWS)
+                        .fetch_all(&mut self.connection),
+                );
+                let rows = result.map_err(|source| self.database_error(source))?;
+                Ok(stored_rejections(rows))
+            },
+            visit,
+        )
+    }
+}
+
+impl SqliteStore {
+    fn read_page(&mut self, after_id: i64) -> Result<Vec<(i64, StoredMessage)>, StoreError> {
+        let result: Result<Vec<SqliteStoredRow>, _> = self.runtime.block_on(
+            sqlx::query_as(
+                "SELECT id, raw, injected_ns, received_on FROM messages WHERE id > ? ORDER BY id LIMIT ?",
+            )
+            .bind(after_id)
+            .bind(RECOVERY_PAGE_ROWS)
+            .fetch_all(&mut self.connection),
+        );
+        let rows = result.map_err(|source| self.database_error(source))?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, raw, injected_ns, received_on)| {
+                let message = StoredMessage {
+                    raw,
+                    injected_ns: injected_ns as u64,
+                    trade_date: None,
+                    received_on: received_on.and_then(|day| Date::from_julian_day(day).ok()),
+                };
+                (id, message)
+            })
+            .collect())
+    }
+}
+
+/// A `messages` row of the embedded store as recovery reads it: id, raw, injected_ns,
+/// received_on (Julian day).
+type SqliteStoredRow = (i64, Vec<u8>, i64, Option<i32>);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::tests::sample_batch;
+
+    #[test]
+    fn sqlite_store_commits_a_batch() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        let path = dir.path().join("shard-0.sqlite");
+        let mut store = SqliteStore::open(&path).expect("opens");
+        store.commit(&mut sample_batch()).expect("commits");
+        let expected = RowCounts {
+            messages: 1,
+            trades: 1,
+            cls: 1,
+            exceptions: 1,
+        };
+        assert_eq!(store.row_counts().expect("counts"), expected);
+        drop(store);
+        // Reopening applies no migration twice and keeps the rows.
+        let mut reopened = SqliteStore::open(&path).expect("reopens");
+        assert_eq!(reopened.row_counts().expect("counts"), expected);
+    }
+
+    #[test]
+    fn a_failing_batch_writes_nothing() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        let mut store = SqliteStore::open(&dir.path().join("s.sqlite")).expect("opens");
+        store.commit(&mut sample_batch()).expect("commits");
+        // The outbox refuses the batch's last table: everything before it must roll back too.
+        store
+            .execute("CREATE TRIGGER refuse BEFORE INSERT ON exceptions BEGIN SELECT RAISE(ABORT, 'refused'); END")
+            .expect("trigger");
+        let error = store.commit(&mut sample_batch());
+        assert!(error.is_err());
+        let counts = store.row_counts().expect("counts");
+        assert_eq!((counts.messages, counts.cls, counts.exceptions), (1, 1, 1));
+    }
+
+    #[test]
+    fn the_trades_view_shows_the_newest_status() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        let mut store = SqliteStore::open(&dir.path().join("s.sqlite")).expect("opens");
+        store.commit(&mut sample_batch()).expect("commits");
+        let status: String = store
+            .runtime
+            .block_on(
+                sqlx::query_scalar("SELECT status FROM trades WHERE trade_key = 'B/T1'")
+                    .fetch_one(&mut store.connection),
+            )
+            .expect("one row");
+        assert_eq!(status, "MATCHED");
+    }
+}
