@@ -372,8 +372,8 @@ impl Gateway {
             let acks = pipeline.acks();
             let shared = shared.clone();
             spawn("gateway-acks", move || {
-                for batch in acks {
-                    route_acks(&shared, &batch);
+                while let Ok(Some(received)) = acks.recv_until(None) {
+                    route_acks(&shared, &received.items);
                 }
             })
         };
@@ -381,15 +381,11 @@ impl Gateway {
         let outbound_thread = {
             let events = pipeline.outbound();
             let delivery = pipeline.delivery();
-            let station = pipeline
-                .station("outbound")
-                .unwrap_or_else(|| ste_engine::station::Station::new("outbound"));
             let shared = shared.clone();
             spawn("gateway-outbound", move || {
-                let result =
-                    ste_sink::run_with(events, sink, station, clock, Some(delivery), |event| {
-                        push(&shared, event)
-                    });
+                let result = ste_sink::run_with(events, sink, clock, Some(delivery), |event| {
+                    push(&shared, event)
+                });
                 // Nothing more will be pushed: the subscribers' connections may close.
                 shared
                     .subscribers

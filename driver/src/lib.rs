@@ -501,7 +501,8 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         let exceptions = exceptions.clone();
         std::thread::spawn(move || {
             let mut codes: BTreeMap<String, u64> = BTreeMap::new();
-            for batch in acks {
+            while let Ok(Some(received)) = acks.recv_until(None) {
+                let batch = received.items;
                 for ack in &batch {
                     match ack.result {
                         AckResult::Accepted => {
@@ -525,15 +526,10 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     };
     let sink =
         Sink::new(config.cls_out.as_deref(), config.resume).context("opening the CLS output")?;
-    let outbound_station = pipeline
-        .station("outbound")
-        .context("the pipeline has an outbound station")?;
     let sink_thread = {
         let events = pipeline.outbound();
         let delivery = pipeline.delivery();
-        std::thread::spawn(move || {
-            ste_sink::run(events, sink, outbound_station, clock, Some(delivery))
-        })
+        std::thread::spawn(move || ste_sink::run(events, sink, clock, Some(delivery)))
     };
 
     let progress = Progress::start(&tally, &config.source, config.progress);

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use ste_engine::generator::{Generator, GeneratorConfig};
 use ste_engine::pipeline::{AckResult, Pipeline, PipelineConfig, PipelineError, StoreConfig};
 use ste_engine::profile::Tolerances;
+use ste_engine::queue::drain;
 use ste_engine::refdata::RefData;
 use ste_engine::store::{SqliteStore, Store};
 
@@ -48,9 +49,9 @@ fn every_ack_is_for_a_committed_row() {
     submitter.flush().expect("flushes");
     drop(submitter);
     let report = pipeline.finish().expect("finishes");
-    let mut correlations: Vec<u64> = acks
-        .try_iter()
-        .flatten()
+    let mut correlations: Vec<u64> = drain(&acks)
+        .expect("drains")
+        .into_iter()
         .map(|ack| {
             assert_eq!(ack.result, AckResult::Accepted);
             ack.correlation
@@ -106,8 +107,8 @@ fn a_failing_store_acknowledges_nothing_and_reports_its_error() {
         .finish()
         .expect_err("the store failure stops the pipeline");
     assert!(matches!(error, PipelineError::Shard { .. }), "{error}");
-    assert_eq!(acks.try_iter().flatten().count(), 0);
-    assert_eq!(outbound.try_iter().count(), 0);
+    assert_eq!(drain(&acks).expect("drains").len(), 0);
+    assert_eq!(drain(&outbound).expect("drains").len(), 0);
 }
 
 /// Runs `lines` through a pipeline on `config`; returns the acks by result and the CLS emitted
@@ -129,10 +130,14 @@ fn run_lines(
     submitter.flush().expect("flushes");
     drop(submitter);
     pipeline.finish().expect("finishes");
-    let results = acks.try_iter().flatten().map(|ack| ack.result).collect();
-    let cls = outbound
-        .try_iter()
-        .flat_map(|(events, _)| events)
+    let results = drain(&acks)
+        .expect("drains")
+        .into_iter()
+        .map(|ack| ack.result)
+        .collect();
+    let cls = drain(&outbound)
+        .expect("drains")
+        .into_iter()
         .filter_map(|event| match event {
             ste_engine::pipeline::OutboundEvent::Cls {
                 cls_id,
@@ -161,8 +166,8 @@ fn confirmed_cls_are_not_emitted_again() {
     let delivery = pipeline.delivery();
     let consumer = std::thread::spawn(move || {
         let mut confirmed = 0;
-        for (events, _) in outbound {
-            for event in events {
+        while let Ok(Some(received)) = outbound.recv_until(None) {
+            for event in received.items {
                 if let ste_engine::pipeline::OutboundEvent::Cls {
                     shard, outbox_id, ..
                 } = event

@@ -9,6 +9,7 @@ use ste_engine::generator::{Generator, GeneratorConfig};
 use ste_engine::matcher::TradeStatus;
 use ste_engine::pipeline::{AckResult, Pipeline, PipelineConfig, StoreConfig};
 use ste_engine::profile::Tolerances;
+use ste_engine::queue::drain;
 use ste_engine::refdata::RefData;
 use ste_engine::routing::shard_of;
 use ste_engine::store::{Batch, ClsRow, MessageRow, Month, PgStore, Store, TradeRow};
@@ -126,7 +127,11 @@ fn run_clean(
     submitter.flush().expect("flushes");
     drop(submitter);
     let report = pipeline.finish().expect("finishes");
-    let results = acks.try_iter().flatten().map(|ack| ack.result).collect();
+    let results = drain(&acks)
+        .expect("drains")
+        .into_iter()
+        .map(|ack| ack.result)
+        .collect();
     (report, results)
 }
 

@@ -10,14 +10,13 @@
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Instant;
 
 use ahash::AHashSet;
-use crossbeam_channel::Receiver;
 use hdrhistogram::Histogram;
 use ste_engine::pipeline::{Delivery, OutboundEvent};
-use ste_engine::station::{RunClock, Station};
+use ste_engine::queue::{QueueError, Rx};
+use ste_engine::station::RunClock;
 use xxhash_rust::xxh3::xxh3_128;
 
 /// Highest latency the histogram records, in microseconds (one hour); larger values saturate.
@@ -211,29 +210,34 @@ impl Sink {
 }
 
 /// Consumes `events` until the engine closes the queue, counting each as a completion of the
-/// `outbound` station, and confirms each batch's CLS through `delivery` once they are written.
+/// queue's station (`outbound`), and confirms each batch's CLS through `delivery` once they
+/// are written.
 pub fn run(
-    events: Receiver<(Vec<OutboundEvent>, u64)>,
+    events: Rx<OutboundEvent>,
     sink: Sink,
-    station: Arc<Station>,
     clock: RunClock,
     delivery: Option<Delivery>,
 ) -> std::io::Result<SinkReport> {
-    run_with(events, sink, station, clock, delivery, |_| {})
+    run_with(events, sink, clock, delivery, |_| {})
 }
 
 /// [`run`], handing every event to `tap` first (a gateway pushes CLS and advices to the
 /// participants connected to it); `tap` must not block.
 pub fn run_with(
-    events: Receiver<(Vec<OutboundEvent>, u64)>,
+    events: Rx<OutboundEvent>,
     mut sink: Sink,
-    station: Arc<Station>,
     clock: RunClock,
     delivery: Option<Delivery>,
     mut tap: impl FnMut(&OutboundEvent),
 ) -> std::io::Result<SinkReport> {
     let mut confirmations: Vec<(u32, i64)> = Vec::new();
-    for (batch, enqueued_ns) in events {
+    loop {
+        let received = match events.recv_until(None) {
+            Ok(Some(received)) => received,
+            Ok(None) | Err(QueueError::Closed { .. }) => break,
+            Err(error) => return Err(std::io::Error::other(error)),
+        };
+        let (batch, enqueued_ns) = (received.items, received.enqueued_ns);
         let started = Instant::now();
         let count = batch.len() as u64;
         let mut response_ns = 0;
@@ -258,7 +262,10 @@ pub fn run_with(
                 }
             }
         }
-        station.complete(count, started.elapsed().as_nanos() as u64, response_ns);
+        events
+            .station()
+            .complete(count, started.elapsed().as_nanos() as u64, response_ns);
+        received.receipt.ack().map_err(std::io::Error::other)?;
     }
     sink.finish()
 }

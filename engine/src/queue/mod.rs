@@ -1,0 +1,138 @@
+//! The queues between stations (DESIGN.md section 1): one interface to send and receive
+//! batches, whatever carries them. [`local`] carries them between the threads of one process.
+//!
+//! Invariants of the seam:
+//! - A queue holds batches, never single items, and is bounded; a full queue makes its
+//!   senders wait. Nothing is dropped.
+//! - A batch is acknowledged (its [`Receipt`]) once everything produced from it is committed
+//!   or handed on. A carrier that can lose a consumer redelivers what was not acknowledged;
+//!   in process nothing is lost while the process lives, and acknowledging does nothing.
+//! - Every batch carries the time it was enqueued, so the consuming station measures its
+//!   waiting time wherever the batch came from.
+//! - Each queue counts its arrivals on its [`Station`]; the consuming station counts the
+//!   completions there.
+
+pub mod local;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::station::Station;
+
+/// Why a queue could not take or give a batch.
+#[derive(Debug, thiserror::Error)]
+pub enum QueueError {
+    /// Every sender is gone and the queue is drained (receiving), or the receiver is gone
+    /// (sending).
+    #[error("{queue} queue closed")]
+    Closed { queue: String },
+    /// The carrier failed.
+    #[error("{queue} queue: {detail}")]
+    Carrier { queue: String, detail: String },
+}
+
+/// Acknowledges a received batch; see the module's invariants.
+#[must_use = "a batch is acknowledged once what it produced is committed or handed on"]
+#[derive(Default)]
+pub struct Receipt {
+    acks: Vec<Box<dyn FnOnce() -> Result<(), QueueError> + Send>>,
+}
+
+impl Receipt {
+    /// A receipt whose acknowledgement does nothing (in process).
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// A receipt that runs `ack` when acknowledged.
+    pub fn from_fn(ack: impl FnOnce() -> Result<(), QueueError> + Send + 'static) -> Self {
+        Self {
+            acks: vec![Box::new(ack)],
+        }
+    }
+
+    /// Whether acknowledging does nothing.
+    pub fn is_empty(&self) -> bool {
+        self.acks.is_empty()
+    }
+
+    /// Adds the acknowledgements of `other`: a station that merged batches acknowledges
+    /// them together.
+    pub fn merge(&mut self, other: Receipt) {
+        self.acks.extend(other.acks);
+    }
+
+    /// Acknowledges every batch this receipt stands for.
+    pub fn ack(self) -> Result<(), QueueError> {
+        self.acks.into_iter().try_for_each(|ack| ack())
+    }
+}
+
+impl std::fmt::Debug for Receipt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Receipt")
+            .field("batches", &self.acks.len())
+            .finish()
+    }
+}
+
+/// A batch as it comes off a queue.
+#[derive(Debug)]
+pub struct Received<T> {
+    pub items: Vec<T>,
+    /// When the batch was enqueued, in nanoseconds on the clock of the queue.
+    pub enqueued_ns: u64,
+    pub receipt: Receipt,
+}
+
+/// The sending end of a queue.
+pub trait BatchSender<T>: Send {
+    /// Enqueues one batch, waiting while the queue is full. An empty batch is not sent.
+    fn send(&self, items: Vec<T>) -> Result<(), QueueError> {
+        self.forward(items, Receipt::none())
+    }
+    /// Enqueues a batch produced from the batches `receipt` stands for, which are acknowledged
+    /// once this one is: by its consumer (in process), or once the carrier holds it durably.
+    /// An empty batch acknowledges them at once.
+    fn forward(&self, items: Vec<T>, receipt: Receipt) -> Result<(), QueueError>;
+    /// Another sender onto the same queue.
+    fn clone_sender(&self) -> Tx<T>;
+}
+
+/// The receiving end of a queue.
+pub trait BatchReceiver<T>: Send {
+    /// The next batch, waiting for it until `deadline` (for ever when `None`): `Ok(None)` when
+    /// the deadline passed first, [`QueueError::Closed`] once every sender is gone and the
+    /// queue is drained.
+    fn recv_until(&self, deadline: Option<Instant>) -> Result<Option<Received<T>>, QueueError>;
+    /// The station of this queue, on which the consumer counts its completions.
+    fn station(&self) -> &Arc<Station>;
+    /// Nanoseconds on the queue's clock, for measuring time in the queue.
+    fn now_ns(&self) -> u64;
+}
+
+/// A sending end, whatever carries the queue.
+pub type Tx<T> = Box<dyn BatchSender<T>>;
+/// A receiving end, whatever carries the queue.
+pub type Rx<T> = Box<dyn BatchReceiver<T>>;
+
+impl<T> Clone for Tx<T> {
+    fn clone(&self) -> Self {
+        self.clone_sender()
+    }
+}
+
+/// Every item queued on `rx` now, in order, without waiting; their batches are acknowledged.
+pub fn drain<T>(rx: &Rx<T>) -> Result<Vec<T>, QueueError> {
+    let mut items = Vec::new();
+    loop {
+        match rx.recv_until(Some(Instant::now())) {
+            Ok(Some(received)) => {
+                items.extend(received.items);
+                received.receipt.ack()?;
+            }
+            Ok(None) | Err(QueueError::Closed { .. }) => return Ok(items),
+            Err(error) => return Err(error),
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! The matcher station: one per shard, owning the shard's open trades.
+
+use std::time::{Duration, Instant};
+
+use time::format_description::well_known::Rfc3339;
+use time::{Date, OffsetDateTime};
+
+use super::{complete, queue_error, MessageMeta, Processed, ToStore, Validated};
+use crate::matcher::{Matcher, Outcome, ShardCounts};
+use crate::pipeline::{Aging, PipelineError};
+use crate::queue::{QueueError, Rx, Tx};
+
+/// Formats wall-clock time for CLS `MatchedAt`, at most once per millisecond.
+struct MatchedAtClock {
+    last_ms: i128,
+    text: String,
+    today: Date,
+}
+
+impl MatchedAtClock {
+    /// The timestamp and its date.
+    fn now(&mut self) -> (&str, Date) {
+        let now = OffsetDateTime::now_utc();
+        let ms = now.unix_timestamp_nanos() / 1_000_000;
+        if ms != self.last_ms {
+            self.last_ms = ms;
+            self.today = now.date();
+            let truncated = now
+                .replace_nanosecond((now.nanosecond() / 1_000_000) * 1_000_000)
+                .unwrap_or(now);
+            self.text = truncated
+                .format(&Rfc3339)
+                .unwrap_or_else(|_| "1970-01-01T00:00:00.000Z".to_owned());
+        }
+        (&self.text, self.today)
+    }
+}
+
+/// Runs a shard's matcher over its match queue; what it decided goes to the shard's writer,
+/// with the receipts of the batches it came from, acknowledged once committed.
+pub(crate) fn run_matcher(
+    rx: Rx<Validated>,
+    mut matcher: Matcher,
+    store_tx: Tx<ToStore>,
+    aging: Option<Aging>,
+) -> Result<ShardCounts, PipelineError> {
+    let mut wall = MatchedAtClock {
+        last_ms: -1,
+        text: String::new(),
+        today: Date::MIN,
+    };
+    let mut aged_on: Option<Date> = None;
+    // Without aging the matcher only waits for batches; the wait merely bounds a wake-up.
+    let wait = aging.map_or(Duration::from_secs(3600), |aging| aging.check_interval);
+    loop {
+        let received = match rx.recv_until(Some(Instant::now() + wait)) {
+            Ok(received) => received,
+            Err(QueueError::Closed { .. }) => break,
+            Err(error) => return Err(queue_error(error)),
+        };
+        if let Some(aging) = aging {
+            // Once a day, at the first wake-up of the day.
+            let today = OffsetDateTime::now_utc().date();
+            if aged_on != Some(today) {
+                aged_on = Some(today);
+                let aged = matcher.age_out(today, aging.business_days);
+                if !aged.is_empty() {
+                    tracing::info!(trades = aged.len(), %today, "unmatched trades aged out");
+                    let items = aged.into_iter().map(ToStore::Aged).collect();
+                    store_tx.send(items).map_err(queue_error)?;
+                }
+            }
+        }
+        let Some(received) = received else {
+            continue;
+        };
+        let (items, enqueued_ns) = (received.items, received.enqueued_ns);
+        let started = Instant::now();
+        let count = items.len() as u64;
+        let mut processed = Vec::with_capacity(items.len());
+        for item in items {
+            let (now, today) = wall.now();
+            let (meta, outcome) = match item.verdict {
+                Ok(msg) => {
+                    let meta = MessageMeta::of(&msg);
+                    let outcome = matcher.process(msg, &item.bytes, item.injected_ns, now, today);
+                    (meta, outcome)
+                }
+                Err(refused) => {
+                    let identity = refused.identity;
+                    let disposition = matcher.refuse(
+                        &identity.sender,
+                        &identity.msg_id,
+                        &item.bytes,
+                        refused.rejection,
+                    );
+                    let meta = MessageMeta {
+                        trade_key: crate::model::trade_key(&identity.broker, &identity.trade_ref),
+                        sender: identity.sender,
+                        msg_id: identity.msg_id,
+                        msg_type: "",
+                        function: "",
+                        related_id: None,
+                    };
+                    (meta, Outcome::only(disposition))
+                }
+            };
+            processed.push(ToStore::Message(Processed {
+                received_on: today,
+                outcome,
+                meta,
+                bytes: item.bytes,
+                correlation: item.correlation,
+                injected_ns: item.injected_ns,
+            }));
+        }
+        let busy_ns = started.elapsed().as_nanos() as u64;
+        // The match batch is acknowledged once its writer has committed what it produced.
+        store_tx
+            .forward(processed, received.receipt)
+            .map_err(queue_error)?;
+        complete(&rx, count, busy_ns, enqueued_ns);
+    }
+    Ok(matcher.counts())
+}

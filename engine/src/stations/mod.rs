@@ -1,0 +1,205 @@
+//! The stations of the queue network (DESIGN.md section 1): each one takes batches off its
+//! queue, serves them and hands what it produced to the next queues. They see queues only
+//! through [`crate::queue`], so the same station runs whether its queues are in process or
+//! cross nodes.
+//!
+//! ```text
+//! inbound[i] → validator ─ok→ match[k] → matcher k → store[k] → writer k ─after commit→ acks, outbound
+//!                        └rejected→ exceptions → exception writer ─after commit→ acks
+//! ```
+
+pub(crate) mod exceptions;
+pub(crate) mod matcher;
+pub(crate) mod sampler;
+pub(crate) mod validator;
+pub(crate) mod writer;
+
+use std::time::{Duration, Instant};
+
+use time::Date;
+
+use crate::matcher::{AgedTrade, Outcome};
+use crate::model::Msg;
+use crate::pipeline::{PipelineError, RetryPolicy};
+use crate::queue::{QueueError, Receipt, Rx};
+use crate::reason::Rejection;
+use crate::store::{Batch, RowCounts, Store};
+
+/// Commits `batch`, retrying transient failures with backoff and a new connection.
+pub(crate) fn commit_retrying(
+    store: &mut dyn Store,
+    batch: &mut Batch,
+    station: &str,
+    retry: RetryPolicy,
+) -> Result<(Vec<i64>, u64), PipelineError> {
+    let started = Instant::now();
+    let mut backoff = retry.backoff_first;
+    let mut attempt: u32 = 1;
+    loop {
+        let error = match store.commit(batch) {
+            Ok(outbox_ids) => {
+                if attempt > 1 {
+                    tracing::warn!(station, attempt, "commit succeeded after retrying");
+                }
+                return Ok((outbox_ids, u64::from(attempt - 1)));
+            }
+            Err(error) => error,
+        };
+        if !store.is_transient(&error) || started.elapsed() + backoff > retry.give_up_after {
+            return Err(PipelineError::Shard {
+                station: station.to_owned(),
+                source: error,
+            });
+        }
+        tracing::warn!(station, attempt, error = %error, backoff_ms = backoff.as_millis() as u64, "commit failed; retrying");
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(retry.backoff_max);
+        attempt += 1;
+        if let Err(error) = store.reconnect() {
+            tracing::warn!(station, error = %error, "reconnect failed");
+        }
+    }
+}
+
+pub(crate) struct Validated {
+    /// The message, or why the validator rejected it after its signature checked out.
+    verdict: Result<Msg, Refused>,
+    bytes: Vec<u8>,
+    correlation: u64,
+    injected_ns: u64,
+}
+
+impl Validated {
+    /// What the item costs on a queue: its raw bytes (the parsed message holds about as much
+    /// again) and the fixed size of the item.
+    pub(crate) fn weight_bytes(&self) -> usize {
+        2 * self.bytes.len() + std::mem::size_of::<Self>()
+    }
+}
+
+/// A message rejected after its signature checked out: its shard's matcher remembers its MsgId.
+pub(crate) struct Refused {
+    rejection: Rejection,
+    identity: crate::validate::Identity,
+}
+
+/// The few fields of a message that its store row needs once the matcher owns the message.
+pub(crate) struct MessageMeta {
+    trade_key: String,
+    sender: String,
+    msg_id: String,
+    msg_type: &'static str,
+    function: &'static str,
+    related_id: Option<String>,
+}
+
+impl MessageMeta {
+    fn of(msg: &Msg) -> Self {
+        Self {
+            trade_key: msg.trade_key(),
+            sender: msg.sender.clone(),
+            msg_id: msg.msg_id.clone(),
+            msg_type: msg.msg_type.as_str(),
+            function: msg.function.as_str(),
+            related_id: msg.related_id.clone(),
+        }
+    }
+}
+
+/// What a shard writer writes: the outcome of a message, or a trade that aged out.
+// Messages are the hot path and aged trades rare: boxing the large variant would cost every
+// message an allocation to save queue slots a few bytes.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum ToStore {
+    Message(Processed),
+    Aged(AgedTrade),
+}
+
+pub(crate) struct Processed {
+    /// The day the matcher took the message, which aging counts from.
+    received_on: Date,
+    outcome: Outcome,
+    meta: MessageMeta,
+    bytes: Vec<u8>,
+    correlation: u64,
+    injected_ns: u64,
+}
+
+pub(crate) struct RejectedItem {
+    rejection: Rejection,
+    sender: Option<String>,
+    bytes: Vec<u8>,
+    correlation: u64,
+}
+
+/// What a writer reports when it stops.
+pub(crate) struct WriterReport {
+    pub(crate) rows: RowCounts,
+    pub(crate) commit_retries: u64,
+}
+
+/// A queue's failure as the pipeline reports it: a closed queue means a station around it
+/// stopped, which is a consequence; a failed carrier is a cause.
+pub(crate) fn queue_error(error: QueueError) -> PipelineError {
+    match error {
+        QueueError::Closed { .. } => PipelineError::Stopped(error.to_string()),
+        QueueError::Carrier { .. } => PipelineError::Queue(error),
+    }
+}
+
+/// The next batch of `rx`; `None` once it is closed and drained.
+pub(crate) fn receive<T>(rx: &Rx<T>) -> Result<Option<crate::queue::Received<T>>, PipelineError> {
+    match rx.recv_until(None) {
+        Ok(received) => Ok(received),
+        Err(QueueError::Closed { .. }) => Ok(None),
+        Err(error) => Err(queue_error(error)),
+    }
+}
+
+/// Counts the completion of `count` items of `rx`'s station that took `busy_ns` of service,
+/// queued since `enqueued_ns`.
+pub(crate) fn complete<T>(rx: &Rx<T>, count: u64, busy_ns: u64, enqueued_ns: u64) {
+    let response_ns = count * rx.now_ns().saturating_sub(enqueued_ns);
+    rx.station().complete(count, busy_ns, response_ns);
+}
+
+/// A batch merged from several queue batches, with the sum of its items' times in the queue
+/// and the receipts of every batch it holds.
+pub(crate) struct Merged<T> {
+    pub items: Vec<T>,
+    pub waited_ns: u64,
+    pub receipt: Receipt,
+}
+
+/// Takes the first batch (waiting for it), then whatever is already queued or arrives within
+/// `linger`, until `batch_max` items are held. `None` once the queue is closed and drained.
+pub(crate) fn next_batch<T>(
+    rx: &Rx<T>,
+    batch_max: usize,
+    linger: Duration,
+) -> Result<Option<Merged<T>>, PipelineError> {
+    let first = match rx.recv_until(None) {
+        Ok(Some(first)) => first,
+        Ok(None) | Err(QueueError::Closed { .. }) => return Ok(None),
+        Err(error) => return Err(queue_error(error)),
+    };
+    let deadline = Instant::now() + linger;
+    let waited =
+        |count: usize, enqueued_ns: u64| count as u64 * rx.now_ns().saturating_sub(enqueued_ns);
+    let mut merged = Merged {
+        waited_ns: waited(first.items.len(), first.enqueued_ns),
+        items: first.items,
+        receipt: first.receipt,
+    };
+    while merged.items.len() < batch_max {
+        let next = match rx.recv_until(Some(deadline)) {
+            Ok(Some(next)) => next,
+            Ok(None) | Err(QueueError::Closed { .. }) => break,
+            Err(error) => return Err(queue_error(error)),
+        };
+        merged.waited_ns += waited(next.items.len(), next.enqueued_ns);
+        merged.items.extend(next.items);
+        merged.receipt.merge(next.receipt);
+    }
+    Ok(Some(merged))
+}

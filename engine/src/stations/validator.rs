@@ -1,0 +1,90 @@
+//! The validator: stateless, any number of them.
+
+use std::time::Instant;
+
+use super::{complete, queue_error, receive, Refused, RejectedItem, Validated};
+use crate::pipeline::{Envelope, PipelineError};
+use crate::queue::{Rx, Tx};
+use crate::reason::ReasonCode;
+use crate::refdata::RefData;
+use crate::routing::shard_of_parts;
+use crate::validate::validate;
+
+/// Validates inbound batches: what passes goes to its shard's match queue, a rejection after
+/// the signature checked out too (its shard remembers the MsgId), the rest to the exception
+/// writer.
+pub(crate) fn run_validator(
+    rx: Rx<Envelope>,
+    refdata: &RefData,
+    match_txs: &[Tx<Validated>],
+    exception_tx: &Tx<RejectedItem>,
+) -> Result<(), PipelineError> {
+    let shards = match_txs.len() as u32;
+    while let Some(received) = receive(&rx)? {
+        let envelopes = received.items;
+        let enqueued_ns = received.enqueued_ns;
+        let started = Instant::now();
+        let count = envelopes.len() as u64;
+        let mut to_match: Vec<Vec<Validated>> = (0..match_txs.len()).map(|_| Vec::new()).collect();
+        let mut rejected = Vec::new();
+        for envelope in envelopes {
+            let refused_by_listener = envelope.refusal.is_some();
+            let result = match envelope.refusal {
+                Some(refusal) => Err(refusal),
+                None => validate(
+                    refdata,
+                    &envelope.bytes,
+                    envelope.sender.as_deref(),
+                    envelope.signature.as_ref().map(|s| s.as_slice()),
+                ),
+            };
+            // A message the validator rejected once its Sender's signature checked out goes to
+            // its shard's matcher, which remembers the MsgId; a refusal by a listener (about the
+            // connection, not the message) and an unsigned or unreadable one go straight to the
+            // exception writer.
+            let verdict = match result {
+                Ok(msg) => Ok(msg),
+                Err(rejection) => {
+                    let remembered = !refused_by_listener && rejection.code > ReasonCode::Sig;
+                    match remembered
+                        .then(|| crate::validate::identity_of(&envelope.bytes))
+                        .flatten()
+                    {
+                        Some(identity) => Err(Refused {
+                            rejection,
+                            identity,
+                        }),
+                        None => {
+                            rejected.push(RejectedItem {
+                                rejection,
+                                sender: envelope.sender,
+                                bytes: envelope.bytes,
+                                correlation: envelope.correlation,
+                            });
+                            continue;
+                        }
+                    }
+                }
+            };
+            let (broker, trade_ref) = match &verdict {
+                Ok(msg) => (&msg.broker, &msg.trade_ref),
+                Err(refused) => (&refused.identity.broker, &refused.identity.trade_ref),
+            };
+            let shard = shard_of_parts(broker, trade_ref, shards) as usize;
+            to_match[shard].push(Validated {
+                verdict,
+                bytes: envelope.bytes,
+                correlation: envelope.correlation,
+                injected_ns: envelope.injected_ns,
+            });
+        }
+        let busy_ns = started.elapsed().as_nanos() as u64;
+        for (shard, batch) in to_match.into_iter().enumerate() {
+            match_txs[shard].send(batch).map_err(queue_error)?;
+        }
+        exception_tx.send(rejected).map_err(queue_error)?;
+        received.receipt.ack().map_err(queue_error)?;
+        complete(&rx, count, busy_ns, enqueued_ns);
+    }
+    Ok(())
+}

@@ -1,0 +1,240 @@
+//! The shard writer: one per shard, the only station that writes the shard's store.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use ahash::AHashMap;
+use time::{Date, OffsetDateTime};
+
+use super::{commit_retrying, next_batch, queue_error, Merged, ToStore, WriterReport};
+use crate::codec::encode_cls;
+use crate::matcher::{Disposition, TradeStatus};
+use crate::pipeline::{
+    Ack, AckResult, Delivery, OutboundEvent, PipelineError, RetryPolicy, DELIVERY_WAIT,
+};
+use crate::queue::{Rx, Tx};
+use crate::store::{Batch, ClsRow, ExceptionRow, MessageRow, Store, TradeRow};
+
+/// What a shard writer needs besides its queue and store.
+pub(crate) struct WriterContext {
+    pub(crate) shard: u32,
+    pub(crate) ack_tx: Tx<Ack>,
+    pub(crate) out_tx: Tx<OutboundEvent>,
+    pub(crate) batch_max: usize,
+    pub(crate) linger: Duration,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) delivery: Delivery,
+    pub(crate) retention_days: Option<u32>,
+}
+
+/// Records a trade's new status in the batch: only its last status in a batch is written.
+fn set_trade_status(
+    batch: &mut Batch,
+    trade_rows: &mut AHashMap<String, usize>,
+    trade_key: &str,
+    trade_date: Date,
+    status: TradeStatus,
+) {
+    match trade_rows.get(trade_key) {
+        Some(index) => batch.trades[*index].status = status,
+        None => {
+            trade_rows.insert(trade_key.to_owned(), batch.trades.len());
+            batch.trades.push(TradeRow {
+                trade_date,
+                trade_key: trade_key.to_owned(),
+                status,
+            });
+        }
+    }
+}
+
+/// Writes a shard's batches, one transaction each; ACKs, CLS and advices go out after commit,
+/// and so do the acknowledgements of the batches they came from.
+pub(crate) fn run_writer(
+    rx: Rx<ToStore>,
+    mut store: Box<dyn Store>,
+    context: WriterContext,
+    redeliver: Vec<crate::store::UndeliveredCls>,
+) -> Result<WriterReport, PipelineError> {
+    let WriterContext {
+        shard,
+        ack_tx,
+        out_tx,
+        batch_max,
+        linger,
+        retry,
+        delivery,
+        retention_days,
+    } = context;
+    let delivered = delivery.through[shard as usize].clone();
+    let mut watermark_written: i64 = 0;
+    let mut last_emitted: i64 = redeliver.last().map_or(0, |cls| cls.outbox_id);
+    // What was committed but never confirmed goes out again first, in outbox order.
+    if !redeliver.is_empty() {
+        tracing::info!(
+            shard,
+            count = redeliver.len(),
+            "emitting unconfirmed CLS again"
+        );
+        let events = redeliver
+            .into_iter()
+            .map(|cls| OutboundEvent::Cls {
+                cls_id: cls.cls_id,
+                body: cls.body,
+                trade_first_injected_ns: 0,
+                shard,
+                outbox_id: cls.outbox_id,
+                redelivered: true,
+            })
+            .collect();
+        out_tx.send(events).map_err(queue_error)?;
+    }
+    let station = rx.station().clone();
+    let mut commit_retries = 0;
+    let mut purged_on = OffsetDateTime::now_utc().date();
+    while let Some(merged) = next_batch(&rx, batch_max, linger)? {
+        let Merged {
+            items,
+            waited_ns,
+            receipt,
+        } = merged;
+        let started = Instant::now();
+        let dequeued_ns = rx.now_ns();
+        let today = OffsetDateTime::now_utc().date();
+        if let Some(days) = retention_days.filter(|_| today != purged_on) {
+            // Retention runs when the shard starts and then once a day.
+            purged_on = today;
+            if let Err(error) = store.purge(today, days) {
+                tracing::error!(shard, error = %error, "retention purge failed; retried tomorrow");
+            }
+        }
+        let mut batch = Batch::default();
+        let mut acks = Vec::with_capacity(items.len());
+        let mut events = Vec::new();
+        // Only the last status of a trade in this batch needs writing.
+        let mut trade_rows: AHashMap<String, usize> = AHashMap::new();
+        let count = items.len() as u64;
+        for item in items {
+            let item = match item {
+                ToStore::Message(item) => item,
+                ToStore::Aged(aged) => {
+                    set_trade_status(
+                        &mut batch,
+                        &mut trade_rows,
+                        &aged.trade_key,
+                        aged.trade_date,
+                        TradeStatus::Aged,
+                    );
+                    events.push(OutboundEvent::Aged(aged));
+                    continue;
+                }
+            };
+            let meta = item.meta;
+            let trade_key = meta.trade_key;
+            let trade_date = item.outcome.trade_date;
+            let result = match item.outcome.disposition {
+                Disposition::Accepted => {
+                    batch.messages.push(MessageRow {
+                        trade_date,
+                        trade_key: trade_key.clone(),
+                        sender: meta.sender,
+                        msg_id: meta.msg_id,
+                        msg_type: meta.msg_type,
+                        function: meta.function,
+                        related_id: meta.related_id,
+                        injected_ns: item.injected_ns,
+                        raw: item.bytes,
+                        received_on: item.received_on,
+                    });
+                    AckResult::Accepted
+                }
+                Disposition::Duplicate => AckResult::Duplicate,
+                Disposition::Rejected(rejection) => {
+                    let code = rejection.code;
+                    batch.exceptions.push(ExceptionRow {
+                        received_on: today,
+                        trade_key: Some(trade_key.clone()),
+                        sender: Some(meta.sender),
+                        msg_id: Some(meta.msg_id),
+                        code,
+                        detail: rejection.detail,
+                        raw: item.bytes,
+                    });
+                    AckResult::Rejected(code)
+                }
+            };
+            acks.push(Ack {
+                correlation: item.correlation,
+                result,
+            });
+            if let Some(status) = item.outcome.trade_status {
+                set_trade_status(&mut batch, &mut trade_rows, &trade_key, trade_date, status);
+            }
+            if let Some(cls) = item.outcome.cls {
+                let body = encode_cls(&cls);
+                batch.cls.push(ClsRow {
+                    trade_date,
+                    cls_id: cls.cls_id.clone(),
+                    trade_key,
+                    body: body.clone(),
+                });
+                events.push(OutboundEvent::Cls {
+                    cls_id: cls.cls_id,
+                    body,
+                    trade_first_injected_ns: item.outcome.trade_first_injected_ns,
+                    shard,
+                    outbox_id: 0,
+                    redelivered: false,
+                });
+            }
+            if let Some(advice) = item.outcome.advice {
+                events.push(OutboundEvent::Mismatched(advice));
+            }
+        }
+        let confirmed = delivered.load(Ordering::Relaxed);
+        if confirmed > watermark_written {
+            batch.delivered_through = Some(confirmed);
+        }
+        let (outbox_ids, retries) =
+            commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
+        commit_retries += retries;
+        watermark_written = watermark_written.max(confirmed);
+        let mut outbox_ids = outbox_ids.into_iter();
+        for event in &mut events {
+            if let OutboundEvent::Cls { outbox_id, .. } = event {
+                *outbox_id = outbox_ids.next().unwrap_or_default();
+                last_emitted = last_emitted.max(*outbox_id);
+            }
+        }
+        let finished_ns = rx.now_ns();
+        station.complete(
+            count,
+            started.elapsed().as_nanos() as u64,
+            waited_ns + count * finished_ns.saturating_sub(dequeued_ns),
+        );
+        receipt.ack().map_err(queue_error)?;
+        ack_tx.send(acks).map_err(queue_error)?;
+        out_tx.send(events).map_err(queue_error)?;
+    }
+    // Record the final watermark, once the consumer has confirmed what this writer emitted.
+    if delivery.in_use.load(Ordering::Relaxed) {
+        let waiting_since = Instant::now();
+        while delivered.load(Ordering::Relaxed) < last_emitted
+            && waiting_since.elapsed() < DELIVERY_WAIT
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    let confirmed = delivered.load(Ordering::Relaxed);
+    if confirmed > watermark_written {
+        let mut batch = Batch {
+            delivered_through: Some(confirmed),
+            ..Batch::default()
+        };
+        commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
+    }
+    Ok(WriterReport {
+        rows: store.row_counts()?,
+        commit_retries,
+    })
+}
