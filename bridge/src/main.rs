@@ -131,6 +131,10 @@ struct Cli {
     /// arrived (embedded and postgres stores).
     #[arg(long, value_name = "DAYS")]
     retention_days: Option<u32>,
+    /// MiB a shard's match queue may hold: the backlog of a shard whose store stalls (its
+    /// database down), while the other shards go on.
+    #[arg(long, value_name = "MIB", default_value_t = ste_engine::pipeline::SHARD_BACKLOG_BYTES_DEFAULT >> 20)]
+    shard_backlog_mib: usize,
 }
 
 fn main() -> std::process::ExitCode {
@@ -195,6 +199,7 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
             // unconfirmed CLS are emitted again.
             recover: true,
             retention_days: cli.retention_days,
+            shard_backlog_bytes: cli.shard_backlog_mib.max(1) << 20,
             aging: (cli.aging_business_days > 0).then(|| Aging {
                 business_days: cli.aging_business_days,
                 check_interval: Duration::from_millis(cli.aging_check_ms.max(1)),

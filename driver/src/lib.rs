@@ -67,6 +67,8 @@ pub struct RunConfig {
     /// How long a writer waits to fill a batch before committing it.
     pub batch_linger: Duration,
     pub queue_capacity_messages: usize,
+    /// Bytes a shard's match queue may hold (see [`PipelineConfig::shard_backlog_bytes`]).
+    pub shard_backlog_bytes: usize,
     /// Open-loop injection rate; `None` injects as fast as backpressure allows.
     pub rate_msgs_per_s: Option<f64>,
     /// Closed loop: at most this many messages injected and not yet acknowledged.
@@ -479,6 +481,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         validators: config.validators,
         queue_capacity_messages: config.queue_capacity_messages,
         batch_max_messages: config.batch_max_messages,
+        shard_backlog_bytes: config.shard_backlog_bytes,
         batch_linger: config.batch_linger,
         store,
         sample_interval: config.sample_interval,

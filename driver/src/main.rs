@@ -150,6 +150,10 @@ struct RunArgs {
     /// Capacity of every inbound, match and store queue.
     #[arg(long, default_value_t = 8192)]
     queue_capacity: usize,
+    /// MiB a shard's match queue may hold: the backlog of a shard whose store stalls, while the
+    /// other shards go on.
+    #[arg(long, value_name = "MIB", default_value_t = ste_engine::pipeline::SHARD_BACKLOG_BYTES_DEFAULT >> 20)]
+    shard_backlog_mib: usize,
     /// Open-loop injection rate in messages per second (default: as fast as accepted).
     #[arg(long)]
     rate: Option<f64>,
@@ -969,6 +973,7 @@ fn run_config(args: RunArgs) -> anyhow::Result<RunConfig> {
         batch_max_messages: args.batch_max.max(1),
         batch_linger: Duration::from_millis(args.batch_delay_ms),
         queue_capacity_messages: args.queue_capacity.max(1),
+        shard_backlog_bytes: args.shard_backlog_mib.max(1) << 20,
         rate_msgs_per_s: args.rate.filter(|rate| *rate > 0.0),
         cls_out: args.cls_out,
         run_dir: args.run_dir.unwrap_or_else(default_run_dir),

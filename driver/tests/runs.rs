@@ -20,6 +20,7 @@ fn config(source: Source, store: StoreChoice, run_dir: &Path) -> RunConfig {
         batch_max_messages: 512,
         batch_linger: Duration::from_millis(2),
         queue_capacity_messages: 1024,
+        shard_backlog_bytes: ste_engine::pipeline::SHARD_BACKLOG_BYTES_DEFAULT,
         rate_msgs_per_s: None,
         window: None,
         cls_out: None,
@@ -302,7 +303,9 @@ fn a_sweep_of_closed_loop_windows_draws_a_littles_law_series() {
             .expect("JSON");
     assert_eq!(points.len(), 2);
     // The model's prediction is there for every window and meets the least loaded level, where
-    // its think time and latencies were measured.
+    // its think time and latencies were measured: exactly, unless a station's demand measured at
+    // the most loaded level exceeds its residence at the least loaded one (which a busy machine
+    // can make happen), and then by that excess.
     for point in &points {
         assert!(point["X_mva"].as_f64().is_some_and(|x| x > 0.0), "{point}");
     }
@@ -310,7 +313,8 @@ fn a_sweep_of_closed_loop_windows_draws_a_littles_law_series() {
         points[0]["X"].as_f64().expect("X"),
         points[0]["X_mva"].as_f64().expect("X_mva"),
     );
-    assert!((low.0 - low.1).abs() <= 1e-6 * low.0, "{low:?}");
+    assert!(low.1 <= low.0 * (1.0 + 1e-6), "{low:?}");
+    assert!(low.1 >= 0.9 * low.0, "{low:?}");
     let svg = std::fs::read_to_string(out.join("littles-law.svg")).expect("the curve is drawn");
     assert!(svg.starts_with("<svg") && svg.contains("MVA prediction") && svg.contains("measured"));
     assert!(
