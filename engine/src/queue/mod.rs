@@ -1,5 +1,6 @@
 //! The queues between stations (DESIGN.md section 1): one interface to send and receive
-//! batches, whatever carries them. [`local`] carries them between the threads of one process.
+//! batches, whatever carries them. [`local`] carries them between the threads of one process,
+//! [`jetstream`] between the nodes of a cluster.
 //!
 //! Invariants of the seam:
 //! - A queue holds batches, never single items, and is bounded; a full queue makes its
@@ -12,6 +13,7 @@
 //! - Each queue counts its arrivals on its [`Station`]; the consuming station counts the
 //!   completions there.
 
+pub mod jetstream;
 pub mod local;
 
 use std::sync::Arc;

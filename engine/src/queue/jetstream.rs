@@ -1,0 +1,392 @@
+//! Queues carried by NATS JetStream, between the nodes of a cluster (DESIGN.md section 1a).
+//!
+//! One stream per queue: subject `ste.<queue>`, work-queue retention (a batch is gone once it
+//! is acknowledged), bounded in batches and in bytes with discard-new (a full queue refuses a
+//! publish and the sender waits and tries again: backpressure, nothing dropped), file storage.
+//! One durable pull consumer per queue, explicit acknowledgement. A batch is one JetStream
+//! message: its items in postcard, its enqueue time (wall clock, nanoseconds since the Unix
+//! epoch, so that it means the same on every node) in a header. A batch too large for the
+//! server's payload limit is split.
+//!
+//! Only this file names NATS. The sending and the receiving node each keep a [`Station`] for
+//! the queue: the sender counts arrivals on its own, the receiver counts arrivals as it takes
+//! batches and completions as they are served; the stream's pending count is the queue length.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream::{self, consumer, stream};
+use futures_util::StreamExt;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::{BatchReceiver, BatchSender, QueueError, Receipt, Received, Rx, Tx};
+use crate::station::Station;
+
+/// The header carrying a batch's enqueue time.
+const ENQUEUED_NS_HEADER: &str = "Ste-Enqueued-Ns";
+/// Largest payload a batch is published with; larger batches are split. Below the server's
+/// default `max_payload` of 1 MiB, leaving room for headers.
+pub const BATCH_PAYLOAD_MAX_BYTES: usize = 960 * 1024;
+/// Longest a sender waits between two tries at a full queue.
+const FULL_RETRY_MAX: Duration = Duration::from_millis(100);
+/// Longest one pull request waits for a batch; a receiver waiting for ever renews it.
+const PULL_EXPIRES_MAX: Duration = Duration::from_secs(5);
+/// How long the server waits for an acknowledgement before it delivers a batch again.
+const ACK_WAIT: Duration = Duration::from_secs(30);
+/// Batches delivered to a consumer and not yet acknowledged.
+const ACK_PENDING_MAX: i64 = 1024;
+
+/// Nanoseconds since the Unix epoch.
+fn wall_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_nanos() as u64)
+}
+
+/// The bounds of one queue's stream.
+#[derive(Debug, Clone, Copy)]
+pub struct QueueLimits {
+    pub batches_max: i64,
+    pub bytes_max: i64,
+}
+
+/// A connection to a JetStream server, through which a node opens its queues.
+#[derive(Clone)]
+pub struct JetStream {
+    runtime: Arc<tokio::runtime::Runtime>,
+    context: jetstream::Context,
+}
+
+impl std::fmt::Debug for JetStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JetStream").finish_non_exhaustive()
+    }
+}
+
+fn carrier(queue: &str, detail: impl std::fmt::Display) -> QueueError {
+    QueueError::Carrier {
+        queue: queue.to_owned(),
+        detail: detail.to_string(),
+    }
+}
+
+/// The stream of a queue: `match.2` → `STE_MATCH_2`.
+pub fn stream_name(queue: &str) -> String {
+    format!("STE_{}", queue.replace(['.', '-'], "_").to_uppercase())
+}
+
+/// The subject of a queue: `match.2` → `ste.match.2`.
+pub fn subject(queue: &str) -> String {
+    format!("ste.{queue}")
+}
+
+impl JetStream {
+    /// Connects to the server at `url` (e.g. `nats://127.0.0.1:4222`).
+    pub fn connect(url: &str) -> Result<Self, QueueError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("jetstream")
+            .enable_all()
+            .build()
+            .map_err(|error| carrier("connect", error))?;
+        let client = runtime
+            .block_on(async_nats::connect(url))
+            .map_err(|error| carrier("connect", format!("{url}: {error}")))?;
+        // The context spawns its own tasks on the runtime.
+        let context = runtime.block_on(async { jetstream::new(client) });
+        Ok(Self {
+            context,
+            runtime: Arc::new(runtime),
+        })
+    }
+
+    /// Creates the stream of `queue` with `limits` where it does not exist yet.
+    pub fn ensure_queue(&self, queue: &str, limits: QueueLimits) -> Result<(), QueueError> {
+        let config = stream::Config {
+            name: stream_name(queue),
+            subjects: vec![subject(queue)],
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: stream::StorageType::File,
+            discard: stream::DiscardPolicy::New,
+            max_messages: limits.batches_max,
+            max_bytes: limits.bytes_max,
+            ..Default::default()
+        };
+        self.runtime
+            .block_on(self.context.get_or_create_stream(config))
+            .map(|_| ())
+            .map_err(|error| carrier(queue, error))
+    }
+
+    /// Batches held by the stream of `queue`: its length.
+    pub fn queue_len(&self, queue: &str) -> Result<u64, QueueError> {
+        self.runtime.block_on(async {
+            let mut stream = self
+                .context
+                .get_stream(stream_name(queue))
+                .await
+                .map_err(|error| carrier(queue, error))?;
+            let info = stream.info().await.map_err(|error| carrier(queue, error))?;
+            Ok(info.state.messages)
+        })
+    }
+
+    /// A sender onto `queue`, whose stream must exist.
+    pub fn sender<T: Serialize + Send + Sync + 'static>(&self, queue: &str) -> JetStreamSender<T> {
+        JetStreamSender {
+            jetstream: self.clone(),
+            subject: subject(queue),
+            station: Station::new(queue),
+            _items: std::marker::PhantomData,
+        }
+    }
+
+    /// The receiver of `queue` through the durable consumer `durable`. With `fresh`, the
+    /// consumer is deleted and made again first, so that every batch not acknowledged comes
+    /// back at once and in order (a node taking a queue over).
+    pub fn receiver<T: DeserializeOwned + Send + 'static>(
+        &self,
+        queue: &str,
+        durable: &str,
+        fresh: bool,
+    ) -> Result<JetStreamReceiver<T>, QueueError> {
+        let consumer = self.runtime.block_on(async {
+            let stream = self
+                .context
+                .get_stream(stream_name(queue))
+                .await
+                .map_err(|error| carrier(queue, error))?;
+            if fresh {
+                // Absent is as good as deleted.
+                let _ = stream.delete_consumer(durable).await;
+            }
+            stream
+                .get_or_create_consumer(
+                    durable,
+                    consumer::pull::Config {
+                        durable_name: Some(durable.to_owned()),
+                        ack_policy: consumer::AckPolicy::Explicit,
+                        ack_wait: ACK_WAIT,
+                        max_ack_pending: ACK_PENDING_MAX,
+                        ..Default::default()
+                    },
+                )
+                .await
+                .map_err(|error| carrier(queue, error))
+        })?;
+        Ok(JetStreamReceiver {
+            jetstream: self.clone(),
+            queue: queue.to_owned(),
+            consumer,
+            station: Station::new(queue),
+            stopped: Arc::new(AtomicBool::new(false)),
+            _items: std::marker::PhantomData,
+        })
+    }
+}
+
+/// Sends onto a JetStream queue.
+pub struct JetStreamSender<T> {
+    jetstream: JetStream,
+    subject: String,
+    station: Arc<Station>,
+    _items: std::marker::PhantomData<fn(T)>,
+}
+
+impl<T> Clone for JetStreamSender<T> {
+    fn clone(&self) -> Self {
+        Self {
+            jetstream: self.jetstream.clone(),
+            subject: self.subject.clone(),
+            station: self.station.clone(),
+            _items: std::marker::PhantomData,
+        }
+    }
+}
+
+/// Whether a publish failed because the stream is full (its limits, discard-new): the server
+/// answers 503 (codes 10077, maximum messages; 10047, storage exceeded).
+fn is_full(error: &jetstream::context::PublishError) -> bool {
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<jetstream::Error>())
+        .is_some_and(|error| error.code() == 503)
+}
+
+impl<T: Serialize> JetStreamSender<T> {
+    /// The station on which this sender counts its arrivals.
+    pub fn station(&self) -> &Arc<Station> {
+        &self.station
+    }
+
+    /// Publishes `items` as one message, or split in halves while too large for one.
+    fn publish(&self, items: &[T], enqueued_ns: u64) -> Result<(), QueueError> {
+        let payload =
+            postcard::to_allocvec(items).map_err(|error| carrier(&self.subject, error))?;
+        if payload.len() > BATCH_PAYLOAD_MAX_BYTES && items.len() > 1 {
+            let (first, second) = items.split_at(items.len() / 2);
+            self.publish(first, enqueued_ns)?;
+            return self.publish(second, enqueued_ns);
+        }
+        let payload = bytes::Bytes::from(payload);
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(ENQUEUED_NS_HEADER, enqueued_ns.to_string().as_str());
+        let mut backoff = Duration::from_millis(1);
+        loop {
+            let published = self.jetstream.runtime.block_on(async {
+                self.jetstream
+                    .context
+                    .publish_with_headers(self.subject.clone(), headers.clone(), payload.clone())
+                    .await?
+                    .await
+            });
+            match published {
+                Ok(_) => return Ok(()),
+                Err(error) if is_full(&error) => {
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(FULL_RETRY_MAX);
+                }
+                Err(error) => return Err(carrier(&self.subject, error)),
+            }
+        }
+    }
+}
+
+impl<T: Serialize + Send + Sync + 'static> BatchSender<T> for JetStreamSender<T> {
+    fn forward(&self, items: Vec<T>, receipt: Receipt) -> Result<(), QueueError> {
+        if items.is_empty() {
+            return receipt.ack();
+        }
+        self.station.arrive(items.len() as u64);
+        self.publish(&items, wall_ns())?;
+        // The server holds the batch now (its publish was acknowledged): what it came from is
+        // done with.
+        receipt.ack()
+    }
+
+    fn clone_sender(&self) -> Tx<T> {
+        Box::new(self.clone())
+    }
+}
+
+/// Receives from a JetStream queue through its durable consumer.
+pub struct JetStreamReceiver<T> {
+    jetstream: JetStream,
+    queue: String,
+    consumer: consumer::PullConsumer,
+    station: Arc<Station>,
+    stopped: Arc<AtomicBool>,
+    _items: std::marker::PhantomData<fn() -> T>,
+}
+
+/// Stops a receiver: its next wait ends with [`QueueError::Closed`].
+#[derive(Debug, Clone)]
+pub struct StopReceiving(Arc<AtomicBool>);
+
+impl StopReceiving {
+    /// Stops the receiver.
+    pub fn stop(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+impl<T> JetStreamReceiver<T> {
+    /// A handle that stops this receiver (a JetStream queue has no last sender to close it).
+    pub fn stopper(&self) -> StopReceiving {
+        StopReceiving(self.stopped.clone())
+    }
+}
+
+impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
+    /// One pull: the next batch within `wait`, if any.
+    fn pull(&self, wait: Duration) -> Result<Option<jetstream::Message>, QueueError> {
+        self.jetstream.runtime.block_on(async {
+            let mut batch = self
+                .consumer
+                .batch()
+                .max_messages(1)
+                .expires(wait)
+                .messages()
+                .await
+                .map_err(|error| carrier(&self.queue, error))?;
+            match batch.next().await {
+                None => Ok(None),
+                Some(Ok(message)) => Ok(Some(message)),
+                Some(Err(error)) => Err(carrier(&self.queue, error)),
+            }
+        })
+    }
+
+    fn received(&self, message: jetstream::Message) -> Result<Received<T>, QueueError> {
+        let items: Vec<T> = postcard::from_bytes(&message.payload).map_err(|error| {
+            // Not acknowledged: the batch stays in the stream for whoever can read it.
+            carrier(
+                &self.queue,
+                format!(
+                    "a batch of {} bytes does not decode: {error}",
+                    message.payload.len()
+                ),
+            )
+        })?;
+        let enqueued_ns = message
+            .headers
+            .as_ref()
+            .and_then(|headers| headers.get(ENQUEUED_NS_HEADER))
+            .and_then(|value| value.as_str().parse().ok())
+            .unwrap_or_else(wall_ns);
+        self.station.arrive(items.len() as u64);
+        let handle = self.jetstream.runtime.handle().clone();
+        let queue = self.queue.clone();
+        let receipt = Receipt::from_fn(move || {
+            handle
+                .block_on(message.ack())
+                .map_err(|error| carrier(&queue, error))
+        });
+        Ok(Received {
+            items,
+            enqueued_ns,
+            receipt,
+        })
+    }
+}
+
+impl<T: DeserializeOwned + Send + 'static> BatchReceiver<T> for JetStreamReceiver<T> {
+    fn recv_until(&self, deadline: Option<Instant>) -> Result<Option<Received<T>>, QueueError> {
+        loop {
+            if self.stopped.load(Ordering::Relaxed) {
+                return Err(QueueError::Closed {
+                    queue: self.queue.clone(),
+                });
+            }
+            let wait = match deadline {
+                None => PULL_EXPIRES_MAX,
+                Some(deadline) => deadline
+                    .saturating_duration_since(Instant::now())
+                    .clamp(Duration::from_millis(1), PULL_EXPIRES_MAX),
+            };
+            if let Some(message) = self.pull(wait)? {
+                return self.received(message).map(Some);
+            }
+            if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+                return Ok(None);
+            }
+        }
+    }
+
+    fn station(&self) -> &Arc<Station> {
+        &self.station
+    }
+
+    fn now_ns(&self) -> u64 {
+        wall_ns()
+    }
+}
+
+/// A JetStream queue's ends as the interface's.
+pub fn boxed<T>(sender: JetStreamSender<T>, receiver: JetStreamReceiver<T>) -> (Tx<T>, Rx<T>)
+where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+{
+    (Box::new(sender), Box::new(receiver))
+}

@@ -1,0 +1,246 @@
+//! The JetStream carrier of the queue seam against a real `nats-server` (2.9.10 here) that each
+//! test starts on a port and store folder of its own.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ste_engine::queue::jetstream::{JetStream, QueueLimits};
+use ste_engine::queue::{BatchReceiver, BatchSender, QueueError};
+
+/// A `nats-server -js` of the test's own, killed when dropped.
+struct NatsServer {
+    child: Child,
+    url: String,
+    _store: tempfile::TempDir,
+}
+
+impl NatsServer {
+    fn start() -> Self {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+            .port();
+        let store = tempfile::tempdir().expect("a store folder");
+        let child = Command::new("nats-server")
+            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(store.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server starts (Debian's nats-server package)");
+        let url = format!("nats://127.0.0.1:{port}");
+        let started = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "nats-server did not listen on {port}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self {
+            child,
+            url,
+            _store: store,
+        }
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const ROOMY: QueueLimits = QueueLimits {
+    batches_max: 1_000,
+    bytes_max: 64 * 1024 * 1024,
+};
+
+fn next(receiver: &impl BatchReceiver<u64>) -> ste_engine::queue::Received<u64> {
+    receiver
+        .recv_until(Some(Instant::now() + Duration::from_secs(5)))
+        .expect("receives")
+        .expect("a batch within 5 s")
+}
+
+#[test]
+fn batches_cross_in_order_with_their_enqueue_time_and_leave_once_acknowledged() {
+    let server = NatsServer::start();
+    let jetstream = JetStream::connect(&server.url).expect("connects");
+    jetstream.ensure_queue("match.0", ROOMY).expect("stream");
+    let sender = jetstream.sender::<u64>("match.0");
+    let receiver = jetstream
+        .receiver::<u64>("match.0", "owner", false)
+        .expect("consumer");
+    let before_ns = receiver.now_ns();
+    sender.send(vec![1, 2, 3]).expect("sends");
+    sender.send(Vec::new()).expect("an empty batch is not sent");
+    sender.send(vec![4]).expect("sends");
+    assert_eq!(sender.station().read().arrivals, 4);
+    assert_eq!(jetstream.queue_len("match.0").expect("info"), 2);
+
+    let first = next(&receiver);
+    let second = next(&receiver);
+    assert_eq!(
+        (first.items.clone(), second.items.clone()),
+        (vec![1, 2, 3], vec![4])
+    );
+    assert!(first.enqueued_ns >= before_ns && first.enqueued_ns <= receiver.now_ns());
+    assert_eq!(receiver.station().read().arrivals, 4);
+    first.receipt.ack().expect("acks");
+    second.receipt.ack().expect("acks");
+    // Work-queue retention: acknowledged batches are gone from the stream.
+    let started = Instant::now();
+    while jetstream.queue_len("match.0").expect("info") > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "acked batches stay"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(receiver
+        .recv_until(Some(Instant::now() + Duration::from_millis(200)))
+        .expect("waits")
+        .is_none());
+}
+
+#[test]
+fn a_batch_not_acknowledged_comes_back_in_order_to_a_fresh_consumer() {
+    let server = NatsServer::start();
+    let jetstream = JetStream::connect(&server.url).expect("connects");
+    jetstream.ensure_queue("match.1", ROOMY).expect("stream");
+    let sender = jetstream.sender::<u64>("match.1");
+    for batch in 0..3_u64 {
+        sender.send(vec![batch]).expect("sends");
+    }
+    {
+        let owner = jetstream
+            .receiver::<u64>("match.1", "owner", false)
+            .expect("consumer");
+        let first = next(&owner);
+        assert_eq!(first.items, vec![0]);
+        first.receipt.ack().expect("acks");
+        // Taken but never acknowledged: the owner dies with it.
+        let lost = next(&owner);
+        assert_eq!(lost.items, vec![1]);
+        drop(lost);
+    }
+    let successor = jetstream
+        .receiver::<u64>("match.1", "owner", true)
+        .expect("a fresh consumer");
+    assert_eq!(next(&successor).items, vec![1]);
+    assert_eq!(next(&successor).items, vec![2]);
+}
+
+#[test]
+fn a_full_queue_makes_its_sender_wait_and_nothing_is_dropped() {
+    let server = NatsServer::start();
+    let jetstream = JetStream::connect(&server.url).expect("connects");
+    jetstream
+        .ensure_queue(
+            "store.0",
+            QueueLimits {
+                batches_max: 2,
+                bytes_max: 1024 * 1024,
+            },
+        )
+        .expect("stream");
+    let sender = jetstream.sender::<u64>("store.0");
+    sender.send(vec![1]).expect("sends");
+    sender.send(vec![2]).expect("sends");
+    let waiting = std::thread::spawn(move || sender.send(vec![3]));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!waiting.is_finished(), "a third batch waits for room");
+    let receiver = jetstream
+        .receiver::<u64>("store.0", "owner", false)
+        .expect("consumer");
+    let first = next(&receiver);
+    first
+        .receipt
+        .ack()
+        .expect("acks: the batch leaves the stream");
+    waiting
+        .join()
+        .expect("the sender returns")
+        .expect("the third batch is sent once there is room");
+    let rest: Vec<u64> = (0..2).flat_map(|_| next(&receiver).items).collect();
+    assert_eq!((first.items, rest), (vec![1], vec![2, 3]));
+}
+
+#[test]
+fn a_forwarded_batch_acknowledges_its_source_once_the_server_holds_it() {
+    let server = NatsServer::start();
+    let jetstream = JetStream::connect(&server.url).expect("connects");
+    jetstream.ensure_queue("inbound.0", ROOMY).expect("stream");
+    jetstream.ensure_queue("match.0", ROOMY).expect("stream");
+    jetstream
+        .sender::<u64>("inbound.0")
+        .send(vec![7, 8])
+        .expect("sends");
+    let inbound = jetstream
+        .receiver::<u64>("inbound.0", "validators", false)
+        .expect("consumer");
+    let received = next(&inbound);
+    let doubled: Vec<u64> = received.items.iter().map(|item| item * 2).collect();
+    jetstream
+        .sender::<u64>("match.0")
+        .forward(doubled, received.receipt)
+        .expect("forwards");
+    let started = Instant::now();
+    while jetstream.queue_len("inbound.0").expect("info") > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the inbound batch was not acknowledged"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let matched = jetstream
+        .receiver::<u64>("match.0", "owner", false)
+        .expect("consumer");
+    assert_eq!(next(&matched).items, vec![14, 16]);
+}
+
+#[test]
+fn a_stopped_receiver_ends_its_wait_as_closed() {
+    let server = NatsServer::start();
+    let jetstream = JetStream::connect(&server.url).expect("connects");
+    jetstream.ensure_queue("acks.g1", ROOMY).expect("stream");
+    let receiver = jetstream
+        .receiver::<u64>("acks.g1", "gateway", false)
+        .expect("consumer");
+    receiver.stopper().stop();
+    assert!(matches!(
+        receiver.recv_until(None),
+        Err(QueueError::Closed { .. })
+    ));
+}
+
+#[test]
+fn a_batch_over_the_payload_limit_is_split_and_arrives_whole() {
+    let server = NatsServer::start();
+    let jetstream = JetStream::connect(&server.url).expect("connects");
+    jetstream.ensure_queue("match.3", ROOMY).expect("stream");
+    let items: Vec<Vec<u8>> = (0..3_u8).map(|i| vec![i; 400 * 1024]).collect();
+    jetstream
+        .sender::<Vec<u8>>("match.3")
+        .send(items.clone())
+        .expect("sends 1.2 MB past a 1 MiB payload limit");
+    let receiver = jetstream
+        .receiver::<Vec<u8>>("match.3", "owner", false)
+        .expect("consumer");
+    let mut arrived = Vec::new();
+    let mut batches = 0;
+    while arrived.len() < items.len() {
+        let received = receiver
+            .recv_until(Some(Instant::now() + Duration::from_secs(5)))
+            .expect("receives")
+            .expect("a batch");
+        batches += 1;
+        arrived.extend(received.items);
+        received.receipt.ack().expect("acks");
+    }
+    assert!(batches >= 2, "split into {batches} batches");
+    assert_eq!(arrived, items);
+}
