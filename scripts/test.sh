@@ -23,6 +23,13 @@ if ! pg_isready -h 127.0.0.1 -p 5432 -q; then
 fi
 pg_isready -h 127.0.0.1 -p 5432
 
+echo "== NATS JetStream server binary (each test starts its own; Debian's nats-server)"
+export PATH="$PATH:/usr/sbin"
+if ! command -v nats-server >/dev/null 2>&1; then
+  apt_install nats-server
+fi
+nats-server --version
+
 echo "== browser for the dashboard test (Debian's chromium)"
 if [ -z "${STE_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
   apt_install chromium
