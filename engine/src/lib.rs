@@ -7,6 +7,7 @@
 pub mod codec;
 pub mod generator;
 pub mod keys;
+pub mod lease;
 pub mod matcher;
 pub mod model;
 pub mod pipeline;

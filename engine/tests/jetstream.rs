@@ -1,10 +1,11 @@
-//! The JetStream carrier of the queue seam against a real `nats-server` (2.9.10 here) that each
-//! test starts on a port and store folder of its own.
+//! The JetStream carrier of the queue seam and the shard leases against a real `nats-server`
+//! (2.9.10 here) that each test starts on a port and store folder of its own.
 
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use ste_engine::lease::Leases;
 use ste_engine::queue::jetstream::{JetStream, QueueLimits};
 use ste_engine::queue::{BatchReceiver, BatchSender, QueueError};
 
@@ -243,4 +244,54 @@ fn a_batch_over_the_payload_limit_is_split_and_arrives_whole() {
     }
     assert!(batches >= 2, "split into {batches} batches");
     assert_eq!(arrived, items);
+}
+
+#[test]
+fn a_shard_lease_is_held_by_one_node_renewed_and_won_by_another_once_it_expires() {
+    let server = NatsServer::start();
+    let jetstream = JetStream::connect(&server.url).expect("connects");
+    let ttl = Duration::from_secs(1);
+    let leases = Leases::open(&jetstream, ttl).expect("the lease bucket");
+    let mut first = leases
+        .try_acquire(2, "node-a")
+        .expect("asks")
+        .expect("a free shard is won");
+    assert_eq!(
+        leases.try_acquire(2, "node-b").expect("asks"),
+        None,
+        "a held shard is refused"
+    );
+    assert_eq!(leases.holder(2).expect("asks").as_deref(), Some("node-a"));
+    // Renewing within the time to live keeps it past the first time to live.
+    for _ in 0..3 {
+        std::thread::sleep(ttl / 2);
+        assert!(leases.renew(&mut first, "node-a").expect("renews"));
+        assert!(leases.holds(&first));
+        assert_eq!(leases.try_acquire(2, "node-b").expect("asks"), None);
+    }
+    // node-a stalls: its entry expires and node-b wins the shard with a larger token.
+    let started = Instant::now();
+    let second = loop {
+        if let Some(lease) = leases.try_acquire(2, "node-b").expect("asks") {
+            break lease;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the expired lease was never won"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        started.elapsed() >= ttl / 2,
+        "won while node-a's lease lived"
+    );
+    assert!(second.token > first.token, "{second:?} after {first:?}");
+    assert!(!leases.holds(&first), "node-a knows by its own clock");
+    assert!(
+        !leases.renew(&mut first, "node-a").expect("asks"),
+        "a lost lease is not renewed"
+    );
+    assert_eq!(leases.holder(2).expect("asks").as_deref(), Some("node-b"));
+    // Another shard is independent.
+    assert!(leases.try_acquire(3, "node-a").expect("asks").is_some());
 }

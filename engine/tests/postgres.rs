@@ -12,7 +12,7 @@ use ste_engine::profile::Tolerances;
 use ste_engine::queue::drain;
 use ste_engine::refdata::RefData;
 use ste_engine::routing::shard_of;
-use ste_engine::store::{Batch, ClsRow, MessageRow, Month, PgStore, Store, TradeRow};
+use ste_engine::store::{Batch, ClsRow, MessageRow, Month, PgStore, Store, StoreError, TradeRow};
 
 fn admin_url() -> String {
     std::env::var("DATABASE_URL")
@@ -159,17 +159,14 @@ fn trades_land_on_the_shard_the_routing_rule_names() {
     assert_eq!(seen as u64, trades);
 }
 
-#[test]
-fn a_replayed_batch_changes_nothing() {
-    let databases = TempDatabases::create("replay", 1);
-    let url = &databases.urls()[0];
-    let mut store = PgStore::open(url).expect("opens and migrates");
-    let batch = || Batch {
+/// A batch of one NOE of trade `B/<trade_ref>`, its status and a CLS.
+fn one_message_batch(trade_ref: &str) -> Batch {
+    Batch {
         messages: vec![MessageRow {
             trade_date: time::macros::date!(2026 - 01 - 30),
-            trade_key: "B/T1".to_owned(),
+            trade_key: format!("B/{trade_ref}"),
             sender: "B".to_owned(),
-            msg_id: "B-1".to_owned(),
+            msg_id: format!("B-{trade_ref}"),
             msg_type: "NOE",
             function: "NEW",
             related_id: None,
@@ -179,17 +176,25 @@ fn a_replayed_batch_changes_nothing() {
         }],
         trades: vec![TradeRow {
             trade_date: time::macros::date!(2026 - 01 - 30),
-            trade_key: "B/T1".to_owned(),
+            trade_key: format!("B/{trade_ref}"),
             status: TradeStatus::Pending,
         }],
         cls: vec![ClsRow {
             trade_date: time::macros::date!(2026 - 01 - 30),
-            cls_id: "CLS-B-T1".to_owned(),
-            trade_key: "B/T1".to_owned(),
+            cls_id: format!("CLS-B-{trade_ref}"),
+            trade_key: format!("B/{trade_ref}"),
             body: "<Cls/>".to_owned(),
         }],
         ..Batch::default()
-    };
+    }
+}
+
+#[test]
+fn a_replayed_batch_changes_nothing() {
+    let databases = TempDatabases::create("replay", 1);
+    let url = &databases.urls()[0];
+    let mut store = PgStore::open(url).expect("opens and migrates");
+    let batch = || one_message_batch("T1");
     let outbox_ids = store.commit(&mut batch()).expect("commits");
     assert_eq!(outbox_ids.len(), 1);
     // The same batch again on a healthy connection is a bug upstream: refused, nothing written.
@@ -204,6 +209,35 @@ fn a_replayed_batch_changes_nothing() {
     // Opening again verifies the applied migrations' checksums and applies nothing twice.
     let mut reopened = PgStore::open(url).expect("reopens");
     assert_eq!(reopened.row_counts().expect("counts").messages, 1);
+}
+
+#[test]
+fn a_shard_refuses_the_commits_of_an_owner_with_an_older_lease_token() {
+    let databases = TempDatabases::create("fence", 1);
+    let url = &databases.urls()[0];
+    let mut stalled = PgStore::open(url).expect("opens");
+    stalled.fence(7).expect("the first owner fences the shard");
+    stalled
+        .commit(&mut one_message_batch("T1"))
+        .expect("the owner commits");
+    // Another node wins the shard with a newer token and fences it.
+    let mut successor = PgStore::open(url).expect("opens");
+    successor.fence(9).expect("the new owner fences the shard");
+    let refused = stalled.commit(&mut one_message_batch("T2"));
+    assert!(
+        matches!(refused, Err(StoreError::Fenced { token: 7, .. })),
+        "{refused:?}"
+    );
+    assert!(!stalled.is_transient(&refused.expect_err("refused")));
+    successor
+        .commit(&mut one_message_batch("T3"))
+        .expect("the new owner commits");
+    // Nothing of the refused batch is there; an older token cannot fence again either.
+    assert_eq!(trade_keys(url).len(), 2);
+    assert!(!trade_keys(url).contains(&"B/T2".to_owned()));
+    assert!(matches!(stalled.fence(8), Err(StoreError::Fenced { .. })));
+    // The same owner re-fencing with its own token (a restart of its writer) is accepted.
+    successor.fence(9).expect("the owner's own token");
 }
 
 fn query_i64(connection: &mut PgConnection, sql: &str) -> i64 {

@@ -102,6 +102,16 @@ impl JetStream {
         })
     }
 
+    /// The JetStream context, for what else a cluster keeps there (leases).
+    pub(crate) fn context(&self) -> jetstream::Context {
+        self.context.clone()
+    }
+
+    /// Runs `future` to completion on this connection's runtime.
+    pub(crate) fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
+        self.runtime.block_on(future)
+    }
+
     /// Creates the stream of `queue` with `limits` where it does not exist yet.
     pub fn ensure_queue(&self, queue: &str, limits: QueueLimits) -> Result<(), QueueError> {
         let config = stream::Config {

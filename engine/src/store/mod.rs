@@ -104,6 +104,9 @@ pub enum StoreError {
     },
     #[error("{0}")]
     Unsupported(&'static str),
+    /// The shard's fence refused a commit: another owner holds a newer lease.
+    #[error("{store} refused a commit with lease token {token}: the shard has a newer owner")]
+    Fenced { store: String, token: i64 },
     #[error("cannot start the i/o runtime")]
     Runtime(#[source] std::io::Error),
 }
@@ -153,6 +156,14 @@ pub trait Store: Send {
     fn undelivered_cls(&mut self) -> Result<Vec<UndeliveredCls>, StoreError>;
     /// Counts the rows held.
     fn row_counts(&mut self) -> Result<RowCounts, StoreError>;
+    /// Makes every later commit carry the lease token of this shard's owner, and raises the
+    /// shard's fence to it now: from then on a commit with an older token is refused
+    /// ([`StoreError::Fenced`]). Only a store that other nodes can reach can be fenced.
+    fn fence(&mut self, _token: u64) -> Result<(), StoreError> {
+        Err(StoreError::Unsupported(
+            "fencing a shard needs the PostgreSQL store",
+        ))
+    }
     /// Whether retrying after `error` (with [`Store::reconnect`]) may succeed.
     fn is_transient(&self, _error: &StoreError) -> bool {
         false

@@ -23,6 +23,9 @@ pub struct PgStore {
     retrying: bool,
     /// Partitions known to exist, by table and month.
     partitions: ahash::AHashSet<(PartitionedTable, Month)>,
+    /// The lease token of this shard's owner (cluster mode): every commit raises the shard's
+    /// fence to it first and is refused when the fence is already higher.
+    fencing_token: Option<i64>,
     runtime: tokio::runtime::Runtime,
     connection: PgConnection,
 }
@@ -240,6 +243,7 @@ impl PgStore {
             url: url.to_owned(),
             retrying: false,
             partitions: ahash::AHashSet::new(),
+            fencing_token: None,
             runtime,
             connection,
         })
@@ -260,6 +264,14 @@ fn catalog_race(error: &sqlx::Error) -> bool {
             .is_some_and(|constraint| constraint.starts_with("pg_")),
         _ => false,
     }
+}
+
+/// SQLSTATE of a commit refused by the shard's fence (migration 0003).
+const FENCED_SQLSTATE: &str = "SF001";
+
+/// Whether `error` is the shard's fence refusing a commit.
+fn is_fenced(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(database) if database.code().as_deref() == Some(FENCED_SQLSTATE))
 }
 
 /// Finds the outbox ids of the batch's CLS that are already stored, by their key.
@@ -297,8 +309,16 @@ async fn write_pg_batch(
     connection: &mut PgConnection,
     batch: &Batch,
     create_partitions: &str,
+    fencing_token: Option<i64>,
 ) -> Result<Vec<i64>, sqlx::Error> {
     let mut transaction = connection.begin().await?;
+    if let Some(token) = fencing_token {
+        // First, so that a fenced owner writes nothing at all.
+        sqlx::query("SELECT ste_raise_fence($1)")
+            .bind(token)
+            .execute(&mut *transaction)
+            .await?;
+    }
     if !create_partitions.is_empty() {
         sqlx::raw_sql(create_partitions)
             .execute(&mut *transaction)
@@ -467,20 +487,32 @@ impl Store for PgStore {
             .collect();
         new_partitions.sort_by_key(|&(table, month)| (month, table as u8));
         let create = create_partitions_sql(&new_partitions);
-        let mut result =
-            self.runtime
-                .block_on(write_pg_batch(&mut self.connection, batch, &create));
+        let mut result = self.runtime.block_on(write_pg_batch(
+            &mut self.connection,
+            batch,
+            &create,
+            self.fencing_token,
+        ));
         if !create.is_empty() && matches!(&result, Err(error) if catalog_race(error)) {
             // Another writer of this database created the same partition at the same moment
             // (shard 0's writer and the exceptions writer share `exceptions`): it exists now.
-            result = self
-                .runtime
-                .block_on(write_pg_batch(&mut self.connection, batch, &create));
+            result = self.runtime.block_on(write_pg_batch(
+                &mut self.connection,
+                batch,
+                &create,
+                self.fencing_token,
+            ));
         }
         let error = match result {
             Ok(ids) => {
                 self.partitions.extend(new_partitions);
                 return Ok(ids);
+            }
+            Err(error) if is_fenced(&error) => {
+                return Err(StoreError::Fenced {
+                    store: self.name.clone(),
+                    token: self.fencing_token.unwrap_or_default(),
+                });
             }
             Err(error) => error,
         };
@@ -501,6 +533,16 @@ impl Store for PgStore {
             Err(error)
         };
         result.map_err(|source| database_error(&self.name, source))
+    }
+
+    fn fence(&mut self, token: u64) -> Result<(), StoreError> {
+        let token = i64::try_from(token).map_err(|_| StoreError::Fenced {
+            store: self.name.clone(),
+            token: i64::MAX,
+        })?;
+        self.fencing_token = Some(token);
+        // Raise the fence at once: from now on an older owner's commit is refused.
+        self.commit(&mut Batch::default()).map(|_| ())
     }
 
     fn undelivered_cls(&mut self) -> Result<Vec<UndeliveredCls>, StoreError> {
