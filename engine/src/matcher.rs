@@ -104,7 +104,7 @@ pub enum Disposition {
 }
 
 /// A MISMATCHED status advice: the criteria that failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Advice {
     pub trade_key: String,
     pub failed: Vec<Criterion>,
@@ -163,7 +163,7 @@ struct Closed {
 }
 
 /// A trade that aged out: what its rows and its AGED advice need.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct AgedTrade {
     pub trade_key: String,
     /// The date the trade's rows are stored under.

@@ -5,7 +5,9 @@ use std::fmt;
 use time::{Date, Month};
 
 /// The four inbound message types.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub enum MsgType {
     Noe,
     Alc,
@@ -37,7 +39,7 @@ impl MsgType {
 }
 
 /// NEW, CAN (cancel) or AMD (amend and replace).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Function {
     New,
     Can,
@@ -66,7 +68,7 @@ impl Function {
 }
 
 /// BUY or SELL, from the investment manager's view.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Side {
     Buy,
     Sell,
@@ -92,7 +94,7 @@ impl Side {
 }
 
 /// Delivery versus payment or free of payment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum PaymentType {
     Dvp,
     Fop,
@@ -121,7 +123,19 @@ impl PaymentType {
 ///
 /// Money and prices are never floating point: `Qty × Price` of the largest allowed values still
 /// fits in the `i128` mantissa.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct Decimal(pub i128);
 
 /// Fraction digits held by [`Decimal`].
@@ -272,7 +286,7 @@ pub fn format_date(date: Date) -> String {
 }
 
 /// One validated inbound message. Fields that a type or function does not carry are `None`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Msg {
     pub msg_id: String,
     pub msg_type: MsgType,

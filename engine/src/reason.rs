@@ -4,7 +4,9 @@ use std::fmt;
 
 /// Why a message was rejected. The order of the variants is the order of the checks: a message
 /// with several faults gets the code of the first failing check.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub enum ReasonCode {
     Size,
     Sig,
@@ -74,7 +76,7 @@ impl fmt::Display for ReasonCode {
 }
 
 /// A rejection: the code and a human-readable detail.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Rejection {
     pub code: ReasonCode,
     pub detail: String,
@@ -97,7 +99,9 @@ impl fmt::Display for Rejection {
 }
 
 /// The 17 matching criteria.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub enum Criterion {
     C01,
     C02,

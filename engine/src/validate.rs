@@ -106,7 +106,7 @@ fn field_error(detail: impl Into<String>) -> Rejection {
 /// Who a rejected message says it is: its Sender, MsgId and trade key (Broker, TradeRef), when
 /// its XML parses and all four are there. For remembering the MsgId of a message that was
 /// rejected after its signature checked out.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Identity {
     pub sender: String,
     pub msg_id: String,

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 use ste_engine::lease::Leases;
 use ste_engine::queue::jetstream::{JetStream, QueueLimits};
 use ste_engine::queue::{BatchReceiver, BatchSender, QueueError};
+use ste_engine::refdata::RefData;
+use ste_engine::validate::validate;
 
 /// A `nats-server -js` of the test's own, killed when dropped.
 struct NatsServer {
@@ -294,4 +296,131 @@ fn a_shard_lease_is_held_by_one_node_renewed_and_won_by_another_once_it_expires(
     assert_eq!(leases.holder(2).expect("asks").as_deref(), Some("node-b"));
     // Another shard is independent.
     assert!(leases.try_acquire(3, "node-a").expect("asks").is_some());
+}
+
+#[test]
+fn validators_on_jetstream_queues_route_every_message_as_the_in_process_validator_decides() {
+    use std::sync::Arc;
+    use ste_engine::generator::{Generator, GeneratorConfig};
+    use ste_engine::node::{ClusterLayout, Validators};
+    use ste_engine::pipeline::{inbound_index, sign_line, Envelope};
+    use ste_engine::routing::shard_of;
+    use ste_engine::stations::{RejectedItem, Validated};
+
+    let server = NatsServer::start();
+    let jetstream = JetStream::connect(&server.url).expect("connects");
+    let layout = ClusterLayout {
+        partitions: 2,
+        shards: 3,
+        inbound: ROOMY,
+        shard_backlog: ROOMY,
+        exceptions: ROOMY,
+    };
+    layout.ensure(&jetstream).expect("streams");
+    let refdata = Arc::new(
+        RefData::embedded()
+            .expect("reference data")
+            .with_generated_keys(),
+    );
+    let lines: Vec<Vec<u8>> = Generator::new(
+        &refdata,
+        GeneratorConfig {
+            trades: 200,
+            seed: 11,
+            fault_rate: 0.3,
+            shuffle: true,
+        },
+    )
+    .collect();
+    let envelopes: Vec<Envelope> = lines
+        .into_iter()
+        .enumerate()
+        .map(|(index, line)| sign_line(&refdata, line, index as u64, 0))
+        .collect();
+    let passes = envelopes
+        .iter()
+        .filter(|envelope| {
+            validate(
+                &refdata,
+                &envelope.bytes,
+                envelope.sender.as_deref(),
+                envelope.signature.as_ref().map(|s| s.as_slice()),
+            )
+            .is_ok()
+        })
+        .count();
+    let senders: Vec<_> = (0..layout.partitions)
+        .map(|p| jetstream.sender::<Envelope>(&ClusterLayout::inbound_queue(p)))
+        .collect();
+    let mut batches: Vec<Vec<Envelope>> = vec![Vec::new(); layout.partitions as usize];
+    for envelope in envelopes.iter().cloned() {
+        let partition = inbound_index(&envelope.bytes, layout.partitions as usize);
+        batches[partition].push(envelope);
+        if batches[partition].len() == 64 {
+            senders[partition]
+                .send(std::mem::take(&mut batches[partition]))
+                .expect("publishes");
+        }
+    }
+    for (partition, batch) in batches.into_iter().enumerate() {
+        senders[partition].send(batch).expect("publishes");
+    }
+
+    let validators =
+        Validators::start(&jetstream, &layout, &[0, 1], refdata.clone()).expect("validators");
+    let shards: Vec<_> = (0..layout.shards)
+        .map(|k| {
+            jetstream
+                .receiver::<Validated>(&ClusterLayout::match_queue(k), "owner", false)
+                .expect("consumer")
+        })
+        .collect();
+    let exceptions = jetstream
+        .receiver::<RejectedItem>(ClusterLayout::EXCEPTIONS_QUEUE, "writer", false)
+        .expect("consumer");
+    let (mut routed, mut passed, mut rejected) = (0, 0, 0);
+    let started = Instant::now();
+    while routed + rejected < envelopes.len() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{routed} routed and {rejected} rejected of {}",
+            envelopes.len()
+        );
+        for (shard, receiver) in shards.iter().enumerate() {
+            if let Some(received) = receiver
+                .recv_until(Some(Instant::now() + Duration::from_millis(20)))
+                .expect("receives")
+            {
+                for item in &received.items {
+                    assert_eq!(shard_of(&item.trade_key(), layout.shards), shard as u32);
+                    passed += usize::from(item.passed());
+                }
+                routed += received.items.len();
+                received.receipt.ack().expect("acks");
+            }
+        }
+        if let Some(received) = exceptions
+            .recv_until(Some(Instant::now() + Duration::from_millis(20)))
+            .expect("receives")
+        {
+            rejected += received.items.len();
+            received.receipt.ack().expect("acks");
+        }
+    }
+    assert_eq!(routed + rejected, envelopes.len());
+    assert_eq!(passed, passes);
+    assert!(
+        rejected > 0 && passed < routed,
+        "the fault mix reaches both paths"
+    );
+    validators.stop().expect("the validators stop cleanly");
+    // Every inbound batch was acknowledged once its output was held by the server.
+    for partition in 0..layout.partitions {
+        assert_eq!(
+            jetstream
+                .queue_len(&ClusterLayout::inbound_queue(partition))
+                .expect("info"),
+            0
+        );
+    }
 }

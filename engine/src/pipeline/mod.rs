@@ -43,7 +43,7 @@ use crate::store::{MemoryStore, PgStore, RowCounts, SqliteStore, Store, StoreErr
 pub use crate::stations::sampler::SAMPLES_HEADER;
 
 /// One inbound message as it enters the engine.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Envelope {
     pub bytes: Vec<u8>,
     /// The participant whose key signed the bytes.
@@ -60,7 +60,7 @@ pub struct Envelope {
 }
 
 /// The result of one inbound message, sent after the commit that holds it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum AckResult {
     Accepted,
     Duplicate,
@@ -68,14 +68,14 @@ pub enum AckResult {
 }
 
 /// An ACK (accepted or duplicate) or NAK (rejected with a code).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct Ack {
     pub correlation: u64,
     pub result: AckResult,
 }
 
 /// What the engine sends outbound after commit.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub enum OutboundEvent {
     Cls {
         cls_id: String,

@@ -31,8 +31,9 @@ const ENQUEUED_NS_HEADER: &str = "Ste-Enqueued-Ns";
 pub const BATCH_PAYLOAD_MAX_BYTES: usize = 960 * 1024;
 /// Longest a sender waits between two tries at a full queue.
 const FULL_RETRY_MAX: Duration = Duration::from_millis(100);
-/// Longest one pull request waits for a batch; a receiver waiting for ever renews it.
-const PULL_EXPIRES_MAX: Duration = Duration::from_secs(5);
+/// Longest one pull request waits for a batch; a receiver waiting for ever renews it (and sees
+/// a stop within this).
+const PULL_EXPIRES_MAX: Duration = Duration::from_secs(1);
 /// How long the server waits for an acknowledgement before it delivers a batch again.
 const ACK_WAIT: Duration = Duration::from_secs(30);
 /// Batches delivered to a consumer and not yet acknowledged.

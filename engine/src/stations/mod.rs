@@ -61,7 +61,10 @@ pub(crate) fn commit_retrying(
     }
 }
 
-pub(crate) struct Validated {
+/// A message as a validator hands it to its shard: parsed, or refused after its signature
+/// checked out (the shard remembers its MsgId).
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct Validated {
     /// The message, or why the validator rejected it after its signature checked out.
     verdict: Result<Msg, Refused>,
     bytes: Vec<u8>,
@@ -69,7 +72,29 @@ pub(crate) struct Validated {
     injected_ns: u64,
 }
 
+impl RejectedItem {
+    /// The code it was rejected with.
+    pub fn code(&self) -> crate::reason::ReasonCode {
+        self.rejection.code
+    }
+}
+
 impl Validated {
+    /// The trade the message belongs to (`Broker/TradeRef`).
+    pub fn trade_key(&self) -> String {
+        match &self.verdict {
+            Ok(msg) => msg.trade_key(),
+            Err(refused) => {
+                crate::model::trade_key(&refused.identity.broker, &refused.identity.trade_ref)
+            }
+        }
+    }
+
+    /// Whether the validator passed the message.
+    pub fn passed(&self) -> bool {
+        self.verdict.is_ok()
+    }
+
     /// What the item costs on a queue: its raw bytes (the parsed message holds about as much
     /// again) and the fixed size of the item.
     pub(crate) fn weight_bytes(&self) -> usize {
@@ -78,7 +103,8 @@ impl Validated {
 }
 
 /// A message rejected after its signature checked out: its shard's matcher remembers its MsgId.
-pub(crate) struct Refused {
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct Refused {
     rejection: Rejection,
     identity: crate::validate::Identity,
 }
@@ -125,7 +151,9 @@ pub(crate) struct Processed {
     injected_ns: u64,
 }
 
-pub(crate) struct RejectedItem {
+/// A message a validator rejected before any shard could take it, for the exception writer.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct RejectedItem {
     rejection: Rejection,
     sender: Option<String>,
     bytes: Vec<u8>,
