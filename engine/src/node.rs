@@ -5,15 +5,27 @@
 //! `match.<k>` (one per shard), `exceptions`. Every one is a stream of its own with bounds in
 //! batches and bytes ([`ClusterLayout`]).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-use crate::pipeline::{Envelope, PipelineError};
+use crate::lease::Leases;
+use crate::matcher::ShardCounts;
+use crate::pipeline::{
+    restore_matcher, Ack, Aging, Delivery, Envelope, OutboundEvent, PipelineError, RetryPolicy,
+};
+use crate::profile::Tolerances;
 use crate::queue::jetstream::{JetStream, QueueLimits, StopReceiving};
+use crate::queue::local;
 use crate::queue::{QueueError, Tx};
 use crate::refdata::RefData;
+use crate::station::RunClock;
+use crate::stations::matcher::run_matcher;
 use crate::stations::validator::run_validator;
-use crate::stations::{RejectedItem, Validated};
+use crate::stations::writer::{run_writer, WriterContext};
+use crate::stations::{RejectedItem, ToStore, Validated, WriterReport};
+use crate::store::{PgStore, Store};
 
 /// The queues of a cluster and their bounds.
 #[derive(Debug, Clone, Copy)]
@@ -124,4 +136,193 @@ impl Validators {
         }
         result
     }
+}
+
+/// How a node owns a shard.
+#[derive(Debug, Clone)]
+pub struct ShardOwnerConfig {
+    pub node_id: String,
+    pub shard: u32,
+    /// The shard's PostgreSQL database: where every node can reach it.
+    pub database_url: String,
+    pub tolerances: Tolerances,
+    pub aging: Option<Aging>,
+    pub batch_max_messages: usize,
+    pub retry: RetryPolicy,
+}
+
+/// What a node's ownership of a shard ended with.
+#[derive(Debug)]
+pub struct OwnershipReport {
+    /// The fencing token the shard was owned with.
+    pub token: u64,
+    pub counts: Result<ShardCounts, PipelineError>,
+    pub writer: Result<(), PipelineError>,
+}
+
+/// A shard owned by this node: its matcher and writer, and the thread that renews its lease.
+pub struct ShardOwner {
+    token: u64,
+    stop: Arc<AtomicBool>,
+    renewer: JoinHandle<()>,
+    matcher: JoinHandle<Result<ShardCounts, PipelineError>>,
+    writer: JoinHandle<Result<WriterReport, PipelineError>>,
+    stopper: StopReceiving,
+}
+
+/// Polls for a lease this often while another node holds it, and renews a held one this many
+/// times per time to live.
+const LEASE_POLLS_PER_TTL: u32 = 4;
+
+impl ShardOwner {
+    /// Waits until this node wins the shard's lease (or `give_up_after` passes: `None`), then
+    /// fences the shard's database with the lease's token, rebuilds the matcher from it, emits
+    /// again the CLS whose delivery was not confirmed, re-creates the shard's consumer (so that
+    /// batches nobody acknowledged come back in order) and consumes. ACKs go to `ack_tx`, CLS
+    /// and advices to `out_tx`, after each commit.
+    pub fn take_over(
+        jetstream: &JetStream,
+        leases: Arc<Leases>,
+        config: &ShardOwnerConfig,
+        refdata: Arc<RefData>,
+        ack_tx: Tx<Ack>,
+        out_tx: Tx<OutboundEvent>,
+        give_up_after: Duration,
+    ) -> Result<Option<Self>, PipelineError> {
+        let poll = leases.ttl() / LEASE_POLLS_PER_TTL;
+        let waiting_since = Instant::now();
+        let mut lease = loop {
+            if let Some(lease) = leases
+                .try_acquire(config.shard, &config.node_id)
+                .map_err(PipelineError::Queue)?
+            {
+                break lease;
+            }
+            if waiting_since.elapsed() >= give_up_after {
+                return Ok(None);
+            }
+            std::thread::sleep(poll);
+        };
+        let shard = config.shard;
+        let token = lease.token;
+        tracing::info!(shard, node = %config.node_id, token = lease.token, "won the shard");
+        let mut store: Box<dyn Store> = Box::new(PgStore::open(&config.database_url)?);
+        store.fence(lease.token)?;
+        let matcher =
+            restore_matcher(store.as_mut(), shard as usize, &refdata, &config.tolerances)?;
+        let redeliver = store.undelivered_cls()?;
+        let receiver = jetstream
+            .receiver::<Validated>(
+                &ClusterLayout::match_queue(shard),
+                &owner_consumer(shard),
+                true,
+            )
+            .map_err(PipelineError::Queue)?;
+        let stopper = receiver.stopper();
+        let held = Arc::new(AtomicBool::new(true));
+        let stop = Arc::new(AtomicBool::new(false));
+        let renewer = {
+            let (leases, held, stop, stopper) =
+                (leases.clone(), held.clone(), stop.clone(), stopper.clone());
+            let node_id = config.node_id.clone();
+            let interval = leases.ttl() / LEASE_POLLS_PER_TTL;
+            std::thread::Builder::new()
+                .name(format!("lease-{shard}"))
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(interval);
+                        let renewed = match leases.renew(&mut lease, &node_id) {
+                            Ok(renewed) => renewed,
+                            Err(error) => {
+                                tracing::warn!(shard, %error, "renewing the lease failed");
+                                true
+                            }
+                        };
+                        if !renewed || !leases.holds(&lease) {
+                            // Stop writing at once; the shard's fence refuses what is already
+                            // on its way.
+                            held.store(false, Ordering::Release);
+                            stopper.stop();
+                            tracing::warn!(shard, "lost the shard's lease");
+                            return;
+                        }
+                    }
+                })
+                .map_err(thread_error)?
+        };
+        let clock = RunClock::start();
+        let (store_tx, store_rx) =
+            local::bounded::<ToStore>(format!("store.{shard}"), STORE_QUEUE_BATCHES, clock);
+        let delivery = Delivery {
+            through: (0..=shard)
+                .map(|_| Arc::new(std::sync::atomic::AtomicI64::new(0)))
+                .collect(),
+            in_use: Arc::new(AtomicBool::new(false)),
+        };
+        let context = WriterContext {
+            shard,
+            ack_tx,
+            out_tx,
+            batch_max: config.batch_max_messages.max(1),
+            linger: Duration::ZERO,
+            retry: config.retry,
+            delivery,
+            retention_days: None,
+            lease_held: Some(held),
+        };
+        let writer = std::thread::Builder::new()
+            .name(format!("writer-{shard}"))
+            .spawn(move || run_writer(Box::new(store_rx), store, context, redeliver))
+            .map_err(thread_error)?;
+        let aging = config.aging;
+        let matcher = std::thread::Builder::new()
+            .name(format!("matcher-{shard}"))
+            .spawn(move || run_matcher(Box::new(receiver), matcher, Box::new(store_tx), aging))
+            .map_err(thread_error)?;
+        Ok(Some(Self {
+            token,
+            stop,
+            renewer,
+            matcher,
+            writer,
+            stopper,
+        }))
+    }
+
+    /// The fencing token of this ownership.
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+
+    /// Stops consuming and renewing, lets the writer commit what the matcher handed it, and
+    /// reports. The lease is not given back: it runs out, as a crashed node's would.
+    pub fn stop(self) -> OwnershipReport {
+        self.stop.store(true, Ordering::Relaxed);
+        self.stopper.stop();
+        let counts = join_station(self.matcher);
+        let writer = join_station(self.writer).map(|_| ());
+        let _ = self.renewer.join();
+        OwnershipReport {
+            token: self.token,
+            counts,
+            writer,
+        }
+    }
+}
+
+/// The durable consumer of a shard's owner.
+fn owner_consumer(shard: u32) -> String {
+    format!("owner-{shard}")
+}
+
+/// Batches between a shard owner's matcher and its writer.
+const STORE_QUEUE_BATCHES: usize = 128;
+
+fn thread_error(error: std::io::Error) -> PipelineError {
+    PipelineError::Config(format!("cannot start a thread: {error}"))
+}
+
+fn join_station<T>(handle: JoinHandle<Result<T, PipelineError>>) -> Result<T, PipelineError> {
+    let name = handle.thread().name().unwrap_or("station").to_owned();
+    handle.join().map_err(|_| PipelineError::Panicked(name))?
 }

@@ -1,60 +1,17 @@
 //! The JetStream carrier of the queue seam and the shard leases against a real `nats-server`
 //! (2.9.10 here) that each test starts on a port and store folder of its own.
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+mod common;
+
 use std::time::{Duration, Instant};
+
+use common::NatsServer;
 
 use ste_engine::lease::Leases;
 use ste_engine::queue::jetstream::{JetStream, QueueLimits};
 use ste_engine::queue::{BatchReceiver, BatchSender, QueueError};
 use ste_engine::refdata::RefData;
 use ste_engine::validate::validate;
-
-/// A `nats-server -js` of the test's own, killed when dropped.
-struct NatsServer {
-    child: Child,
-    url: String,
-    _store: tempfile::TempDir,
-}
-
-impl NatsServer {
-    fn start() -> Self {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .port();
-        let store = tempfile::tempdir().expect("a store folder");
-        let child = Command::new("nats-server")
-            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-            .arg(store.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("nats-server starts (Debian's nats-server package)");
-        let url = format!("nats://127.0.0.1:{port}");
-        let started = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "nats-server did not listen on {port}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Self {
-            child,
-            url,
-            _store: store,
-        }
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 const ROOMY: QueueLimits = QueueLimits {
     batches_max: 1_000,
@@ -423,4 +380,152 @@ fn validators_on_jetstream_queues_route_every_message_as_the_in_process_validato
             0
         );
     }
+}
+
+#[test]
+fn a_shard_taken_over_after_its_owner_stopped_ends_with_one_cls_per_trade_and_nothing_twice() {
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::sync::Arc;
+    use ste_engine::generator::{Generator, GeneratorConfig};
+    use ste_engine::node::{ClusterLayout, ShardOwner, ShardOwnerConfig, Validators};
+    use ste_engine::pipeline::{sign_line, Ack, AckResult, Envelope, OutboundEvent, RetryPolicy};
+    use ste_engine::profile::Tolerances;
+    use ste_engine::queue::local;
+    use ste_engine::station::RunClock;
+    use ste_engine::store::{PgStore, Store};
+
+    let server = NatsServer::start();
+    let databases = common::TempDatabases::create("takeover", 1);
+    let database_url = databases.urls()[0].clone();
+    let jetstream = JetStream::connect(&server.url).expect("connects");
+    let layout = ClusterLayout {
+        partitions: 1,
+        shards: 1,
+        inbound: ROOMY,
+        shard_backlog: ROOMY,
+        exceptions: ROOMY,
+    };
+    layout.ensure(&jetstream).expect("streams");
+    let leases = Arc::new(Leases::open(&jetstream, Duration::from_secs(1)).expect("leases"));
+    let refdata = Arc::new(
+        RefData::embedded()
+            .expect("reference data")
+            .with_generated_keys(),
+    );
+    let trades = 300_u64;
+    let envelopes: Vec<Envelope> = Generator::new(&refdata, GeneratorConfig::clean(trades))
+        .enumerate()
+        .map(|(index, line)| sign_line(&refdata, line, index as u64, 0))
+        .collect();
+    let inbound = jetstream.sender::<Envelope>(&ClusterLayout::inbound_queue(0));
+    for batch in envelopes.chunks(64) {
+        inbound.send(batch.to_vec()).expect("publishes");
+    }
+    let validators =
+        Validators::start(&jetstream, &layout, &[0], refdata.clone()).expect("validators");
+
+    let clock = RunClock::start();
+    let (ack_tx, ack_rx) = local::bounded::<Ack>("acks", 1 << 16, clock);
+    let (out_tx, out_rx) = local::bounded::<OutboundEvent>("outbound", 1 << 16, clock);
+    let config = |node: &str| ShardOwnerConfig {
+        node_id: node.to_owned(),
+        shard: 0,
+        database_url: database_url.clone(),
+        tolerances: Tolerances::default(),
+        aging: None,
+        batch_max_messages: 64,
+        retry: RetryPolicy::default(),
+    };
+    let mut cls: BTreeSet<String> = BTreeSet::new();
+    let collect = |cls: &mut BTreeSet<String>| {
+        while let Some(received) = out_rx
+            .recv_until(Some(Instant::now() + Duration::from_millis(20)))
+            .expect("outbound")
+        {
+            for event in received.items {
+                if let OutboundEvent::Cls { cls_id, .. } = event {
+                    cls.insert(cls_id);
+                }
+            }
+        }
+    };
+    let take_over = |node: &str| {
+        ShardOwner::take_over(
+            &jetstream,
+            leases.clone(),
+            &config(node),
+            refdata.clone(),
+            Box::new(ack_tx.clone()),
+            Box::new(out_tx.clone()),
+            Duration::from_secs(10),
+        )
+        .expect("takes over")
+        .expect("wins the shard within 10 s")
+    };
+
+    let first = take_over("node-a");
+    let started = Instant::now();
+    while cls.len() < 50 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "node-a made no progress"
+        );
+        collect(&mut cls);
+    }
+    // node-a stops mid-run without giving the lease back, as a node that died would.
+    let first_report = first.stop();
+    first_report
+        .writer
+        .expect("node-a's writer stopped cleanly");
+    let second = take_over("node-b");
+    assert!(second.token() > first_report.token);
+    let started = Instant::now();
+    while (cls.len() as u64) < trades {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{} CLS of {trades}",
+            cls.len()
+        );
+        collect(&mut cls);
+    }
+    let second_report = second.stop();
+    second_report
+        .writer
+        .expect("node-b's writer stopped cleanly");
+    validators.stop().expect("validators stop");
+    collect(&mut cls);
+    assert_eq!(cls.len() as u64, trades, "one CLS per trade");
+
+    // Every message answered, accepted exactly once (a batch node-a committed and did not
+    // acknowledge came back to node-b, which knew it from the shard: duplicate).
+    let mut results: BTreeMap<u64, Vec<AckResult>> = BTreeMap::new();
+    for ack in
+        ste_engine::queue::drain(&(Box::new(ack_rx) as ste_engine::queue::Rx<Ack>)).expect("acks")
+    {
+        results.entry(ack.correlation).or_default().push(ack.result);
+    }
+    assert_eq!(results.len(), envelopes.len(), "every message answered");
+    let accepted = results
+        .values()
+        .filter(|answers| answers.contains(&AckResult::Accepted))
+        .count();
+    assert_eq!(accepted, envelopes.len());
+    assert!(results.values().all(|answers| answers
+        .iter()
+        .all(|result| matches!(result, AckResult::Accepted | AckResult::Duplicate))
+        && answers
+            .iter()
+            .filter(|r| **r == AckResult::Accepted)
+            .count()
+            == 1));
+    let rows = PgStore::open(&database_url)
+        .expect("opens")
+        .row_counts()
+        .expect("counts");
+    assert_eq!(
+        rows.messages,
+        envelopes.len() as u64,
+        "every message stored once"
+    );
+    assert_eq!(rows.cls, trades, "one outbox row per trade");
 }

@@ -2,8 +2,11 @@
 //! connection (default: the local server, user postgres); each test creates its own databases
 //! and drops them afterwards.
 
+mod common;
+
 use std::sync::Arc;
 
+use common::{block_on, TempDatabases};
 use sqlx::{Connection, PgConnection};
 use ste_engine::generator::{Generator, GeneratorConfig};
 use ste_engine::matcher::TradeStatus;
@@ -13,80 +16,6 @@ use ste_engine::queue::drain;
 use ste_engine::refdata::RefData;
 use ste_engine::routing::shard_of;
 use ste_engine::store::{Batch, ClsRow, MessageRow, Month, PgStore, Store, StoreError, TradeRow};
-
-fn admin_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
-}
-
-/// `url` with its database replaced by `database`.
-fn url_of(url: &str, database: &str) -> String {
-    let (base, _) = url.rsplit_once('/').expect("a URL with a database");
-    format!("{base}/{database}")
-}
-
-/// Runs `future` on the tests' one runtime, so that a connection outlives a call.
-fn block_on<T>(future: impl std::future::Future<Output = T>) -> T {
-    static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
-    RUNTIME
-        .get_or_init(|| {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime")
-        })
-        .block_on(future)
-}
-
-/// Databases created for one test, dropped when it ends.
-struct TempDatabases {
-    names: Vec<String>,
-}
-
-impl TempDatabases {
-    fn create(label: &str, count: usize) -> Self {
-        let names: Vec<String> = (0..count)
-            .map(|index| format!("ste_test_{label}_{}_{index}", std::process::id()))
-            .collect();
-        block_on(async {
-            let mut admin = PgConnection::connect(&admin_url())
-                .await
-                .expect("DATABASE_URL reaches a PostgreSQL server");
-            for name in &names {
-                sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                    .execute(&mut admin)
-                    .await
-                    .expect("drop");
-                sqlx::query(&format!("CREATE DATABASE {name}"))
-                    .execute(&mut admin)
-                    .await
-                    .expect("create");
-            }
-        });
-        Self { names }
-    }
-
-    fn urls(&self) -> Vec<String> {
-        self.names
-            .iter()
-            .map(|name| url_of(&admin_url(), name))
-            .collect()
-    }
-}
-
-impl Drop for TempDatabases {
-    fn drop(&mut self) {
-        block_on(async {
-            if let Ok(mut admin) = PgConnection::connect(&admin_url()).await {
-                for name in &self.names {
-                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                        .execute(&mut admin)
-                        .await;
-                }
-            }
-        });
-    }
-}
 
 fn trade_keys(url: &str) -> Vec<String> {
     block_on(async {

@@ -250,6 +250,9 @@ pub enum PipelineError {
     Panicked(String),
     #[error(transparent)]
     Queue(QueueError),
+    /// This node no longer holds the shard's lease: it stopped writing the shard.
+    #[error("the lease of shard {shard} was lost")]
+    LeaseLost { shard: u32 },
 }
 
 /// Bytes of its raw input an exception keeps when the input's signature was not checked (too
@@ -555,6 +558,7 @@ impl Pipeline {
                 retry,
                 delivery: delivery.clone(),
                 retention_days: config.retention_days,
+                lease_held: None,
             };
             writers.push(spawn(format!("writer-{shard}"), move || {
                 run_writer(Box::new(rx), store, context, redeliver)
@@ -765,7 +769,7 @@ impl Pipeline {
 const RESTORE_PROGRESS_EVERY_MESSAGES: u64 = 500_000;
 
 /// Rebuilds a shard's matcher by taking back, in order, every message the shard accepted.
-fn restore_matcher(
+pub(crate) fn restore_matcher(
     store: &mut dyn Store,
     shard: usize,
     refdata: &Arc<RefData>,

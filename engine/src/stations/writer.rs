@@ -1,6 +1,7 @@
 //! The shard writer: one per shard, the only station that writes the shard's store.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ahash::AHashMap;
@@ -25,6 +26,9 @@ pub(crate) struct WriterContext {
     pub(crate) retry: RetryPolicy,
     pub(crate) delivery: Delivery,
     pub(crate) retention_days: Option<u32>,
+    /// Cluster mode: whether this node still holds the shard's lease. Checked before every
+    /// commit; once it is false the writer stops without writing.
+    pub(crate) lease_held: Option<Arc<AtomicBool>>,
 }
 
 /// Records a trade's new status in the batch: only its last status in a batch is written.
@@ -65,7 +69,13 @@ pub(crate) fn run_writer(
         retry,
         delivery,
         retention_days,
+        lease_held,
     } = context;
+    let still_owner = || {
+        lease_held
+            .as_ref()
+            .is_none_or(|held| held.load(Ordering::Acquire))
+    };
     let delivered = delivery.through[shard as usize].clone();
     let mut watermark_written: i64 = 0;
     let mut last_emitted: i64 = redeliver.last().map_or(0, |cls| cls.outbox_id);
@@ -195,6 +205,9 @@ pub(crate) fn run_writer(
         if confirmed > watermark_written {
             batch.delivered_through = Some(confirmed);
         }
+        if !still_owner() {
+            return Err(PipelineError::LeaseLost { shard });
+        }
         let (outbox_ids, retries) =
             commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
         commit_retries += retries;
@@ -231,6 +244,9 @@ pub(crate) fn run_writer(
             delivered_through: Some(confirmed),
             ..Batch::default()
         };
+        if !still_owner() {
+            return Err(PipelineError::LeaseLost { shard });
+        }
         commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
     }
     Ok(WriterReport {

@@ -1,0 +1,128 @@
+//! What the engine's integration tests share: a `nats-server` of a test's own, and temporary
+//! PostgreSQL databases on the server `DATABASE_URL` names.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use sqlx::{Connection, PgConnection};
+
+/// A `nats-server -js` of the test's own, killed when dropped.
+pub struct NatsServer {
+    child: Child,
+    pub url: String,
+    _store: tempfile::TempDir,
+}
+
+impl NatsServer {
+    pub fn start() -> Self {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+            .port();
+        let store = tempfile::tempdir().expect("a store folder");
+        let child = Command::new("nats-server")
+            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(store.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server starts (Debian's nats-server package)");
+        let url = format!("nats://127.0.0.1:{port}");
+        let started = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "nats-server did not listen on {port}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self {
+            child,
+            url,
+            _store: store,
+        }
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn admin_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// `url` with its database replaced by `database`.
+pub fn url_of(url: &str, database: &str) -> String {
+    let (base, _) = url.rsplit_once('/').expect("a URL with a database");
+    format!("{base}/{database}")
+}
+
+/// Runs `future` on the tests' one runtime, so that a connection outlives a call.
+pub fn block_on<T>(future: impl std::future::Future<Output = T>) -> T {
+    static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+        })
+        .block_on(future)
+}
+
+/// Databases created for one test, dropped when it ends.
+pub struct TempDatabases {
+    names: Vec<String>,
+}
+
+impl TempDatabases {
+    pub fn create(label: &str, count: usize) -> Self {
+        let names: Vec<String> = (0..count)
+            .map(|index| format!("ste_test_{label}_{}_{index}", std::process::id()))
+            .collect();
+        block_on(async {
+            let mut admin = PgConnection::connect(&admin_url())
+                .await
+                .expect("DATABASE_URL reaches a PostgreSQL server");
+            for name in &names {
+                sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                    .execute(&mut admin)
+                    .await
+                    .expect("drop");
+                sqlx::query(&format!("CREATE DATABASE {name}"))
+                    .execute(&mut admin)
+                    .await
+                    .expect("create");
+            }
+        });
+        Self { names }
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.names
+            .iter()
+            .map(|name| url_of(&admin_url(), name))
+            .collect()
+    }
+}
+
+impl Drop for TempDatabases {
+    fn drop(&mut self) {
+        block_on(async {
+            if let Ok(mut admin) = PgConnection::connect(&admin_url()).await {
+                for name in &self.names {
+                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                        .execute(&mut admin)
+                        .await;
+                }
+            }
+        });
+    }
+}
