@@ -38,6 +38,8 @@ const PULL_EXPIRES_MAX: Duration = Duration::from_secs(1);
 const ACK_WAIT: Duration = Duration::from_secs(30);
 /// Batches delivered to a consumer and not yet acknowledged.
 const ACK_PENDING_MAX: i64 = 1024;
+/// Batches one pull request takes when they are already waiting: one round trip for several.
+const PULL_BATCHES_MAX: usize = 16;
 
 /// Nanoseconds since the Unix epoch.
 fn wall_ns() -> u64 {
@@ -191,6 +193,7 @@ impl JetStream {
             jetstream: self.clone(),
             queue: queue.to_owned(),
             consumer,
+            pulled: std::sync::Mutex::default(),
             station: Station::new(queue),
             stopped: Arc::new(AtomicBool::new(false)),
             _items: std::marker::PhantomData,
@@ -286,6 +289,8 @@ pub struct JetStreamReceiver<T> {
     jetstream: JetStream,
     queue: String,
     consumer: consumer::PullConsumer,
+    /// Batches pulled and not handed out yet (at most [`PULL_BATCHES_MAX`]).
+    pulled: std::sync::Mutex<std::collections::VecDeque<jetstream::Message>>,
     station: Arc<Station>,
     stopped: Arc<AtomicBool>,
     _items: std::marker::PhantomData<fn() -> T>,
@@ -310,9 +315,30 @@ impl<T> JetStreamReceiver<T> {
 }
 
 impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
-    /// One pull: the next batch within `wait`, if any.
+    /// The next batch within `wait`, if any: one already pulled, else whatever is waiting
+    /// (up to [`PULL_BATCHES_MAX`] in one request), else the first to arrive within `wait`.
     fn pull(&self, wait: Duration) -> Result<Option<jetstream::Message>, QueueError> {
+        let mut pulled = self
+            .pulled
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(message) = pulled.pop_front() {
+            return Ok(Some(message));
+        }
         self.jetstream.runtime.block_on(async {
+            let mut waiting = self
+                .consumer
+                .fetch()
+                .max_messages(PULL_BATCHES_MAX)
+                .messages()
+                .await
+                .map_err(|error| carrier(&self.queue, error))?;
+            while let Some(message) = waiting.next().await {
+                pulled.push_back(message.map_err(|error| carrier(&self.queue, error))?);
+            }
+            if let Some(message) = pulled.pop_front() {
+                return Ok(Some(message));
+            }
             let mut batch = self
                 .consumer
                 .batch()
