@@ -13,6 +13,9 @@
 //! account fields that 2.9 does not send), with the settings a key-value bucket has; an entry
 //! that expires sends no event there, so contenders poll.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{kv, stream};
@@ -37,18 +40,31 @@ pub struct Leases {
     ttl: Duration,
 }
 
-/// A shard this node owns, as long as it renews in time.
+/// What a lease is for: a shard (its matcher and writer) or an inbound partition (its
+/// validator: one at a time keeps a trade's messages in order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Leased {
+    Shard(u32),
+    Partition(u32),
+}
+
+impl Leased {
+    fn key(self) -> String {
+        match self {
+            Self::Shard(shard) => format!("shard.{shard}"),
+            Self::Partition(partition) => format!("partition.{partition}"),
+        }
+    }
+}
+
+/// A shard or partition this node holds, as long as it renews in time.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
-    pub shard: u32,
+    pub what: Leased,
     /// The revision the shard was won with: the fencing token of this ownership.
     pub token: u64,
     revision: u64,
     renewed: Instant,
-}
-
-fn key(shard: u32) -> String {
-    format!("shard.{shard}")
 }
 
 impl Leases {
@@ -88,16 +104,16 @@ impl Leases {
         self.ttl
     }
 
-    /// Wins `shard` for `node_id` when nobody holds it; `None` when somebody does.
-    pub fn try_acquire(&self, shard: u32, node_id: &str) -> Result<Option<Lease>, QueueError> {
+    /// Wins `what` for `node_id` when nobody holds it; `None` when somebody does.
+    pub fn try_acquire(&self, what: Leased, node_id: &str) -> Result<Option<Lease>, QueueError> {
         let asked = Instant::now();
         let created = self.jetstream.block_on(
             self.bucket
-                .create(key(shard), bytes::Bytes::from(node_id.to_owned())),
+                .create(what.key(), bytes::Bytes::from(node_id.to_owned())),
         );
         match created {
             Ok(revision) => Ok(Some(Lease {
-                shard,
+                what,
                 token: revision,
                 revision,
                 renewed: asked,
@@ -112,7 +128,7 @@ impl Leases {
     pub fn renew(&self, lease: &mut Lease, node_id: &str) -> Result<bool, QueueError> {
         let asked = Instant::now();
         let updated = self.jetstream.block_on(self.bucket.update(
-            key(lease.shard),
+            lease.what.key(),
             bytes::Bytes::from(node_id.to_owned()),
             lease.revision,
         ));
@@ -133,14 +149,87 @@ impl Leases {
         lease.renewed.elapsed() < self.ttl
     }
 
-    /// The node holding `shard`, if any.
-    pub fn holder(&self, shard: u32) -> Result<Option<String>, QueueError> {
+    /// The node holding `what`, if any.
+    pub fn holder(&self, what: Leased) -> Result<Option<String>, QueueError> {
         let entry = self
             .jetstream
-            .block_on(self.bucket.entry(key(shard)))
+            .block_on(self.bucket.entry(what.key()))
             .map_err(carrier)?;
         Ok(entry
             .filter(|entry| entry.operation == kv::Operation::Put)
             .map(|entry| String::from_utf8_lossy(&entry.value).into_owned()))
+    }
+}
+
+/// Renewals of a held lease per time to live.
+const RENEWALS_PER_TTL: u32 = 4;
+
+/// Keeps a lease: renews it a few times per time to live on a thread of its own. Once a
+/// renewal is refused, or a time to live passes without one (by this node's clock), the lease
+/// counts as lost: [`LeaseKeeper::held`] turns false and `on_lost` runs, once.
+pub struct LeaseKeeper {
+    token: u64,
+    held: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
+impl LeaseKeeper {
+    /// Starts keeping `lease` for `node_id`.
+    pub fn start(
+        leases: Arc<Leases>,
+        mut lease: Lease,
+        node_id: String,
+        on_lost: impl FnOnce() + Send + 'static,
+    ) -> std::io::Result<Self> {
+        let token = lease.token;
+        let held = Arc::new(AtomicBool::new(true));
+        let stop = Arc::new(AtomicBool::new(false));
+        let interval = leases.ttl() / RENEWALS_PER_TTL;
+        let thread = {
+            let (held, stop) = (held.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name("lease".to_owned())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(interval);
+                        let renewed = match leases.renew(&mut lease, &node_id) {
+                            Ok(renewed) => renewed,
+                            Err(error) => {
+                                tracing::warn!(what = ?lease.what, %error, "renewing a lease failed");
+                                true
+                            }
+                        };
+                        if !renewed || !leases.holds(&lease) {
+                            held.store(false, Ordering::Release);
+                            tracing::warn!(what = ?lease.what, "lost the lease");
+                            on_lost();
+                            return;
+                        }
+                    }
+                })?
+        };
+        Ok(Self {
+            token,
+            held,
+            stop,
+            thread,
+        })
+    }
+
+    /// The fencing token of the lease.
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+
+    /// Whether the lease is still held; false for good once it was lost.
+    pub fn held(&self) -> Arc<AtomicBool> {
+        self.held.clone()
+    }
+
+    /// Stops renewing. The lease is not given back: it runs out, as a crashed node's would.
+    pub fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = self.thread.join();
     }
 }

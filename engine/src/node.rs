@@ -5,12 +5,12 @@
 //! `match.<k>` (one per shard), `exceptions`. Every one is a stream of its own with bounds in
 //! batches and bytes ([`ClusterLayout`]).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::lease::Leases;
+use crate::lease::{LeaseKeeper, Leased, Leases};
 use crate::matcher::ShardCounts;
 use crate::pipeline::{
     restore_matcher, Ack, Aging, Delivery, Envelope, OutboundEvent, PipelineError, RetryPolicy,
@@ -66,10 +66,12 @@ impl ClusterLayout {
     }
 }
 
-/// Validators running on a node, one per inbound partition it serves.
+/// Validators running on a node, one per inbound partition whose lease it holds.
 pub struct Validators {
+    partitions: Vec<u32>,
     handles: Vec<JoinHandle<Result<(), PipelineError>>>,
     stoppers: Vec<StopReceiving>,
+    keepers: Vec<LeaseKeeper>,
 }
 
 /// The durable consumer through which validators take an inbound partition.
@@ -78,18 +80,32 @@ fn validators_consumer(partition: u32) -> String {
 }
 
 impl Validators {
-    /// Starts a validator for each of `partitions`: it takes batches of envelopes from the
-    /// partition, hands what passes to the match queue of its shard and the rest to the
-    /// exception queue, and acknowledges the batch once the server holds all of it.
+    /// Starts a validator for each of `partitions` whose lease `node_id` wins (one validator
+    /// per partition in the cluster at a time keeps a trade's messages in order): it takes
+    /// batches of envelopes from the partition, hands what passes to the match queue of its
+    /// shard and the rest to the exception queue, and acknowledges the batch once the server
+    /// holds all of it. A validator whose lease is lost stops taking batches.
     pub fn start(
         jetstream: &JetStream,
         layout: &ClusterLayout,
+        leases: &Arc<Leases>,
+        node_id: &str,
         partitions: &[u32],
         refdata: Arc<RefData>,
     ) -> Result<Self, PipelineError> {
-        let mut handles = Vec::new();
-        let mut stoppers = Vec::new();
+        let mut started = Self {
+            partitions: Vec::new(),
+            handles: Vec::new(),
+            stoppers: Vec::new(),
+            keepers: Vec::new(),
+        };
         for &partition in partitions {
+            let Some(lease) = leases
+                .try_acquire(Leased::Partition(partition), node_id)
+                .map_err(PipelineError::Queue)?
+            else {
+                continue;
+            };
             let receiver = jetstream
                 .receiver::<Envelope>(
                     &ClusterLayout::inbound_queue(partition),
@@ -97,7 +113,16 @@ impl Validators {
                     true,
                 )
                 .map_err(PipelineError::Queue)?;
-            stoppers.push(receiver.stopper());
+            let stopper = receiver.stopper();
+            let on_lost = stopper.clone();
+            started.keepers.push(
+                LeaseKeeper::start(leases.clone(), lease, node_id.to_owned(), move || {
+                    on_lost.stop()
+                })
+                .map_err(thread_error)?,
+            );
+            started.stoppers.push(stopper);
+            started.partitions.push(partition);
             let match_txs: Vec<Tx<Validated>> = (0..layout.shards)
                 .map(|shard| {
                     Box::new(jetstream.sender::<Validated>(&ClusterLayout::match_queue(shard)))
@@ -112,12 +137,15 @@ impl Validators {
                 .spawn(move || {
                     run_validator(Box::new(receiver), &refdata, &match_txs, &exception_tx)
                 })
-                .map_err(|error| {
-                    PipelineError::Config(format!("cannot start a thread: {error}"))
-                })?;
-            handles.push(handle);
+                .map_err(thread_error)?;
+            started.handles.push(handle);
         }
-        Ok(Self { handles, stoppers })
+        Ok(started)
+    }
+
+    /// The partitions this node validates.
+    pub fn partitions(&self) -> &[u32] {
+        &self.partitions
     }
 
     /// Stops taking batches, lets each validator finish the one it holds, and waits for them.
@@ -126,6 +154,9 @@ impl Validators {
             stopper.stop();
         }
         let mut result = Ok(());
+        for keeper in self.keepers {
+            keeper.stop();
+        }
         for handle in self.handles {
             let name = handle.thread().name().unwrap_or("validator").to_owned();
             match handle.join() {
@@ -162,16 +193,13 @@ pub struct OwnershipReport {
 
 /// A shard owned by this node: its matcher and writer, and the thread that renews its lease.
 pub struct ShardOwner {
-    token: u64,
-    stop: Arc<AtomicBool>,
-    renewer: JoinHandle<()>,
+    keeper: LeaseKeeper,
     matcher: JoinHandle<Result<ShardCounts, PipelineError>>,
     writer: JoinHandle<Result<WriterReport, PipelineError>>,
     stopper: StopReceiving,
 }
 
-/// Polls for a lease this often while another node holds it, and renews a held one this many
-/// times per time to live.
+/// Polls for a lease this many times per time to live while another node holds it.
 const LEASE_POLLS_PER_TTL: u32 = 4;
 
 impl ShardOwner {
@@ -191,9 +219,9 @@ impl ShardOwner {
     ) -> Result<Option<Self>, PipelineError> {
         let poll = leases.ttl() / LEASE_POLLS_PER_TTL;
         let waiting_since = Instant::now();
-        let mut lease = loop {
+        let lease = loop {
             if let Some(lease) = leases
-                .try_acquire(config.shard, &config.node_id)
+                .try_acquire(Leased::Shard(config.shard), &config.node_id)
                 .map_err(PipelineError::Queue)?
             {
                 break lease;
@@ -204,7 +232,6 @@ impl ShardOwner {
             std::thread::sleep(poll);
         };
         let shard = config.shard;
-        let token = lease.token;
         tracing::info!(shard, node = %config.node_id, token = lease.token, "won the shard");
         let mut store: Box<dyn Store> = Box::new(PgStore::open(&config.database_url)?);
         store.fence(lease.token)?;
@@ -219,37 +246,16 @@ impl ShardOwner {
             )
             .map_err(PipelineError::Queue)?;
         let stopper = receiver.stopper();
-        let held = Arc::new(AtomicBool::new(true));
-        let stop = Arc::new(AtomicBool::new(false));
-        let renewer = {
-            let (leases, held, stop, stopper) =
-                (leases.clone(), held.clone(), stop.clone(), stopper.clone());
-            let node_id = config.node_id.clone();
-            let interval = leases.ttl() / LEASE_POLLS_PER_TTL;
-            std::thread::Builder::new()
-                .name(format!("lease-{shard}"))
-                .spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        std::thread::sleep(interval);
-                        let renewed = match leases.renew(&mut lease, &node_id) {
-                            Ok(renewed) => renewed,
-                            Err(error) => {
-                                tracing::warn!(shard, %error, "renewing the lease failed");
-                                true
-                            }
-                        };
-                        if !renewed || !leases.holds(&lease) {
-                            // Stop writing at once; the shard's fence refuses what is already
-                            // on its way.
-                            held.store(false, Ordering::Release);
-                            stopper.stop();
-                            tracing::warn!(shard, "lost the shard's lease");
-                            return;
-                        }
-                    }
-                })
-                .map_err(thread_error)?
+        let keeper = {
+            let stopper = stopper.clone();
+            // Stop consuming at once; the writer checks the lease before its next commit, and
+            // the shard's fence refuses what is already on its way.
+            LeaseKeeper::start(leases.clone(), lease, config.node_id.clone(), move || {
+                stopper.stop()
+            })
+            .map_err(thread_error)?
         };
+        let held = keeper.held();
         let clock = RunClock::start();
         let (store_tx, store_rx) =
             local::bounded::<ToStore>(format!("store.{shard}"), STORE_QUEUE_BATCHES, clock);
@@ -280,9 +286,7 @@ impl ShardOwner {
             .spawn(move || run_matcher(Box::new(receiver), matcher, Box::new(store_tx), aging))
             .map_err(thread_error)?;
         Ok(Some(Self {
-            token,
-            stop,
-            renewer,
+            keeper,
             matcher,
             writer,
             stopper,
@@ -291,19 +295,19 @@ impl ShardOwner {
 
     /// The fencing token of this ownership.
     pub fn token(&self) -> u64 {
-        self.token
+        self.keeper.token()
     }
 
     /// Stops consuming and renewing, lets the writer commit what the matcher handed it, and
     /// reports. The lease is not given back: it runs out, as a crashed node's would.
     pub fn stop(self) -> OwnershipReport {
-        self.stop.store(true, Ordering::Relaxed);
         self.stopper.stop();
         let counts = join_station(self.matcher);
         let writer = join_station(self.writer).map(|_| ());
-        let _ = self.renewer.join();
+        let token = self.keeper.token();
+        self.keeper.stop();
         OwnershipReport {
-            token: self.token,
+            token,
             counts,
             writer,
         }

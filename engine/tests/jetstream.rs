@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use common::NatsServer;
 
-use ste_engine::lease::Leases;
+use ste_engine::lease::{Leased, Leases};
 use ste_engine::queue::jetstream::{JetStream, QueueLimits};
 use ste_engine::queue::{BatchReceiver, BatchSender, QueueError};
 use ste_engine::refdata::RefData;
@@ -212,26 +212,39 @@ fn a_shard_lease_is_held_by_one_node_renewed_and_won_by_another_once_it_expires(
     let ttl = Duration::from_secs(1);
     let leases = Leases::open(&jetstream, ttl).expect("the lease bucket");
     let mut first = leases
-        .try_acquire(2, "node-a")
+        .try_acquire(Leased::Shard(2), "node-a")
         .expect("asks")
         .expect("a free shard is won");
     assert_eq!(
-        leases.try_acquire(2, "node-b").expect("asks"),
+        leases
+            .try_acquire(Leased::Shard(2), "node-b")
+            .expect("asks"),
         None,
         "a held shard is refused"
     );
-    assert_eq!(leases.holder(2).expect("asks").as_deref(), Some("node-a"));
+    assert_eq!(
+        leases.holder(Leased::Shard(2)).expect("asks").as_deref(),
+        Some("node-a")
+    );
     // Renewing within the time to live keeps it past the first time to live.
     for _ in 0..3 {
         std::thread::sleep(ttl / 2);
         assert!(leases.renew(&mut first, "node-a").expect("renews"));
         assert!(leases.holds(&first));
-        assert_eq!(leases.try_acquire(2, "node-b").expect("asks"), None);
+        assert_eq!(
+            leases
+                .try_acquire(Leased::Shard(2), "node-b")
+                .expect("asks"),
+            None
+        );
     }
     // node-a stalls: its entry expires and node-b wins the shard with a larger token.
     let started = Instant::now();
     let second = loop {
-        if let Some(lease) = leases.try_acquire(2, "node-b").expect("asks") {
+        if let Some(lease) = leases
+            .try_acquire(Leased::Shard(2), "node-b")
+            .expect("asks")
+        {
             break lease;
         }
         assert!(
@@ -250,9 +263,15 @@ fn a_shard_lease_is_held_by_one_node_renewed_and_won_by_another_once_it_expires(
         !leases.renew(&mut first, "node-a").expect("asks"),
         "a lost lease is not renewed"
     );
-    assert_eq!(leases.holder(2).expect("asks").as_deref(), Some("node-b"));
+    assert_eq!(
+        leases.holder(Leased::Shard(2)).expect("asks").as_deref(),
+        Some("node-b")
+    );
     // Another shard is independent.
-    assert!(leases.try_acquire(3, "node-a").expect("asks").is_some());
+    assert!(leases
+        .try_acquire(Leased::Shard(3), "node-a")
+        .expect("asks")
+        .is_some());
 }
 
 #[test]
@@ -323,8 +342,29 @@ fn validators_on_jetstream_queues_route_every_message_as_the_in_process_validato
         senders[partition].send(batch).expect("publishes");
     }
 
-    let validators =
-        Validators::start(&jetstream, &layout, &[0, 1], refdata.clone()).expect("validators");
+    let leases = Arc::new(Leases::open(&jetstream, Duration::from_secs(5)).expect("leases"));
+    let validators = Validators::start(
+        &jetstream,
+        &layout,
+        &leases,
+        "node-a",
+        &[0, 1],
+        refdata.clone(),
+    )
+    .expect("validators");
+    assert_eq!(validators.partitions(), &[0, 1]);
+    // One validator per partition in the cluster: another node gets none of them.
+    let elsewhere = Validators::start(
+        &jetstream,
+        &layout,
+        &leases,
+        "node-b",
+        &[0, 1],
+        refdata.clone(),
+    )
+    .expect("validators");
+    assert!(elsewhere.partitions().is_empty());
+    elsewhere.stop().expect("stops");
     let shards: Vec<_> = (0..layout.shards)
         .map(|k| {
             jetstream
@@ -421,8 +461,15 @@ fn a_shard_taken_over_after_its_owner_stopped_ends_with_one_cls_per_trade_and_no
     for batch in envelopes.chunks(64) {
         inbound.send(batch.to_vec()).expect("publishes");
     }
-    let validators =
-        Validators::start(&jetstream, &layout, &[0], refdata.clone()).expect("validators");
+    let validators = Validators::start(
+        &jetstream,
+        &layout,
+        &leases,
+        "node-v",
+        &[0],
+        refdata.clone(),
+    )
+    .expect("validators");
 
     let clock = RunClock::start();
     let (ack_tx, ack_rx) = local::bounded::<Ack>("acks", 1 << 16, clock);
