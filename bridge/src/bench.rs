@@ -1,5 +1,6 @@
-//! What the benchmark binaries share: their `--name value` arguments and a process's resident
-//! set.
+//! What the benchmark binaries share (and the tests, where they do the same): their
+//! `--name value` arguments, a process's resident set, the listener flags of an engine on
+//! loopback, and the namespace-flood SOAP body.
 
 /// The value of `--name N` on the command line, or `default`.
 pub fn arg(name: &str, default: u64) -> u64 {
@@ -23,4 +24,29 @@ pub fn rss_bytes(pid: &str) -> u64 {
                 .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)
+}
+
+/// The listener flags of an `engine` on loopback, each on a port the system picks.
+pub const LOOPBACK_LISTENERS: [&str; 6] = [
+    "--tcp",
+    "127.0.0.1:0",
+    "--http",
+    "127.0.0.1:0",
+    "--fix",
+    "127.0.0.1:0",
+];
+
+/// The namespace-flood SOAP 1.1 request body: 1 MiB, 25,000 namespace declarations on the
+/// envelope, then empty children.
+pub fn namespace_flood_body() -> Vec<u8> {
+    let mut body = format!("<s:Envelope xmlns:s=\"{}\"", crate::soap::SOAP11_NS);
+    for i in 0..25_000 {
+        body.push_str(&format!(" xmlns:p{i}=\"u\""));
+    }
+    body.push_str("><s:Body>");
+    while body.len() < 1024 * 1024 - 64 {
+        body.push_str("<a/>");
+    }
+    body.push_str("</s:Body></s:Envelope>");
+    body.into_bytes()
 }

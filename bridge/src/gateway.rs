@@ -371,9 +371,14 @@ impl Gateway {
         let ack_thread = {
             let acks = pipeline.acks();
             let shared = shared.clone();
-            spawn("gateway-acks", move || {
-                while let Ok(Some(received)) = acks.recv_until(None) {
-                    route_acks(&shared, &received.items);
+            spawn("gateway-acks", move || loop {
+                match ste_engine::queue::receive(&acks) {
+                    Ok(Some(received)) => route_acks(&shared, &received.items),
+                    Ok(None) => break,
+                    Err(error) => {
+                        tracing::error!(%error, "the ack queue failed; no more ACKs are routed");
+                        break;
+                    }
                 }
             })
         };

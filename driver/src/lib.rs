@@ -504,8 +504,15 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         let exceptions = exceptions.clone();
         std::thread::spawn(move || {
             let mut codes: BTreeMap<String, u64> = BTreeMap::new();
-            while let Ok(Some(received)) = acks.recv_until(None) {
-                let batch = received.items;
+            loop {
+                let batch = match ste_engine::queue::receive(&acks) {
+                    Ok(Some(received)) => received.items,
+                    Ok(None) => break,
+                    Err(error) => {
+                        tracing::error!(%error, "the ack queue failed; the tally stops here");
+                        break;
+                    }
+                };
                 for ack in &batch {
                     match ack.result {
                         AckResult::Accepted => {

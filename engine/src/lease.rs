@@ -181,7 +181,7 @@ impl LeaseKeeper {
         mut lease: Lease,
         node_id: String,
         on_lost: impl FnOnce() + Send + 'static,
-    ) -> std::io::Result<Self> {
+    ) -> Self {
         let token = lease.token;
         let held = Arc::new(AtomicBool::new(true));
         let stop = Arc::new(AtomicBool::new(false));
@@ -207,14 +207,15 @@ impl LeaseKeeper {
                             return;
                         }
                     }
-                })?
+                })
+                .expect("the operating system can start a thread")
         };
-        Ok(Self {
+        Self {
             token,
             held,
             stop,
             thread,
-        })
+        }
     }
 
     /// The fencing token of the lease.

@@ -5,15 +5,14 @@
 //! `match.<k>` (one per shard), `exceptions`. Every one is a stream of its own with bounds in
 //! batches and bytes ([`ClusterLayout`]).
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::lease::{LeaseKeeper, Leased, Leases};
 use crate::matcher::ShardCounts;
 use crate::pipeline::{
-    restore_matcher, Ack, Aging, Delivery, Envelope, OutboundEvent, PipelineError, RetryPolicy,
+    join, restore_matcher, spawn, Ack, Aging, Envelope, Joined, OutboundEvent, PipelineError,
+    RetryPolicy,
 };
 use crate::profile::Tolerances;
 use crate::queue::jetstream::{JetStream, QueueLimits, StopReceiving};
@@ -69,7 +68,7 @@ impl ClusterLayout {
 /// Validators running on a node, one per inbound partition whose lease it holds.
 pub struct Validators {
     partitions: Vec<u32>,
-    handles: Vec<JoinHandle<Result<(), PipelineError>>>,
+    handles: Vec<Joined<()>>,
     stoppers: Vec<StopReceiving>,
     keepers: Vec<LeaseKeeper>,
 }
@@ -115,12 +114,12 @@ impl Validators {
                 .map_err(PipelineError::Queue)?;
             let stopper = receiver.stopper();
             let on_lost = stopper.clone();
-            started.keepers.push(
-                LeaseKeeper::start(leases.clone(), lease, node_id.to_owned(), move || {
-                    on_lost.stop()
-                })
-                .map_err(thread_error)?,
-            );
+            started.keepers.push(LeaseKeeper::start(
+                leases.clone(),
+                lease,
+                node_id.to_owned(),
+                move || on_lost.stop(),
+            ));
             started.stoppers.push(stopper);
             started.partitions.push(partition);
             let match_txs: Vec<Tx<Validated>> = (0..layout.shards)
@@ -132,13 +131,11 @@ impl Validators {
             let exception_tx: Tx<RejectedItem> =
                 Box::new(jetstream.sender::<RejectedItem>(ClusterLayout::EXCEPTIONS_QUEUE));
             let refdata = refdata.clone();
-            let handle = std::thread::Builder::new()
-                .name(format!("validator-{partition}"))
-                .spawn(move || {
+            started
+                .handles
+                .push(spawn(format!("validator-{partition}"), move || {
                     run_validator(Box::new(receiver), &refdata, &match_txs, &exception_tx)
-                })
-                .map_err(thread_error)?;
-            started.handles.push(handle);
+                }));
         }
         Ok(started)
     }
@@ -158,12 +155,7 @@ impl Validators {
             keeper.stop();
         }
         for handle in self.handles {
-            let name = handle.thread().name().unwrap_or("validator").to_owned();
-            match handle.join() {
-                Ok(Ok(())) => {}
-                Ok(Err(error)) => result = result.and(Err(error)),
-                Err(_) => result = result.and(Err(PipelineError::Panicked(name))),
-            }
+            result = result.and(join(handle));
         }
         result
     }
@@ -194,8 +186,8 @@ pub struct OwnershipReport {
 /// A shard owned by this node: its matcher and writer, and the thread that renews its lease.
 pub struct ShardOwner {
     keeper: LeaseKeeper,
-    matcher: JoinHandle<Result<ShardCounts, PipelineError>>,
-    writer: JoinHandle<Result<WriterReport, PipelineError>>,
+    matcher: Joined<ShardCounts>,
+    writer: Joined<WriterReport>,
     stopper: StopReceiving,
 }
 
@@ -253,18 +245,11 @@ impl ShardOwner {
             LeaseKeeper::start(leases.clone(), lease, config.node_id.clone(), move || {
                 stopper.stop()
             })
-            .map_err(thread_error)?
         };
         let held = keeper.held();
         let clock = RunClock::start();
         let (store_tx, store_rx) =
             local::bounded::<ToStore>(format!("store.{shard}"), STORE_QUEUE_BATCHES, clock);
-        let delivery = Delivery {
-            through: (0..=shard)
-                .map(|_| Arc::new(std::sync::atomic::AtomicI64::new(0)))
-                .collect(),
-            in_use: Arc::new(AtomicBool::new(false)),
-        };
         let context = WriterContext {
             shard,
             ack_tx,
@@ -272,19 +257,19 @@ impl ShardOwner {
             batch_max: config.batch_max_messages.max(1),
             linger: Duration::ZERO,
             retry: config.retry,
-            delivery,
+            // Confirmations do not cross nodes yet: the watermark stays where the shard had it.
+            delivered: Arc::default(),
+            delivery_in_use: Arc::default(),
             retention_days: None,
             lease_held: Some(held),
         };
-        let writer = std::thread::Builder::new()
-            .name(format!("writer-{shard}"))
-            .spawn(move || run_writer(Box::new(store_rx), store, context, redeliver))
-            .map_err(thread_error)?;
+        let writer = spawn(format!("writer-{shard}"), move || {
+            run_writer(Box::new(store_rx), store, context, redeliver)
+        });
         let aging = config.aging;
-        let matcher = std::thread::Builder::new()
-            .name(format!("matcher-{shard}"))
-            .spawn(move || run_matcher(Box::new(receiver), matcher, Box::new(store_tx), aging))
-            .map_err(thread_error)?;
+        let matcher = spawn(format!("matcher-{shard}"), move || {
+            run_matcher(Box::new(receiver), matcher, Box::new(store_tx), aging)
+        });
         Ok(Some(Self {
             keeper,
             matcher,
@@ -302,8 +287,8 @@ impl ShardOwner {
     /// reports. The lease is not given back: it runs out, as a crashed node's would.
     pub fn stop(self) -> OwnershipReport {
         self.stopper.stop();
-        let counts = join_station(self.matcher);
-        let writer = join_station(self.writer).map(|_| ());
+        let counts = join(self.matcher);
+        let writer = join(self.writer).map(|_| ());
         let token = self.keeper.token();
         self.keeper.stop();
         OwnershipReport {
@@ -321,12 +306,3 @@ fn owner_consumer(shard: u32) -> String {
 
 /// Batches between a shard owner's matcher and its writer.
 const STORE_QUEUE_BATCHES: usize = 128;
-
-fn thread_error(error: std::io::Error) -> PipelineError {
-    PipelineError::Config(format!("cannot start a thread: {error}"))
-}
-
-fn join_station<T>(handle: JoinHandle<Result<T, PipelineError>>) -> Result<T, PipelineError> {
-    let name = handle.thread().name().unwrap_or("station").to_owned();
-    handle.join().map_err(|_| PipelineError::Panicked(name))?
-}

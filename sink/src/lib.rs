@@ -15,7 +15,7 @@ use std::time::Instant;
 use ahash::AHashSet;
 use hdrhistogram::Histogram;
 use ste_engine::pipeline::{Delivery, OutboundEvent};
-use ste_engine::queue::{QueueError, Rx};
+use ste_engine::queue::{receive, Rx};
 use ste_engine::station::RunClock;
 use xxhash_rust::xxh3::xxh3_128;
 
@@ -231,12 +231,7 @@ pub fn run_with(
     mut tap: impl FnMut(&OutboundEvent),
 ) -> std::io::Result<SinkReport> {
     let mut confirmations: Vec<(u32, i64)> = Vec::new();
-    loop {
-        let received = match events.recv_until(None) {
-            Ok(Some(received)) => received,
-            Ok(None) | Err(QueueError::Closed { .. }) => break,
-            Err(error) => return Err(std::io::Error::other(error)),
-        };
+    while let Some(received) = receive(&events).map_err(std::io::Error::other)? {
         let (batch, enqueued_ns) = (received.items, received.enqueued_ns);
         let started = Instant::now();
         let count = batch.len() as u64;

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use ste_bridge::bench::arg;
+use ste_bridge::bench::{arg, namespace_flood_body, LOOPBACK_LISTENERS};
 use ste_bridge::client::{self, Logon};
 use ste_bridge::fix;
 use ste_bridge::frame::{Frame, PushClass};
@@ -45,14 +45,7 @@ impl Node {
             .context("a folder")?
             .join("engine");
         let mut child = Command::new(&engine)
-            .args([
-                "--tcp",
-                "127.0.0.1:0",
-                "--http",
-                "127.0.0.1:0",
-                "--fix",
-                "127.0.0.1:0",
-            ])
+            .args(LOOPBACK_LISTENERS)
             .args(["--sample-ms", "0"])
             .arg("--data-dir")
             .arg(data_dir)
@@ -161,21 +154,6 @@ fn framed_run(
     Ok(started.elapsed().as_secs_f64())
 }
 
-/// The namespace-flood SOAP body.
-fn flood_body() -> Vec<u8> {
-    let mut body =
-        String::from("<s:Envelope xmlns:s=\"http://schemas.xmlsoap.org/soap/envelope/\"");
-    for i in 0..25_000 {
-        body.push_str(&format!(" xmlns:p{i}=\"u\""));
-    }
-    body.push_str("><s:Body>");
-    while body.len() < 1024 * 1024 - 64 {
-        body.push_str("<a/>");
-    }
-    body.push_str("</s:Body></s:Envelope>");
-    body.into_bytes()
-}
-
 fn post(address: SocketAddr, body: &[u8]) -> std::io::Result<()> {
     let mut stream = TcpStream::connect(address)?;
     stream.set_read_timeout(Some(Duration::from_secs(60)))?;
@@ -208,18 +186,21 @@ fn main() -> anyhow::Result<()> {
 
     // 1. Slowdown of a framed-XML run by two namespace-flood SOAP clients, each run on a fresh
     // node (generated MsgIds repeat across seeds, and a node never accepts one twice).
-    let body = Arc::new(flood_body());
+    let body = Arc::new(namespace_flood_body());
     let (mut alone, mut flooded) = (Vec::new(), Vec::new());
     let mut floods_answered = 0_u64;
-    for round in 0..rounds {
-        let lines: Vec<Vec<u8>> = Generator::new(
+    let lines_of = |seed: u64| -> Vec<Vec<u8>> {
+        Generator::new(
             &refdata,
             GeneratorConfig {
-                seed: 1000 + round as u64 * 2,
+                seed,
                 ..GeneratorConfig::clean(trades as u64)
             },
         )
-        .collect();
+        .collect()
+    };
+    for round in 0..rounds {
+        let lines = lines_of(1000 + round as u64 * 2);
         let node = Node::start(
             &dir.join(format!("alone-{round}")),
             &keys,
@@ -248,14 +229,7 @@ fn main() -> anyhow::Result<()> {
             })
             .collect();
         std::thread::sleep(Duration::from_millis(200));
-        let lines: Vec<Vec<u8>> = Generator::new(
-            &refdata,
-            GeneratorConfig {
-                seed: 1001 + round as u64 * 2,
-                ..GeneratorConfig::clean(trades as u64)
-            },
-        )
-        .collect();
+        let lines = lines_of(1001 + round as u64 * 2);
         flooded.push(framed_run(&node, &refdata, &lines, trades)?);
         stop.store(true, Ordering::Relaxed);
         for flooder in flooders {

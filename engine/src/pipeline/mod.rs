@@ -397,7 +397,7 @@ pub struct PipelineReport {
     pub exception_rows: RowCounts,
 }
 
-type Joined<T> = JoinHandle<Result<T, PipelineError>>;
+pub(crate) type Joined<T> = JoinHandle<Result<T, PipelineError>>;
 
 /// A running pipeline.
 pub struct Pipeline {
@@ -438,7 +438,7 @@ fn open_store(config: &StoreConfig, shard: Option<usize>) -> Result<Box<dyn Stor
     })
 }
 
-fn spawn<T: Send + 'static>(
+pub(crate) fn spawn<T: Send + 'static>(
     name: String,
     body: impl FnOnce() -> Result<T, PipelineError> + Send + 'static,
 ) -> Joined<T> {
@@ -556,7 +556,8 @@ impl Pipeline {
                 batch_max,
                 linger: config.batch_linger,
                 retry,
-                delivery: delivery.clone(),
+                delivered: delivery.through[shard].clone(),
+                delivery_in_use: delivery.in_use.clone(),
                 retention_days: config.retention_days,
                 lease_held: None,
             };
@@ -828,7 +829,7 @@ pub(crate) fn restore_matcher(
     Ok(matcher)
 }
 
-fn join<T>(handle: Joined<T>) -> Result<T, PipelineError> {
+pub(crate) fn join<T>(handle: Joined<T>) -> Result<T, PipelineError> {
     let name = handle.thread().name().unwrap_or("unnamed").to_owned();
     handle.join().map_err(|_| PipelineError::Panicked(name))?
 }

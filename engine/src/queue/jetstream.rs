@@ -21,7 +21,7 @@ use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::{BatchReceiver, BatchSender, QueueError, Receipt, Received, Rx, Tx};
+use super::{BatchReceiver, BatchSender, QueueError, Receipt, Received, Tx};
 use crate::station::Station;
 
 /// The header carrying a batch's enqueue time.
@@ -418,12 +418,4 @@ impl<T: DeserializeOwned + Send + 'static> BatchReceiver<T> for JetStreamReceive
     fn now_ns(&self) -> u64 {
         wall_ns()
     }
-}
-
-/// A JetStream queue's ends as the interface's.
-pub fn boxed<T>(sender: JetStreamSender<T>, receiver: JetStreamReceiver<T>) -> (Tx<T>, Rx<T>)
-where
-    T: Serialize + DeserializeOwned + Send + Sync + 'static,
-{
-    (Box::new(sender), Box::new(receiver))
 }

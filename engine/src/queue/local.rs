@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use crossbeam_channel::{RecvTimeoutError, TryRecvError};
 
-use super::{BatchReceiver, BatchSender, QueueError, Receipt, Received, Rx, Tx};
+use super::{BatchReceiver, BatchSender, QueueError, Receipt, Received, Tx};
 use crate::station::{RunClock, Station};
 
 /// Bytes held by a byte-bounded queue; senders wait while it is over its limit.
@@ -251,11 +251,6 @@ impl<T: Send + 'static> BatchReceiver<T> for LocalReceiver<T> {
     fn now_ns(&self) -> u64 {
         self.clock.now_ns()
     }
-}
-
-/// A local queue as the interface's ends.
-pub fn boxed<T: Send + 'static>((tx, rx): (LocalSender<T>, LocalReceiver<T>)) -> (Tx<T>, Rx<T>) {
-    (Box::new(tx), Box::new(rx))
 }
 
 #[cfg(test)]

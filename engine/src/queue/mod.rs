@@ -53,11 +53,6 @@ impl Receipt {
         }
     }
 
-    /// Whether acknowledging does nothing.
-    pub fn is_empty(&self) -> bool {
-        self.acks.is_empty()
-    }
-
     /// Adds the acknowledgements of `other`: a station that merged batches acknowledges
     /// them together.
     pub fn merge(&mut self, other: Receipt) {
@@ -121,6 +116,15 @@ pub type Rx<T> = Box<dyn BatchReceiver<T>>;
 impl<T> Clone for Tx<T> {
     fn clone(&self) -> Self {
         self.clone_sender()
+    }
+}
+
+/// The next batch of `rx`, waiting for it; `None` once every sender is gone and the queue is
+/// drained.
+pub fn receive<T>(rx: &Rx<T>) -> Result<Option<Received<T>>, QueueError> {
+    match rx.recv_until(None) {
+        Err(QueueError::Closed { .. }) => Ok(None),
+        received => received,
     }
 }
 

@@ -4,7 +4,9 @@ use std::time::{Duration, Instant};
 
 use time::OffsetDateTime;
 
-use super::{commit_retrying, next_batch, queue_error, Merged, RejectedItem, WriterReport};
+use super::{
+    commit_retrying, complete_merged, next_batch, queue_error, Merged, RejectedItem, WriterReport,
+};
 use crate::pipeline::{Ack, AckResult, PipelineError, RetryPolicy, EXCEPTION_RAW_PREFIX_BYTES};
 use crate::queue::{Rx, Tx};
 use crate::store::{Batch, ExceptionRow, Store};
@@ -65,11 +67,12 @@ pub(crate) fn run_exception_writer(
         }
         let (_, retries) = commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
         commit_retries += retries;
-        let finished_ns = rx.now_ns();
-        station.complete(
+        complete_merged(
+            &rx,
             count,
             started.elapsed().as_nanos() as u64,
-            waited_ns + count * finished_ns.saturating_sub(dequeued_ns),
+            waited_ns,
+            dequeued_ns,
         );
         receipt.ack().map_err(queue_error)?;
         ack_tx.send(acks).map_err(queue_error)?;

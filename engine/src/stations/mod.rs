@@ -21,7 +21,7 @@ use time::Date;
 use crate::matcher::{AgedTrade, Outcome};
 use crate::model::Msg;
 use crate::pipeline::{PipelineError, RetryPolicy};
-use crate::queue::{QueueError, Receipt, Rx};
+use crate::queue::{receive, QueueError, Receipt, Rx};
 use crate::reason::Rejection;
 use crate::store::{Batch, RowCounts, Store};
 
@@ -175,20 +175,26 @@ pub(crate) fn queue_error(error: QueueError) -> PipelineError {
     }
 }
 
-/// The next batch of `rx`; `None` once it is closed and drained.
-pub(crate) fn receive<T>(rx: &Rx<T>) -> Result<Option<crate::queue::Received<T>>, PipelineError> {
-    match rx.recv_until(None) {
-        Ok(received) => Ok(received),
-        Err(QueueError::Closed { .. }) => Ok(None),
-        Err(error) => Err(queue_error(error)),
-    }
-}
-
 /// Counts the completion of `count` items of `rx`'s station that took `busy_ns` of service,
 /// queued since `enqueued_ns`.
 pub(crate) fn complete<T>(rx: &Rx<T>, count: u64, busy_ns: u64, enqueued_ns: u64) {
     let response_ns = count * rx.now_ns().saturating_sub(enqueued_ns);
     rx.station().complete(count, busy_ns, response_ns);
+}
+
+/// Counts the completion of a merged batch of `count` items on `rx`'s station, which took
+/// `busy_ns` of service: each item's time there is its wait in the queue (summed in
+/// `waited_ns`) and the time since the batch was taken off it at `dequeued_ns`.
+pub(crate) fn complete_merged<T>(
+    rx: &Rx<T>,
+    count: u64,
+    busy_ns: u64,
+    waited_ns: u64,
+    dequeued_ns: u64,
+) {
+    let in_service_ns = count * rx.now_ns().saturating_sub(dequeued_ns);
+    rx.station()
+        .complete(count, busy_ns, waited_ns + in_service_ns);
 }
 
 /// A batch merged from several queue batches, with the sum of its items' times in the queue
@@ -206,10 +212,8 @@ pub(crate) fn next_batch<T>(
     batch_max: usize,
     linger: Duration,
 ) -> Result<Option<Merged<T>>, PipelineError> {
-    let first = match rx.recv_until(None) {
-        Ok(Some(first)) => first,
-        Ok(None) | Err(QueueError::Closed { .. }) => return Ok(None),
-        Err(error) => return Err(queue_error(error)),
+    let Some(first) = receive(rx).map_err(queue_error)? else {
+        return Ok(None);
     };
     let deadline = Instant::now() + linger;
     let waited =

@@ -2,9 +2,9 @@
 
 use std::time::Instant;
 
-use super::{complete, queue_error, receive, Refused, RejectedItem, Validated};
+use super::{complete, queue_error, Refused, RejectedItem, Validated};
 use crate::pipeline::{Envelope, PipelineError};
-use crate::queue::{Rx, Tx};
+use crate::queue::{receive, Rx, Tx};
 use crate::reason::ReasonCode;
 use crate::refdata::RefData;
 use crate::routing::shard_of_parts;
@@ -20,7 +20,7 @@ pub(crate) fn run_validator(
     exception_tx: &Tx<RejectedItem>,
 ) -> Result<(), PipelineError> {
     let shards = match_txs.len() as u32;
-    while let Some(received) = receive(&rx)? {
+    while let Some(received) = receive(&rx).map_err(queue_error)? {
         let envelopes = received.items;
         let enqueued_ns = received.enqueued_ns;
         let started = Instant::now();

@@ -1,18 +1,18 @@
 //! The shard writer: one per shard, the only station that writes the shard's store.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ahash::AHashMap;
 use time::{Date, OffsetDateTime};
 
-use super::{commit_retrying, next_batch, queue_error, Merged, ToStore, WriterReport};
+use super::{
+    commit_retrying, complete_merged, next_batch, queue_error, Merged, ToStore, WriterReport,
+};
 use crate::codec::encode_cls;
 use crate::matcher::{Disposition, TradeStatus};
-use crate::pipeline::{
-    Ack, AckResult, Delivery, OutboundEvent, PipelineError, RetryPolicy, DELIVERY_WAIT,
-};
+use crate::pipeline::{Ack, AckResult, OutboundEvent, PipelineError, RetryPolicy, DELIVERY_WAIT};
 use crate::queue::{Rx, Tx};
 use crate::store::{Batch, ClsRow, ExceptionRow, MessageRow, Store, TradeRow};
 
@@ -24,7 +24,11 @@ pub(crate) struct WriterContext {
     pub(crate) batch_max: usize,
     pub(crate) linger: Duration,
     pub(crate) retry: RetryPolicy,
-    pub(crate) delivery: Delivery,
+    /// The shard's delivery watermark, which the consumer of the CLS raises.
+    pub(crate) delivered: Arc<AtomicI64>,
+    /// Whether a consumer confirms deliveries at all (if not, a stopping writer does not wait
+    /// for confirmations).
+    pub(crate) delivery_in_use: Arc<AtomicBool>,
     pub(crate) retention_days: Option<u32>,
     /// Cluster mode: whether this node still holds the shard's lease. Checked before every
     /// commit; once it is false the writer stops without writing.
@@ -67,7 +71,8 @@ pub(crate) fn run_writer(
         batch_max,
         linger,
         retry,
-        delivery,
+        delivered,
+        delivery_in_use,
         retention_days,
         lease_held,
     } = context;
@@ -76,7 +81,6 @@ pub(crate) fn run_writer(
             .as_ref()
             .is_none_or(|held| held.load(Ordering::Acquire))
     };
-    let delivered = delivery.through[shard as usize].clone();
     let mut watermark_written: i64 = 0;
     let mut last_emitted: i64 = redeliver.last().map_or(0, |cls| cls.outbox_id);
     // What was committed but never confirmed goes out again first, in outbox order.
@@ -219,18 +223,19 @@ pub(crate) fn run_writer(
                 last_emitted = last_emitted.max(*outbox_id);
             }
         }
-        let finished_ns = rx.now_ns();
-        station.complete(
+        complete_merged(
+            &rx,
             count,
             started.elapsed().as_nanos() as u64,
-            waited_ns + count * finished_ns.saturating_sub(dequeued_ns),
+            waited_ns,
+            dequeued_ns,
         );
         receipt.ack().map_err(queue_error)?;
         ack_tx.send(acks).map_err(queue_error)?;
         out_tx.send(events).map_err(queue_error)?;
     }
     // Record the final watermark, once the consumer has confirmed what this writer emitted.
-    if delivery.in_use.load(Ordering::Relaxed) {
+    if delivery_in_use.load(Ordering::Relaxed) {
         let waiting_since = Instant::now();
         while delivered.load(Ordering::Relaxed) < last_emitted
             && waiting_since.elapsed() < DELIVERY_WAIT

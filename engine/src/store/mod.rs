@@ -4,6 +4,14 @@
 //! the embedded default, one SQLite file per shard, and [`PgStore`] a shard in a PostgreSQL
 //! database; the two durable ones go through sqlx.
 
+/// The outbox id up to which every CLS was confirmed delivered (0 before any), in SQL: the
+/// watermark that recovery, the outbox and retention read.
+macro_rules! delivered_through_sql {
+    () => {
+        "COALESCE((SELECT delivered_through FROM cls_delivery WHERE id = 1), 0)"
+    };
+}
+
 mod memory;
 mod postgres;
 mod sqlite;
@@ -237,8 +245,11 @@ fn outbox_ids_in_order(batch: &Batch, ids: &ahash::AHashMap<String, i64>) -> Vec
         .collect()
 }
 
-const UNDELIVERED_QUERY: &str = "SELECT id, cls_id, body FROM cls_outbox \
-     WHERE id > COALESCE((SELECT delivered_through FROM cls_delivery WHERE id = 1), 0) ORDER BY id";
+const UNDELIVERED_QUERY: &str = concat!(
+    "SELECT id, cls_id, body FROM cls_outbox WHERE id > ",
+    delivered_through_sql!(),
+    " ORDER BY id"
+);
 
 fn undelivered_rows(rows: Vec<(i64, String, String)>) -> Vec<UndeliveredCls> {
     rows.into_iter()

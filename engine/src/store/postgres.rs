@@ -444,9 +444,9 @@ async fn purge_partitions(
         .collect();
     for month in outbox_months {
         let undelivered: bool = sqlx::query_scalar(&format!(
-            "SELECT EXISTS (SELECT 1 FROM \"{}\" WHERE id > \
-             COALESCE((SELECT delivered_through FROM cls_delivery WHERE id = 1), 0))",
-            PartitionedTable::ClsOutbox.partition(month)
+            "SELECT EXISTS (SELECT 1 FROM \"{}\" WHERE id > {})",
+            PartitionedTable::ClsOutbox.partition(month),
+            delivered_through_sql!()
         ))
         .fetch_one(&mut *connection)
         .await?;

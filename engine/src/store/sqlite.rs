@@ -165,7 +165,10 @@ async fn purge_expired(
     connection: &mut SqliteConnection,
     horizon: Date,
 ) -> Result<PurgeReport, sqlx::Error> {
-    const UNDELIVERED: &str = "SELECT trade_key FROM cls_outbox WHERE id >          COALESCE((SELECT delivered_through FROM cls_delivery WHERE id = 1), 0)";
+    const UNDELIVERED: &str = concat!(
+        "SELECT trade_key FROM cls_outbox WHERE id > ",
+        delivered_through_sql!()
+    );
     let horizon = horizon.to_julian_day();
     let mut transaction = connection.begin().await?;
     let kept: i64 = sqlx::query_scalar(&format!(
@@ -176,12 +179,17 @@ async fn purge_expired(
     .await?;
     let mut dropped = Vec::new();
     for (table, condition) in [
-        ("messages", format!("trade_date < ? AND trade_key NOT IN ({UNDELIVERED})")),
-        ("trade_status", format!("trade_date < ? AND trade_key NOT IN ({UNDELIVERED})")),
+        (
+            "messages",
+            format!("trade_date < ? AND trade_key NOT IN ({UNDELIVERED})"),
+        ),
+        (
+            "trade_status",
+            format!("trade_date < ? AND trade_key NOT IN ({UNDELIVERED})"),
+        ),
         (
             "cls_outbox",
-            "trade_date < ? AND id <= COALESCE((SELECT delivered_through FROM cls_delivery WHERE id = 1), 0)"
-                .to_owned(),
+            concat!("trade_date < ? AND id <= ", delivered_through_sql!()).to_owned(),
         ),
         ("exceptions", "received_on < ?".to_owned()),
     ] {
