@@ -51,16 +51,8 @@ impl Engine {
 
     fn launch(dir: &Path, args: &[&str], owned: Option<tempfile::TempDir>) -> Engine {
         let mut child = Command::new(env!("CARGO_BIN_EXE_engine"))
-            .args([
-                "--tcp",
-                "127.0.0.1:0",
-                "--http",
-                "127.0.0.1:0",
-                "--fix",
-                "127.0.0.1:0",
-                "--sample-ms",
-                "0",
-            ])
+            .args(ste_bridge::bench::LOOPBACK_LISTENERS)
+            .args(["--sample-ms", "0"])
             .arg("--data-dir")
             .arg(dir)
             .arg("--keys")
@@ -270,7 +262,21 @@ impl RawSession {
 
 /// A FIX Logon of `participant` with a fresh SendingTime and its password.
 pub fn fix_logon(refdata: &RefData, participant: &str, heartbeat_s: u32) -> Vec<u8> {
-    let sending_time = ste_bridge::fix::utc_timestamp();
+    // A new logon each call: SendingTime has milliseconds, and two logons built within one
+    // would be the same logon (which the engine takes only once).
+    static LAST_SENDING_TIME: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+    let mut last = LAST_SENDING_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let sending_time = loop {
+        let now = ste_bridge::fix::utc_timestamp();
+        if now != *last {
+            break now;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    };
+    last.clone_from(&sending_time);
+    drop(last);
     let key = refdata
         .participant_mac(participant)
         .expect("a participant")
@@ -349,6 +355,19 @@ pub fn well_behaved(
     seed: u64,
 ) -> std::thread::JoinHandle<(usize, usize)> {
     let lines = trade_lines(refdata, trades, seed);
+    // It logs on as everyone, so it also hears the CLS of other connections' trades: it counts
+    // the CLS of its own.
+    let own_cls: std::collections::HashSet<String> = lines
+        .iter()
+        .map(|line| {
+            let fields = ste_engine::codec::parse_fields(line).expect("a generated line parses");
+            let text = |field| fields.get(field).expect("a generated line names its trade");
+            ste_engine::model::cls_id(
+                text(ste_engine::codec::Field::Broker),
+                text(ste_engine::codec::Field::TradeRef),
+            )
+        })
+        .collect();
     let bics = everyone(refdata);
     let names: Vec<&str> = bics.iter().map(String::as_str).collect();
     let (mut writer, mut reader) = connect_as(engine, refdata, &names, true);
@@ -363,19 +382,29 @@ pub fn well_behaved(
             writer.send(frame).expect("sends");
         }
         writer.flush().expect("flushes");
-        let (mut acks, mut cls) = (0, 0);
-        while acks < expected_acks || cls < trades as usize {
+        let mut acks = 0;
+        let mut cls: std::collections::HashSet<String> = std::collections::HashSet::new();
+        while acks < expected_acks || cls.len() < trades as usize {
             match reader.next_frame() {
                 Ok(Some(Frame::Ack { .. })) => acks += 1,
                 Ok(Some(Frame::Push {
                     class: ste_bridge::frame::PushClass::Cls,
-                    ..
-                })) => cls += 1,
+                    xml,
+                })) => {
+                    let xml = String::from_utf8_lossy(&xml);
+                    let cls_id = xml
+                        .split_once("<ClsId>")
+                        .and_then(|(_, rest)| rest.split_once("</ClsId>"))
+                        .map(|(id, _)| id.to_owned());
+                    if let Some(id) = cls_id.filter(|id| own_cls.contains(id)) {
+                        cls.insert(id);
+                    }
+                }
                 Ok(Some(_)) => {}
                 Ok(None) | Err(_) => break,
             }
         }
-        (acks, cls)
+        (acks, cls.len())
     })
 }
 
