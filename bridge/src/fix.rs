@@ -1456,6 +1456,7 @@ fn refused_envelope(raw: &[u8], participant: &str, rejection: Rejection) -> Enve
         sender: Some(participant.to_owned()),
         signature: None,
         correlation: 0,
+        origin: 0,
         injected_ns: 0,
         refusal: Some(rejection),
     }
@@ -1517,6 +1518,7 @@ fn envelope_of(
             sender: Some(participant.to_owned()),
             signature: Some(signature),
             correlation: 0,
+            origin: 0,
             injected_ns: 0,
             refusal: None,
         },

@@ -52,9 +52,10 @@ struct Cli {
     /// Largest SOAP request body in bytes.
     #[arg(long, default_value_t = 1024 * 1024)]
     max_body_bytes: usize,
-    /// Where the shards keep their rows.
-    #[arg(long, value_enum, env = "STE_STORE", default_value = "embedded")]
-    store: StoreArg,
+    /// Where the shards keep their rows (default: embedded; with --nats, postgres, the only
+    /// store every node of a cluster can reach).
+    #[arg(long, value_enum, env = "STE_STORE")]
+    store: Option<StoreArg>,
     /// Database URL of each shard, in shard order (postgres store); or the comma-separated
     /// STE_DATABASE_URLS.
     #[arg(long = "db", env = "STE_DATABASE_URLS", value_delimiter = ',')]
@@ -135,6 +136,23 @@ struct Cli {
     /// database down), while the other shards go on.
     #[arg(long, value_name = "MIB", default_value_t = ste_engine::pipeline::SHARD_BACKLOG_BYTES_DEFAULT >> 20)]
     shard_backlog_mib: usize,
+    /// Run as a node of a cluster on this NATS JetStream server (e.g. nats://127.0.0.1:4222):
+    /// validators and shard owners take their work from its queues (DESIGN.md section 1a).
+    #[arg(long, env = "STE_NATS_URL")]
+    nats: Option<String>,
+    /// This node's name in the cluster (leases, logs); unique among the nodes.
+    #[arg(long, env = "STE_NODE_ID", requires = "nats")]
+    node_id: Option<String>,
+    /// Inbound partitions of the cluster; the same on every node.
+    #[arg(long, env = "STE_PARTITIONS", default_value_t = 4, requires = "nats")]
+    partitions: u32,
+    /// Shards this node owns at most (cluster); default: every shard.
+    #[arg(long, env = "STE_MAX_SHARDS", requires = "nats")]
+    max_shards: Option<u32>,
+    /// Time to live of the cluster's leases in milliseconds; the same on every node. A node
+    /// that dies leaves its shards to the others this long after its last renewal.
+    #[arg(long, default_value_t = 3_000, requires = "nats")]
+    lease_ttl_ms: u64,
 }
 
 fn main() -> std::process::ExitCode {
@@ -162,7 +180,8 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
         .map(|url| url.trim().to_owned())
         .filter(|url| !url.is_empty())
         .collect();
-    let store = match cli.store {
+    let store_arg = cli.store.unwrap_or(StoreArg::Embedded);
+    let store = match store_arg {
         StoreArg::Memory => StoreConfig::Memory,
         StoreArg::Embedded => StoreConfig::Embedded {
             dir: cli.data_dir.join("store"),
@@ -174,7 +193,7 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
         }
         StoreArg::Postgres => StoreConfig::Postgres { urls: urls.clone() },
     };
-    let shards = match (cli.shards, cli.store) {
+    let shards = match (cli.shards, store_arg) {
         (Some(shards), _) => shards,
         (None, StoreArg::Postgres) => urls.len() as u32,
         (None, _) => 2,
@@ -182,7 +201,7 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
     if shards == 0 || cli.validators == 0 {
         bail!("--shards and --validators must be at least 1");
     }
-    if cli.retention_days.is_some() && matches!(cli.store, StoreArg::Memory) {
+    if cli.retention_days.is_some() && matches!(store_arg, StoreArg::Memory) {
         bail!("--retention-days needs a durable store (embedded or postgres)");
     }
     std::fs::create_dir_all(&cli.data_dir)
@@ -275,6 +294,9 @@ fn key_ring(cli: &Cli, refdata: &RefData) -> anyhow::Result<KeyRing> {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Some(url) = cli.nats.clone() {
+        return run_node(&cli, &url);
+    }
     let config = gateway_config(&cli)?;
     let refdata = RefData::embedded().context("loading the compiled-in reference data")?;
     let ring = key_ring(&cli, &refdata)?;
@@ -404,6 +426,105 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         shards = shards.join(","),
         "stopped"
     );
+    Ok(())
+}
+
+/// A node of a cluster: validators and shard owners on the JetStream queues at `url`, until
+/// SIGTERM or Ctrl-C.
+fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
+    let Some(node_id) = cli.node_id.clone() else {
+        bail!("a node of a cluster needs a name: --node-id ID (unique among the nodes)");
+    };
+    match cli.store {
+        None | Some(StoreArg::Postgres) => {}
+        Some(StoreArg::Embedded) | Some(StoreArg::Memory) => bail!(
+            "a cluster (--nats) runs on the postgres store: another node may take over a shard, \
+             so each shard's database must be one every node can reach (--db URL per shard, or \
+             STE_DATABASE_URLS); the embedded and memory stores live inside one process"
+        ),
+    }
+    let urls: Vec<String> = cli
+        .db
+        .iter()
+        .map(|url| url.trim().to_owned())
+        .filter(|url| !url.is_empty())
+        .collect();
+    if urls.is_empty() {
+        bail!("a cluster needs each shard's database: --db URL per shard, or STE_DATABASE_URLS");
+    }
+    let shards = cli.shards.unwrap_or(urls.len() as u32);
+    if shards as usize != urls.len() {
+        bail!("{shards} shards need {shards} database URLs, {} given", urls.len());
+    }
+    if cli.partitions == 0 {
+        bail!("--partitions must be at least 1");
+    }
+    let Some(keys) = &cli.keys else {
+        bail!("the nodes of a cluster verify with one shared key set: --keys FILE (or STE_KEYS_FILE)");
+    };
+    let ring = KeyRing::load(keys).with_context(|| format!("loading keys from {}", keys.display()))?;
+    let refdata = Arc::new(
+        RefData::embedded()
+            .context("loading the compiled-in reference data")?
+            .with_keys(&ring)
+            .context("installing the signing keys")?,
+    );
+    drop(ring);
+    let backlog_bytes = (cli.shard_backlog_mib.max(1) << 20) as i64;
+    let mut layout = ste_engine::node::ClusterLayout {
+        partitions: cli.partitions,
+        shards,
+        ..Default::default()
+    };
+    layout.shard_backlog.bytes_max = backlog_bytes;
+    let config = ste_engine::node::NodeConfig {
+        node_id: node_id.clone(),
+        layout,
+        lease_ttl: Duration::from_millis(cli.lease_ttl_ms.max(100)),
+        validators_max: cli.validators,
+        shards_max: cli.max_shards.unwrap_or(shards),
+        database_urls: urls,
+        tolerances: Tolerances::load(cli.profile.as_deref())?,
+        aging: (cli.aging_business_days > 0).then(|| Aging {
+            business_days: cli.aging_business_days,
+            check_interval: Duration::from_millis(cli.aging_check_ms.max(1)),
+        }),
+        batch_max_messages: PipelineConfig::default().batch_max_messages,
+        retry: Default::default(),
+    };
+    let jetstream = ste_engine::queue::jetstream::JetStream::connect(url)
+        .with_context(|| format!("connecting to NATS at {url}"))?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    let shutdown = runtime
+        .block_on(async { ShutdownSignal::install() })
+        .context("installing the signal handlers")?;
+    let node = ste_engine::node::Node::start(&jetstream, config, refdata).context("starting the node")?;
+    info!(node = %node_id, %url, "node started");
+    println!("node {node_id}");
+    runtime.block_on(async {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        let mut last = None;
+        let waiting = shutdown.wait();
+        tokio::pin!(waiting);
+        loop {
+            tokio::select! {
+                _ = &mut waiting => break,
+                _ = tick.tick() => {
+                    let holdings = node.holdings();
+                    if last.as_ref() != Some(&holdings) {
+                        info!(node = %node_id, partitions = ?holdings.partitions, shards = ?holdings.shards, "holding");
+                        last = Some(holdings);
+                    }
+                }
+            }
+        }
+    });
+    info!(node = %node_id, "stopping: finishing what is in hand");
+    node.stop().context("stopping the node")?;
+    info!(node = %node_id, "stopped");
     Ok(())
 }
 

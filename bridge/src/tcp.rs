@@ -335,6 +335,7 @@ impl Reader<'_> {
                         sender: Some(sender),
                         signature: Some(signature),
                         correlation: 0,
+                        origin: 0,
                         injected_ns: 0,
                         refusal,
                     };

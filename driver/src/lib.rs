@@ -19,6 +19,7 @@ use ste_engine::refdata::RefData;
 use ste_engine::validate::MESSAGE_SIZE_MAX_BYTES;
 use ste_sink::Sink;
 
+pub mod cluster;
 pub mod remote;
 
 /// The first line of a message-set file.

@@ -209,6 +209,17 @@ struct RunArgs {
     /// The private key of --tls-cert (PEM).
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Put the load into a cluster of engine nodes on this NATS JetStream server (e.g.
+    /// nats://127.0.0.1:4222) as a gateway would, and collect its ACKs and CLS there. The
+    /// shards' databases (--db, in shard order) give the summary its final states.
+    #[arg(long, value_name = "URL", conflicts_with = "target")]
+    nats: Option<String>,
+    /// Inbound partitions of the --nats cluster (as its nodes were started with).
+    #[arg(long, default_value_t = 4)]
+    partitions: u32,
+    /// Seconds a --nats run waits without any new answer before it gives up.
+    #[arg(long, default_value_t = 120)]
+    stall_timeout_s: u64,
     /// Connections to the --target engine; a trade's messages share one.
     #[arg(long, default_value_t = 4)]
     connections: usize,
@@ -248,8 +259,8 @@ fn refdata_with_keys(args: &RunArgs) -> anyhow::Result<RefData> {
         Some(path) => {
             KeyRing::load(path).with_context(|| format!("loading keys from {}", path.display()))?
         }
-        None if args.target.is_some() => bail!(
-            "a --target engine verifies with its own key file: give the driver the same (--keys FILE)"
+        None if args.target.is_some() || args.nats.is_some() => bail!(
+            "a --target engine or a --nats cluster verifies with its own key file: give the driver the same (--keys FILE)"
         ),
         None => KeyRing::generate_for(&refdata),
     };
@@ -473,6 +484,12 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         return run_remote(args, target, refdata);
     }
     let dashboard_address = args.dashboard.clone();
+    let cluster = args.nats.clone().map(|url| ste_driver::cluster::ClusterTarget {
+        url,
+        partitions: args.partitions.max(1),
+        lease_ttl: Duration::from_secs(3),
+        stall_timeout: Duration::from_secs(args.stall_timeout_s.max(1)),
+    });
     let config = run_config(args)?;
     let _dashboard = match dashboard_address {
         Some(address) => {
@@ -485,7 +502,10 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let summary = ste_driver::run(&config, refdata)?;
+    let summary = match &cluster {
+        Some(target) => ste_driver::cluster::run_cluster(&config, target, refdata)?,
+        None => ste_driver::run(&config, refdata)?,
+    };
     if json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
@@ -928,6 +948,8 @@ fn run_config(args: RunArgs) -> anyhow::Result<RunConfig> {
         None => Source::Generated(generator_config(&args.generation)?),
     };
     let store = match args.store {
+        // A cluster's shards are PostgreSQL databases.
+        _ if args.nats.is_some() => StoreChoice::Postgres,
         StoreArg::Memory => StoreChoice::Memory,
         StoreArg::Embedded => StoreChoice::Embedded,
         StoreArg::Postgres => StoreChoice::Postgres,

@@ -26,11 +26,47 @@ use crate::queue::QueueError;
 /// The bucket of the shard leases.
 pub const LEASE_BUCKET: &str = "ste_leases";
 
+/// The bucket of the shards' delivery watermarks.
+pub const DELIVERY_BUCKET: &str = "ste_delivered";
+
 fn carrier(detail: impl std::fmt::Display) -> QueueError {
+    bucket_error(LEASE_BUCKET, detail)
+}
+
+fn bucket_error(bucket: &str, detail: impl std::fmt::Display) -> QueueError {
     QueueError::Carrier {
-        queue: format!("lease bucket {LEASE_BUCKET}"),
+        queue: format!("bucket {bucket}"),
         detail: detail.to_string(),
     }
+}
+
+/// Opens the key-value bucket `name`, making its stream where it does not exist: one value a
+/// key, entries living `max_age` (zero: for ever).
+fn open_bucket(jetstream: &JetStream, name: &str, max_age: Duration) -> Result<kv::Store, QueueError> {
+    let context = jetstream.context();
+    jetstream.block_on(async {
+        let config = stream::Config {
+            name: format!("KV_{name}"),
+            subjects: vec![format!("$KV.{name}.>")],
+            max_messages_per_subject: 1,
+            max_age,
+            storage: stream::StorageType::File,
+            allow_rollup: true,
+            deny_delete: true,
+            allow_direct: true,
+            discard: stream::DiscardPolicy::New,
+            num_replicas: 1,
+            ..Default::default()
+        };
+        context
+            .get_or_create_stream(config)
+            .await
+            .map_err(|error| bucket_error(name, error))?;
+        context
+            .get_key_value(name)
+            .await
+            .map_err(|error| bucket_error(name, error))
+    })
 }
 
 /// The lease bucket of a cluster.
@@ -40,12 +76,14 @@ pub struct Leases {
     ttl: Duration,
 }
 
-/// What a lease is for: a shard (its matcher and writer) or an inbound partition (its
-/// validator: one at a time keeps a trade's messages in order).
+/// What a lease is for: a shard (its matcher and writer), an inbound partition (its
+/// validator: one at a time keeps a trade's messages in order), or a gateway number (the ACK
+/// queue `ack.<n>` its answers come back on).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Leased {
     Shard(u32),
     Partition(u32),
+    Gateway(u32),
 }
 
 impl Leased {
@@ -53,6 +91,7 @@ impl Leased {
         match self {
             Self::Shard(shard) => format!("shard.{shard}"),
             Self::Partition(partition) => format!("partition.{partition}"),
+            Self::Gateway(number) => format!("gateway.{number}"),
         }
     }
 }
@@ -71,27 +110,7 @@ impl Leases {
     /// Opens the bucket, making it with entries that live `ttl` where it does not exist. Every
     /// node of a cluster must use the same `ttl`: the first one to start sets it.
     pub fn open(jetstream: &JetStream, ttl: Duration) -> Result<Self, QueueError> {
-        let context = jetstream.context();
-        let bucket = jetstream.block_on(async {
-            let config = stream::Config {
-                name: format!("KV_{LEASE_BUCKET}"),
-                subjects: vec![format!("$KV.{LEASE_BUCKET}.>")],
-                max_messages_per_subject: 1,
-                max_age: ttl,
-                storage: stream::StorageType::File,
-                allow_rollup: true,
-                deny_delete: true,
-                allow_direct: true,
-                discard: stream::DiscardPolicy::New,
-                num_replicas: 1,
-                ..Default::default()
-            };
-            context
-                .get_or_create_stream(config)
-                .await
-                .map_err(carrier)?;
-            context.get_key_value(LEASE_BUCKET).await.map_err(carrier)
-        })?;
+        let bucket = open_bucket(jetstream, LEASE_BUCKET, ttl)?;
         Ok(Self {
             jetstream: jetstream.clone(),
             bucket,
@@ -232,5 +251,56 @@ impl LeaseKeeper {
     pub fn stop(self) {
         self.stop.store(true, Ordering::Relaxed);
         let _ = self.thread.join();
+    }
+}
+
+/// The shards' delivery watermarks across nodes: the sink records, per shard, the outbox id up
+/// to which every CLS was delivered; the shard's owner reads it and commits it with its next
+/// transaction, so that a new owner emits again only what lies above it.
+pub struct DeliveryBook {
+    jetstream: JetStream,
+    bucket: kv::Store,
+}
+
+impl std::fmt::Debug for DeliveryBook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeliveryBook").finish_non_exhaustive()
+    }
+}
+
+impl DeliveryBook {
+    /// Opens the bucket, making it where it does not exist.
+    pub fn open(jetstream: &JetStream) -> Result<Self, QueueError> {
+        Ok(Self {
+            jetstream: jetstream.clone(),
+            bucket: open_bucket(jetstream, DELIVERY_BUCKET, Duration::ZERO)?,
+        })
+    }
+
+    fn key(shard: u32) -> String {
+        format!("shard.{shard}")
+    }
+
+    /// Records that every CLS of `shard` up to `outbox_id` was delivered. Only the sink writes
+    /// here, in outbox order, so the value only grows.
+    pub fn confirm(&self, shard: u32, outbox_id: i64) -> Result<(), QueueError> {
+        self.jetstream
+            .block_on(
+                self.bucket
+                    .put(Self::key(shard), bytes::Bytes::from(outbox_id.to_string())),
+            )
+            .map(|_| ())
+            .map_err(|error| bucket_error(DELIVERY_BUCKET, error))
+    }
+
+    /// The outbox id through which `shard`'s CLS were delivered (0: none yet).
+    pub fn delivered_through(&self, shard: u32) -> Result<i64, QueueError> {
+        let value = self
+            .jetstream
+            .block_on(self.bucket.get(Self::key(shard)))
+            .map_err(|error| bucket_error(DELIVERY_BUCKET, error))?;
+        Ok(value
+            .and_then(|value| std::str::from_utf8(&value).ok()?.parse().ok())
+            .unwrap_or(0))
     }
 }

@@ -1,25 +1,31 @@
 //! The roles a node of a cluster runs on JetStream queues (DESIGN.md section 1a). The stations
 //! are the ones of the in-process network ([`crate::stations`]); only their queues differ.
 //!
-//! Queues of a cluster: `inbound.<p>` (P partitions, by the routing hash of the trade key),
-//! `match.<k>` (one per shard), `exceptions`. Every one is a stream of its own with bounds in
-//! batches and bytes ([`ClusterLayout`]).
+//! Queues of a cluster: `in.<p>` (P partitions, by the routing hash of the trade key),
+//! `match.<k>` (one per shard), `exceptions`, `ack.<g>` (one per gateway number) and `cls`
+//! (CLS and advices after commit, for the sink). Every one is a stream of its own with bounds
+//! in batches and bytes ([`ClusterLayout`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::lease::{LeaseKeeper, Leased, Leases};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Mutex;
+
+use crate::lease::{DeliveryBook, LeaseKeeper, Leased, Leases};
 use crate::matcher::ShardCounts;
 use crate::pipeline::{
-    join, restore_matcher, spawn, Ack, Aging, Envelope, Joined, OutboundEvent, PipelineError,
-    RetryPolicy,
+    join, restore_matcher, spawn, Ack, Aging, Delivery, Envelope, Joined, OutboundEvent,
+    PipelineError, RetryPolicy, Submitter,
 };
 use crate::profile::Tolerances;
-use crate::queue::jetstream::{JetStream, QueueLimits, StopReceiving};
+use crate::queue::jetstream::{JetStream, JetStreamReceiver, JetStreamSender, QueueLimits, StopReceiving};
 use crate::queue::local;
-use crate::queue::{QueueError, Tx};
+use crate::queue::{BatchSender, QueueError, Receipt, Rx, Tx};
 use crate::refdata::RefData;
 use crate::station::RunClock;
+use crate::stations::exceptions::run_exception_writer;
 use crate::stations::matcher::run_matcher;
 use crate::stations::validator::run_validator;
 use crate::stations::writer::{run_writer, WriterContext};
@@ -37,13 +43,55 @@ pub struct ClusterLayout {
     pub shard_backlog: QueueLimits,
     /// Bounds of the exception queue.
     pub exceptions: QueueLimits,
+    /// Bounds of each gateway's ACK queue.
+    pub acks: QueueLimits,
+    /// Bounds of the CLS queue: a sink that falls behind by this much holds the writers.
+    pub cls: QueueLimits,
+}
+
+impl Default for ClusterLayout {
+    fn default() -> Self {
+        const MIB: i64 = 1 << 20;
+        Self {
+            partitions: 4,
+            shards: 4,
+            inbound: QueueLimits {
+                batches_max: 16_384,
+                bytes_max: 256 * MIB,
+            },
+            shard_backlog: QueueLimits {
+                batches_max: 65_536,
+                bytes_max: (crate::pipeline::SHARD_BACKLOG_BYTES_DEFAULT as i64),
+            },
+            exceptions: QueueLimits {
+                batches_max: 16_384,
+                bytes_max: 64 * MIB,
+            },
+            acks: QueueLimits {
+                batches_max: 65_536,
+                bytes_max: 64 * MIB,
+            },
+            cls: QueueLimits {
+                batches_max: 65_536,
+                bytes_max: 256 * MIB,
+            },
+        }
+    }
 }
 
 impl ClusterLayout {
     /// The queue of inbound partition `partition`.
     pub fn inbound_queue(partition: u32) -> String {
-        format!("inbound.{partition}")
+        format!("in.{partition}")
     }
+
+    /// The ACK queue of gateway number `gateway`.
+    pub fn ack_queue(gateway: u32) -> String {
+        format!("ack.{gateway}")
+    }
+
+    /// The queue of CLS and advices after commit.
+    pub const CLS_QUEUE: &'static str = "cls";
 
     /// The match queue of `shard`.
     pub fn match_queue(shard: u32) -> String {
@@ -61,6 +109,7 @@ impl ClusterLayout {
         for shard in 0..self.shards {
             jetstream.ensure_queue(&Self::match_queue(shard), self.shard_backlog)?;
         }
+        jetstream.ensure_queue(Self::CLS_QUEUE, self.cls)?;
         jetstream.ensure_queue(Self::EXCEPTIONS_QUEUE, self.exceptions)
     }
 }
@@ -145,6 +194,11 @@ impl Validators {
         &self.partitions
     }
 
+    /// Whether a validator ended by itself (its lease lost, or its queue failed).
+    pub fn has_ended(&self) -> bool {
+        self.handles.iter().any(|handle| handle.is_finished())
+    }
+
     /// Stops taking batches, lets each validator finish the one it holds, and waits for them.
     pub fn stop(self) -> Result<(), PipelineError> {
         for stopper in &self.stoppers {
@@ -158,6 +212,198 @@ impl Validators {
             result = result.and(join(handle));
         }
         result
+    }
+}
+
+
+/// Sends each ACK to the queue of the gateway its message came through (`ack.<origin>`). A
+/// gateway whose queue stays full while nobody holds its number any more is gone, and so are
+/// the connections its answers were for: those answers are dropped, with a warning, rather
+/// than holding the shard's writer for ever.
+#[derive(Clone)]
+pub struct AckRouter {
+    jetstream: JetStream,
+    leases: Arc<Leases>,
+    senders: Arc<Mutex<BTreeMap<u32, JetStreamSender<Ack>>>>,
+}
+
+impl AckRouter {
+    /// A router publishing through `jetstream`, asking `leases` whether a gateway still lives.
+    pub fn new(jetstream: &JetStream, leases: Arc<Leases>) -> Self {
+        Self {
+            jetstream: jetstream.clone(),
+            leases,
+            senders: Arc::default(),
+        }
+    }
+
+    fn sender(&self, origin: u32) -> JetStreamSender<Ack> {
+        let mut senders = self
+            .senders
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        senders
+            .entry(origin)
+            .or_insert_with(|| {
+                let leases = self.leases.clone();
+                self.jetstream.sender_giving_up(
+                    &ClusterLayout::ack_queue(origin),
+                    move || matches!(leases.holder(Leased::Gateway(origin)), Ok(None)),
+                )
+            })
+            .clone()
+    }
+}
+
+impl BatchSender<Ack> for AckRouter {
+    fn forward(&self, items: Vec<Ack>, receipt: Receipt) -> Result<(), QueueError> {
+        let mut by_origin: BTreeMap<u32, Vec<Ack>> = BTreeMap::new();
+        for ack in items {
+            by_origin.entry(ack.origin).or_default().push(ack);
+        }
+        for (origin, acks) in by_origin {
+            let count = acks.len();
+            if let Err(error) = self.sender(origin).send(acks) {
+                tracing::warn!(gateway = origin, count, %error, "answers for a gateway that is gone were dropped");
+            }
+        }
+        receipt.ack()
+    }
+
+    fn clone_sender(&self) -> Tx<Ack> {
+        Box::new(self.clone())
+    }
+}
+
+/// Gateway numbers a cluster has room for.
+pub const GATEWAYS_MAX: u32 = 1024;
+
+/// Where a gateway (or the driver) puts messages into a cluster and hears their answers: the
+/// inbound partitions, and the ACK queue of the gateway number it holds a lease on.
+pub struct Ingress {
+    number: u32,
+    keeper: LeaseKeeper,
+    inbound: Vec<Tx<Envelope>>,
+    acks: Option<JetStreamReceiver<Ack>>,
+    stopper: StopReceiving,
+}
+
+impl Ingress {
+    /// Takes the lowest free gateway number for `node_id`, empties its ACK queue (what it holds
+    /// answered the connections of an earlier holder) and opens the inbound partitions.
+    pub fn open(
+        jetstream: &JetStream,
+        layout: &ClusterLayout,
+        leases: Arc<Leases>,
+        node_id: &str,
+    ) -> Result<Self, PipelineError> {
+        let mut won = None;
+        for number in 0..GATEWAYS_MAX {
+            if let Some(lease) = leases
+                .try_acquire(Leased::Gateway(number), node_id)
+                .map_err(PipelineError::Queue)?
+            {
+                won = Some((number, lease));
+                break;
+            }
+        }
+        let Some((number, lease)) = won else {
+            return Err(PipelineError::Config(format!(
+                "all {GATEWAYS_MAX} gateway numbers are taken"
+            )));
+        };
+        let queue = ClusterLayout::ack_queue(number);
+        jetstream
+            .ensure_queue(&queue, layout.acks)
+            .map_err(PipelineError::Queue)?;
+        jetstream.purge_queue(&queue).map_err(PipelineError::Queue)?;
+        let acks = jetstream
+            .receiver::<Ack>(&queue, "gateway", true)
+            .map_err(PipelineError::Queue)?;
+        let stopper = acks.stopper();
+        let keeper = LeaseKeeper::start(leases, lease, node_id.to_owned(), || {
+            tracing::error!("this gateway lost its number: answers may go to another one");
+        });
+        let inbound = (0..layout.partitions)
+            .map(|partition| {
+                Box::new(jetstream.sender::<Envelope>(&ClusterLayout::inbound_queue(partition)))
+                    as Tx<Envelope>
+            })
+            .collect();
+        tracing::info!(gateway = number, node = node_id, "gateway number taken");
+        Ok(Self {
+            number,
+            keeper,
+            inbound,
+            acks: Some(acks),
+            stopper,
+        })
+    }
+
+    /// The gateway number: every envelope submitted here carries it, and its answers come back
+    /// on `ack.<number>`.
+    pub fn number(&self) -> u32 {
+        self.number
+    }
+
+    /// A submitter onto the inbound partitions, stamping envelopes with this gateway's number.
+    pub fn submitter(&self, clock: RunClock) -> Submitter {
+        Submitter::new(self.inbound.clone(), clock, self.number)
+    }
+
+    /// The answers to what was submitted here (once; `None` afterwards). It ends once
+    /// [`Ingress::stop`] is called.
+    pub fn take_acks(&mut self) -> Option<Rx<Ack>> {
+        self.acks.take().map(|acks| Box::new(acks) as Rx<Ack>)
+    }
+
+    /// Stops the ACK receiver and the renewal of the gateway number.
+    pub fn stop(self) {
+        self.stopper.stop();
+        self.keeper.stop();
+    }
+}
+
+/// The sink's side of a cluster: the CLS queue and the delivery book its confirmations go to.
+pub struct ClsFeed {
+    events: Option<JetStreamReceiver<OutboundEvent>>,
+    stopper: StopReceiving,
+    book: Arc<DeliveryBook>,
+}
+
+impl ClsFeed {
+    /// Opens the CLS queue through the sink's durable consumer (one sink per cluster).
+    pub fn open(jetstream: &JetStream, layout: &ClusterLayout) -> Result<Self, PipelineError> {
+        jetstream
+            .ensure_queue(ClusterLayout::CLS_QUEUE, layout.cls)
+            .map_err(PipelineError::Queue)?;
+        let events = jetstream
+            .receiver::<OutboundEvent>(ClusterLayout::CLS_QUEUE, "sink", true)
+            .map_err(PipelineError::Queue)?;
+        let stopper = events.stopper();
+        let book = Arc::new(DeliveryBook::open(jetstream).map_err(PipelineError::Queue)?);
+        Ok(Self {
+            events: Some(events),
+            stopper,
+            book,
+        })
+    }
+
+    /// The events (once), for the sink.
+    pub fn take_events(&mut self) -> Option<Rx<OutboundEvent>> {
+        self.events
+            .take()
+            .map(|events| Box::new(events) as Rx<OutboundEvent>)
+    }
+
+    /// Where the sink confirms delivery.
+    pub fn delivery(&self) -> Delivery {
+        Delivery::cluster(self.book.clone())
+    }
+
+    /// A handle that ends the events' receiver.
+    pub fn stopper(&self) -> StopReceiving {
+        self.stopper.clone()
     }
 }
 
@@ -177,36 +423,42 @@ pub struct ShardOwnerConfig {
 /// What a node's ownership of a shard ended with.
 #[derive(Debug)]
 pub struct OwnershipReport {
+    pub shard: u32,
     /// The fencing token the shard was owned with.
     pub token: u64,
     pub counts: Result<ShardCounts, PipelineError>,
     pub writer: Result<(), PipelineError>,
 }
 
-/// A shard owned by this node: its matcher and writer, and the thread that renews its lease.
+/// A shard owned by this node: its matcher and writer (and for shard 0, the writer of the
+/// validators' exceptions, which live in shard 0's database), the thread that renews its lease
+/// and the one that follows its delivery watermark.
 pub struct ShardOwner {
+    shard: u32,
     keeper: LeaseKeeper,
     matcher: Joined<ShardCounts>,
     writer: Joined<WriterReport>,
     stopper: StopReceiving,
+    exceptions: Option<(Joined<WriterReport>, StopReceiving)>,
+    follower: (Arc<AtomicBool>, std::thread::JoinHandle<()>),
 }
 
 /// Polls for a lease this many times per time to live while another node holds it.
 const LEASE_POLLS_PER_TTL: u32 = 4;
+/// How often an owner reads its shard's delivery watermark.
+const WATERMARK_POLL: Duration = Duration::from_millis(100);
 
 impl ShardOwner {
     /// Waits until this node wins the shard's lease (or `give_up_after` passes: `None`), then
     /// fences the shard's database with the lease's token, rebuilds the matcher from it, emits
     /// again the CLS whose delivery was not confirmed, re-creates the shard's consumer (so that
-    /// batches nobody acknowledged come back in order) and consumes. ACKs go to `ack_tx`, CLS
-    /// and advices to `out_tx`, after each commit.
+    /// batches nobody acknowledged come back in order) and consumes. After each commit, CLS and
+    /// advices go to the CLS queue and each ACK to its gateway's queue.
     pub fn take_over(
         jetstream: &JetStream,
         leases: Arc<Leases>,
         config: &ShardOwnerConfig,
         refdata: Arc<RefData>,
-        ack_tx: Tx<Ack>,
-        out_tx: Tx<OutboundEvent>,
         give_up_after: Duration,
     ) -> Result<Option<Self>, PipelineError> {
         let poll = leases.ttl() / LEASE_POLLS_PER_TTL;
@@ -224,9 +476,11 @@ impl ShardOwner {
             std::thread::sleep(poll);
         };
         let shard = config.shard;
-        tracing::info!(shard, node = %config.node_id, token = lease.token, "won the shard");
+        let token = lease.token;
+        tracing::info!(shard, node = %config.node_id, token, "won the shard");
+        let book = Arc::new(DeliveryBook::open(jetstream).map_err(PipelineError::Queue)?);
         let mut store: Box<dyn Store> = Box::new(PgStore::open(&config.database_url)?);
-        store.fence(lease.token)?;
+        store.fence(token)?;
         let matcher =
             restore_matcher(store.as_mut(), shard as usize, &refdata, &config.tolerances)?;
         let redeliver = store.undelivered_cls()?;
@@ -238,15 +492,55 @@ impl ShardOwner {
             )
             .map_err(PipelineError::Queue)?;
         let stopper = receiver.stopper();
+        let exception_receiver = if shard == 0 {
+            Some(
+                jetstream
+                    .receiver::<RejectedItem>(ClusterLayout::EXCEPTIONS_QUEUE, "exceptions", true)
+                    .map_err(PipelineError::Queue)?,
+            )
+        } else {
+            None
+        };
         let keeper = {
-            let stopper = stopper.clone();
+            let stoppers: Vec<StopReceiving> = std::iter::once(stopper.clone())
+                .chain(exception_receiver.as_ref().map(|r| r.stopper()))
+                .collect();
             // Stop consuming at once; the writer checks the lease before its next commit, and
             // the shard's fence refuses what is already on its way.
             LeaseKeeper::start(leases.clone(), lease, config.node_id.clone(), move || {
-                stopper.stop()
+                stoppers.iter().for_each(StopReceiving::stop)
             })
         };
         let held = keeper.held();
+        let ack_tx: Tx<Ack> = Box::new(AckRouter::new(jetstream, leases));
+        let out_tx: Tx<OutboundEvent> =
+            Box::new(jetstream.sender::<OutboundEvent>(ClusterLayout::CLS_QUEUE));
+        let delivered = Arc::new(AtomicI64::new(
+            book.delivered_through(shard).unwrap_or_default(),
+        ));
+        let follower = follow_watermark(book, shard, delivered.clone());
+        let exceptions = match exception_receiver {
+            Some(receiver) => {
+                let exception_stopper = receiver.stopper();
+                let mut exception_store: Box<dyn Store> =
+                    Box::new(PgStore::open(&config.database_url)?);
+                exception_store.fence(token)?;
+                let acks = ack_tx.clone();
+                let batch_max = config.batch_max_messages.max(1);
+                let retry = config.retry;
+                let handle = spawn("exception-writer".to_owned(), move || {
+                    run_exception_writer(
+                        Box::new(receiver),
+                        exception_store,
+                        acks,
+                        batch_max,
+                        retry,
+                    )
+                });
+                Some((handle, exception_stopper))
+            }
+            None => None,
+        };
         let clock = RunClock::start();
         let (store_tx, store_rx) =
             local::bounded::<ToStore>(format!("store.{shard}"), STORE_QUEUE_BATCHES, clock);
@@ -257,9 +551,8 @@ impl ShardOwner {
             batch_max: config.batch_max_messages.max(1),
             linger: Duration::ZERO,
             retry: config.retry,
-            // Confirmations do not cross nodes yet: the watermark stays where the shard had it.
-            delivered: Arc::default(),
-            delivery_in_use: Arc::default(),
+            delivered,
+            delivery_in_use: Arc::new(AtomicBool::new(true)),
             retention_days: None,
             lease_held: Some(held),
         };
@@ -271,11 +564,19 @@ impl ShardOwner {
             run_matcher(Box::new(receiver), matcher, Box::new(store_tx), aging)
         });
         Ok(Some(Self {
+            shard,
             keeper,
             matcher,
             writer,
             stopper,
+            exceptions,
+            follower,
         }))
+    }
+
+    /// The shard owned.
+    pub fn shard(&self) -> u32 {
+        self.shard
     }
 
     /// The fencing token of this ownership.
@@ -283,20 +584,65 @@ impl ShardOwner {
         self.keeper.token()
     }
 
+    /// Whether the ownership ended by itself: the lease was lost, the database fenced it off,
+    /// or a station failed. [`ShardOwner::stop`] then says why.
+    pub fn has_ended(&self) -> bool {
+        self.writer.is_finished()
+            || self.matcher.is_finished()
+            || self
+                .exceptions
+                .as_ref()
+                .is_some_and(|(handle, _)| handle.is_finished())
+    }
+
     /// Stops consuming and renewing, lets the writer commit what the matcher handed it, and
     /// reports. The lease is not given back: it runs out, as a crashed node's would.
     pub fn stop(self) -> OwnershipReport {
         self.stopper.stop();
+        let mut exceptions_result = Ok(());
+        if let Some((handle, stopper)) = self.exceptions {
+            stopper.stop();
+            exceptions_result = join(handle).map(|_| ());
+        }
         let counts = join(self.matcher);
-        let writer = join(self.writer).map(|_| ());
+        let writer = join(self.writer).map(|_| ()).and(exceptions_result);
         let token = self.keeper.token();
         self.keeper.stop();
+        let (stop, thread) = self.follower;
+        stop.store(true, Ordering::Relaxed);
+        let _ = thread.join();
         OwnershipReport {
+            shard: self.shard,
             token,
             counts,
             writer,
         }
     }
+}
+
+/// Reads `shard`'s delivery watermark from the book into `delivered` until told to stop.
+fn follow_watermark(
+    book: Arc<DeliveryBook>,
+    shard: u32,
+    delivered: Arc<AtomicI64>,
+) -> (Arc<AtomicBool>, std::thread::JoinHandle<()>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    let thread = std::thread::Builder::new()
+        .name(format!("delivered-{shard}"))
+        .spawn(move || {
+            while !flag.load(Ordering::Relaxed) {
+                std::thread::sleep(WATERMARK_POLL);
+                match book.delivered_through(shard) {
+                    Ok(through) => {
+                        delivered.fetch_max(through, Ordering::Relaxed);
+                    }
+                    Err(error) => tracing::debug!(shard, %error, "reading the watermark failed"),
+                }
+            }
+        })
+        .expect("the operating system can start a thread");
+    (stop, thread)
 }
 
 /// The durable consumer of a shard's owner.
@@ -306,3 +652,183 @@ fn owner_consumer(shard: u32) -> String {
 
 /// Batches between a shard owner's matcher and its writer.
 const STORE_QUEUE_BATCHES: usize = 128;
+
+/// What a node of a cluster runs besides its gateway.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub node_id: String,
+    pub layout: ClusterLayout,
+    /// Time to live of every lease; the same on every node of the cluster.
+    pub lease_ttl: Duration,
+    /// Inbound partitions this node validates at most.
+    pub validators_max: u32,
+    /// Shards this node owns at most.
+    pub shards_max: u32,
+    /// The database of each shard, in shard order.
+    pub database_urls: Vec<String>,
+    pub tolerances: Tolerances,
+    pub aging: Option<Aging>,
+    pub batch_max_messages: usize,
+    pub retry: RetryPolicy,
+}
+
+/// What a node holds right now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Holdings {
+    pub partitions: Vec<u32>,
+    pub shards: Vec<u32>,
+}
+
+/// A node of a cluster: it contends for inbound partitions (up to
+/// [`NodeConfig::validators_max`]) and shards (up to [`NodeConfig::shards_max`]) whose leases
+/// nobody holds, runs what it wins, and contends again for whatever it loses or another node
+/// leaves behind.
+pub struct Node {
+    stop: Arc<AtomicBool>,
+    holdings: Arc<Mutex<Holdings>>,
+    thread: Joined<()>,
+}
+
+impl Node {
+    /// Makes the cluster's queues where they do not exist and starts contending.
+    pub fn start(
+        jetstream: &JetStream,
+        config: NodeConfig,
+        refdata: Arc<RefData>,
+    ) -> Result<Self, PipelineError> {
+        if config.database_urls.len() != config.layout.shards as usize {
+            return Err(PipelineError::Config(format!(
+                "{} shards need {} database URLs, {} given",
+                config.layout.shards,
+                config.layout.shards,
+                config.database_urls.len()
+            )));
+        }
+        config.layout.ensure(jetstream).map_err(PipelineError::Queue)?;
+        let leases = Arc::new(Leases::open(jetstream, config.lease_ttl).map_err(PipelineError::Queue)?);
+        let stop = Arc::new(AtomicBool::new(false));
+        let holdings = Arc::new(Mutex::new(Holdings::default()));
+        let thread = {
+            let (jetstream, stop, holdings) = (jetstream.clone(), stop.clone(), holdings.clone());
+            spawn(format!("node-{}", config.node_id), move || {
+                supervise(&jetstream, &config, &leases, &refdata, &stop, &holdings)
+            })
+        };
+        Ok(Self {
+            stop,
+            holdings,
+            thread,
+        })
+    }
+
+    /// The partitions and shards this node holds now.
+    pub fn holdings(&self) -> Holdings {
+        self.holdings
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Stops contending, lets every station finish what it holds, and waits for them.
+    pub fn stop(self) -> Result<(), PipelineError> {
+        self.stop.store(true, Ordering::Relaxed);
+        join(self.thread)
+    }
+}
+
+/// The node's loop: reap what ended, contend for what is free, a few times per time to live.
+fn supervise(
+    jetstream: &JetStream,
+    config: &NodeConfig,
+    leases: &Arc<Leases>,
+    refdata: &Arc<RefData>,
+    stop: &AtomicBool,
+    holdings: &Mutex<Holdings>,
+) -> Result<(), PipelineError> {
+    let poll = config.lease_ttl / LEASE_POLLS_PER_TTL;
+    let mut validators: Vec<Validators> = Vec::new();
+    let mut owners: Vec<ShardOwner> = Vec::new();
+    // Nodes start their search at different shards, so that they spread.
+    let offset = crate::routing::fnv1a_64(config.node_id.as_bytes());
+    while !stop.load(Ordering::Relaxed) {
+        for ended in drain_where(&mut owners, ShardOwner::has_ended) {
+            let report = ended.stop();
+            tracing::warn!(shard = report.shard, token = report.token, writer = ?report.writer.err(), "stood down from the shard");
+        }
+        for ended in drain_where(&mut validators, Validators::has_ended) {
+            let partitions = ended.partitions().to_vec();
+            if let Err(error) = ended.stop() {
+                tracing::warn!(?partitions, %error, "a validator ended");
+            }
+        }
+        let shards = config.layout.shards;
+        for step in 0..shards {
+            if owners.len() >= config.shards_max as usize || stop.load(Ordering::Relaxed) {
+                break;
+            }
+            let shard = ((offset + u64::from(step)) % u64::from(shards)) as u32;
+            if owners.iter().any(|owner| owner.shard() == shard) {
+                continue;
+            }
+            let owner_config = ShardOwnerConfig {
+                node_id: config.node_id.clone(),
+                shard,
+                database_url: config.database_urls[shard as usize].clone(),
+                tolerances: config.tolerances.clone(),
+                aging: config.aging,
+                batch_max_messages: config.batch_max_messages,
+                retry: config.retry,
+            };
+            match ShardOwner::take_over(jetstream, leases.clone(), &owner_config, refdata.clone(), Duration::ZERO) {
+                Ok(Some(owner)) => owners.push(owner),
+                Ok(None) => {}
+                Err(error) => tracing::warn!(shard, %error, "taking the shard over failed; trying again"),
+            }
+        }
+        let held: usize = validators.iter().map(|v| v.partitions().len()).sum();
+        if held < config.validators_max as usize {
+            let mine: Vec<u32> = validators.iter().flat_map(|v| v.partitions().to_vec()).collect();
+            let partitions = config.layout.partitions;
+            let free: Vec<u32> = (0..partitions)
+                .map(|step| ((offset + u64::from(step)) % u64::from(partitions)) as u32)
+                .filter(|partition| !mine.contains(partition))
+                .collect();
+            for partition in free {
+                if validators.iter().map(|v| v.partitions().len()).sum::<usize>()
+                    >= config.validators_max as usize
+                {
+                    break;
+                }
+                match Validators::start(jetstream, &config.layout, leases, &config.node_id, &[partition], refdata.clone()) {
+                    Ok(started) if !started.partitions().is_empty() => validators.push(started),
+                    Ok(_) => {}
+                    Err(error) => tracing::warn!(partition, %error, "starting a validator failed"),
+                }
+            }
+        }
+        if let Ok(mut shared) = holdings.lock() {
+            let mut partitions: Vec<u32> = validators.iter().flat_map(|v| v.partitions().to_vec()).collect();
+            partitions.sort_unstable();
+            let mut shards: Vec<u32> = owners.iter().map(ShardOwner::shard).collect();
+            shards.sort_unstable();
+            *shared = Holdings { partitions, shards };
+        }
+        std::thread::sleep(poll);
+    }
+    let mut result = Ok(());
+    for started in validators {
+        result = result.and(started.stop());
+    }
+    for owner in owners {
+        let report = owner.stop();
+        result = result.and(report.writer).and(report.counts.map(|_| ()));
+    }
+    result
+}
+
+/// Takes out of `items` those for which `ended` holds.
+fn drain_where<T>(items: &mut Vec<T>, ended: impl Fn(&T) -> bool) -> Vec<T> {
+    let (gone, kept): (Vec<T>, Vec<T>) = std::mem::take(items).into_iter().partition(ended);
+    *items = kept;
+    gone
+}

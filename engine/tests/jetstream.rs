@@ -291,6 +291,8 @@ fn validators_on_jetstream_queues_route_every_message_as_the_in_process_validato
         inbound: ROOMY,
         shard_backlog: ROOMY,
         exceptions: ROOMY,
+        acks: ROOMY,
+        cls: ROOMY,
     };
     layout.ensure(&jetstream).expect("streams");
     let refdata = Arc::new(
@@ -430,8 +432,6 @@ fn a_shard_taken_over_after_its_owner_stopped_ends_with_one_cls_per_trade_and_no
     use ste_engine::node::{ClusterLayout, ShardOwner, ShardOwnerConfig, Validators};
     use ste_engine::pipeline::{sign_line, Ack, AckResult, Envelope, OutboundEvent, RetryPolicy};
     use ste_engine::profile::Tolerances;
-    use ste_engine::queue::local;
-    use ste_engine::station::RunClock;
     use ste_engine::store::{PgStore, Store};
 
     let server = NatsServer::start();
@@ -444,6 +444,8 @@ fn a_shard_taken_over_after_its_owner_stopped_ends_with_one_cls_per_trade_and_no
         inbound: ROOMY,
         shard_backlog: ROOMY,
         exceptions: ROOMY,
+        acks: ROOMY,
+        cls: ROOMY,
     };
     layout.ensure(&jetstream).expect("streams");
     let leases = Arc::new(Leases::open(&jetstream, Duration::from_secs(1)).expect("leases"));
@@ -471,9 +473,16 @@ fn a_shard_taken_over_after_its_owner_stopped_ends_with_one_cls_per_trade_and_no
     )
     .expect("validators");
 
-    let clock = RunClock::start();
-    let (ack_tx, ack_rx) = local::bounded::<Ack>("acks", 1 << 16, clock);
-    let (out_tx, out_rx) = local::bounded::<OutboundEvent>("outbound", 1 << 16, clock);
+    // Envelopes published here carry gateway number 0: their answers come back on ack.0.
+    jetstream
+        .ensure_queue(&ClusterLayout::ack_queue(0), ROOMY)
+        .expect("stream");
+    let ack_rx = jetstream
+        .receiver::<Ack>(&ClusterLayout::ack_queue(0), "test", false)
+        .expect("consumer");
+    let out_rx = jetstream
+        .receiver::<OutboundEvent>(ClusterLayout::CLS_QUEUE, "test", false)
+        .expect("consumer");
     let config = |node: &str| ShardOwnerConfig {
         node_id: node.to_owned(),
         shard: 0,
@@ -502,8 +511,6 @@ fn a_shard_taken_over_after_its_owner_stopped_ends_with_one_cls_per_trade_and_no
             leases.clone(),
             &config(node),
             refdata.clone(),
-            Box::new(ack_tx.clone()),
-            Box::new(out_tx.clone()),
             Duration::from_secs(10),
         )
         .expect("takes over")

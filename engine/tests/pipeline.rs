@@ -172,7 +172,7 @@ fn confirmed_cls_are_not_emitted_again() {
                     shard, outbox_id, ..
                 } = event
                 {
-                    delivery.confirm(shard, outbox_id);
+                    delivery.confirm(shard, outbox_id).expect("confirms");
                     confirmed += 1;
                 }
             }

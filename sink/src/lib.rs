@@ -239,7 +239,8 @@ pub fn run_with(
         confirmations.clear();
         for event in batch {
             let now_ns = clock.now_ns();
-            response_ns += now_ns.saturating_sub(enqueued_ns);
+            // Time in the queue on the queue's own clock (across nodes: the wall clock).
+            response_ns += events.now_ns().saturating_sub(enqueued_ns);
             if let OutboundEvent::Cls {
                 shard, outbox_id, ..
             } = &event
@@ -252,8 +253,10 @@ pub fn run_with(
         if let Some(delivery) = &delivery {
             if !confirmations.is_empty() {
                 sink.flush()?;
-                for (shard, outbox_id) in &confirmations {
-                    delivery.confirm(*shard, *outbox_id);
+                // A confirmation that is not recorded costs a repeat after a restart or a
+                // takeover (which the sink drops), nothing more; the next one covers it.
+                if let Err(error) = delivery.confirm_all(&confirmations) {
+                    tracing::warn!(%error, "a delivery confirmation was not recorded");
                 }
             }
         }

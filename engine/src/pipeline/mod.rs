@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use time::OffsetDateTime;
 
+use crate::lease::DeliveryBook;
 use crate::matcher::{Advice, Matcher, ShardCounts};
 use crate::profile::Tolerances;
 use crate::queue::local::{self, LocalReceiver};
@@ -51,6 +52,10 @@ pub struct Envelope {
     pub signature: Option<[u8; SIGNATURE_LEN]>,
     /// Chosen by the sender of the envelope; returned in its ACK or NAK.
     pub correlation: u64,
+    /// The gateway that received the message, whose ACK queue its answer goes to (in a
+    /// cluster: the gateway number it holds a lease on; 0 in process). Set by the
+    /// [`Submitter`], never by a participant.
+    pub origin: u32,
     /// When the message entered the engine, on the run clock.
     pub injected_ns: u64,
     /// Set by a gateway that refuses the message before validation (e.g. a connection sending
@@ -71,6 +76,8 @@ pub enum AckResult {
 #[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct Ack {
     pub correlation: u64,
+    /// The gateway the message came through ([`Envelope::origin`]).
+    pub origin: u32,
     pub result: AckResult,
 }
 
@@ -97,18 +104,48 @@ pub enum OutboundEvent {
 /// outbox order, so one watermark per shard is enough: confirming outbox id n confirms every CLS
 /// of that shard up to n. Writers record the watermark in their next transaction; a restart
 /// emits again what lies above it.
+/// Across nodes, the confirmations go to the cluster's [`DeliveryBook`], which every shard's
+/// owner reads.
 #[derive(Clone, Debug)]
 pub struct Delivery {
     pub(crate) through: Vec<Arc<std::sync::atomic::AtomicI64>>,
     pub(crate) in_use: Arc<AtomicBool>,
+    book: Option<Arc<DeliveryBook>>,
 }
 
 impl Delivery {
+    /// Confirmations recorded in a cluster's delivery book.
+    pub fn cluster(book: Arc<DeliveryBook>) -> Self {
+        Self {
+            through: Vec::new(),
+            in_use: Arc::new(AtomicBool::new(true)),
+            book: Some(book),
+        }
+    }
+
     /// Confirms that the CLS at `outbox_id` of `shard` (and every earlier one) was delivered.
-    pub fn confirm(&self, shard: u32, outbox_id: i64) {
+    pub fn confirm(&self, shard: u32, outbox_id: i64) -> Result<(), QueueError> {
+        if let Some(book) = &self.book {
+            return book.confirm(shard, outbox_id);
+        }
         if let Some(through) = self.through.get(shard as usize) {
             through.fetch_max(outbox_id, Ordering::Relaxed);
         }
+        Ok(())
+    }
+
+    /// Confirms each `(shard, outbox_id)`: once per shard, its highest.
+    pub fn confirm_all(&self, confirmed: &[(u32, i64)]) -> Result<(), QueueError> {
+        let mut highest: Vec<(u32, i64)> = Vec::new();
+        for &(shard, outbox_id) in confirmed {
+            match highest.iter_mut().find(|(known, _)| *known == shard) {
+                Some((_, through)) => *through = (*through).max(outbox_id),
+                None => highest.push((shard, outbox_id)),
+            }
+        }
+        highest
+            .into_iter()
+            .try_for_each(|(shard, outbox_id)| self.confirm(shard, outbox_id))
     }
 }
 
@@ -277,6 +314,7 @@ pub struct Submitter {
     inbound: Vec<Tx<Envelope>>,
     pending: Vec<Vec<Envelope>>,
     clock: RunClock,
+    origin: u32,
 }
 
 impl Clone for Submitter {
@@ -285,11 +323,23 @@ impl Clone for Submitter {
             inbound: self.inbound.clone(),
             pending: vec![Vec::new(); self.inbound.len()],
             clock: self.clock,
+            origin: self.origin,
         }
     }
 }
 
 impl Submitter {
+    /// A submitter onto `inbound` (one queue per partition, in order), stamping every envelope
+    /// with `origin`, the gateway whose ACK queue answers it.
+    pub fn new(inbound: Vec<Tx<Envelope>>, clock: RunClock, origin: u32) -> Self {
+        Self {
+            pending: vec![Vec::new(); inbound.len()],
+            inbound,
+            clock,
+            origin,
+        }
+    }
+
     /// The run clock, for stamping `injected_ns`.
     pub fn clock(&self) -> RunClock {
         self.clock
@@ -297,7 +347,8 @@ impl Submitter {
 
     /// Adds one envelope to the batch of its trade's inbound queue, sending the batch when full
     /// (blocking while that queue is full).
-    pub fn submit(&mut self, envelope: Envelope) -> Result<(), PipelineError> {
+    pub fn submit(&mut self, mut envelope: Envelope) -> Result<(), PipelineError> {
+        envelope.origin = self.origin;
         let index = inbound_index(&envelope.bytes, self.inbound.len());
         self.pending[index].push(envelope);
         if self.pending[index].len() >= INBOUND_BATCH_MESSAGES {
@@ -356,6 +407,7 @@ pub fn sign_line(
         sender,
         signature,
         correlation,
+        origin: 0,
         injected_ns,
         refusal: None,
     }
@@ -538,6 +590,7 @@ impl Pipeline {
                 .map(|_| Arc::new(std::sync::atomic::AtomicI64::new(0)))
                 .collect(),
             in_use: Arc::new(AtomicBool::new(false)),
+            book: None,
         };
         let batch_max = config.batch_max_messages.max(1);
 
@@ -647,11 +700,7 @@ impl Pipeline {
         };
 
         Ok(Self {
-            submitter: Some(Submitter {
-                pending: vec![Vec::new(); inbound.len()],
-                inbound,
-                clock,
-            }),
+            submitter: Some(Submitter::new(inbound, clock, 0)),
             acks: ack_rx,
             outbound: out_rx,
             stations,

@@ -133,6 +133,23 @@ impl JetStream {
             .map_err(|error| carrier(queue, error))
     }
 
+    /// Drops every batch the stream of `queue` holds (a gateway taking a number whose ACK
+    /// queue may hold answers for the connections of the gateway before it).
+    pub fn purge_queue(&self, queue: &str) -> Result<(), QueueError> {
+        self.runtime.block_on(async {
+            let stream = self
+                .context
+                .get_stream(stream_name(queue))
+                .await
+                .map_err(|error| carrier(queue, error))?;
+            stream
+                .purge()
+                .await
+                .map(|_| ())
+                .map_err(|error| carrier(queue, error))
+        })
+    }
+
     /// Batches held by the stream of `queue`: its length.
     pub fn queue_len(&self, queue: &str) -> Result<u64, QueueError> {
         self.runtime.block_on(async {
@@ -152,7 +169,23 @@ impl JetStream {
             jetstream: self.clone(),
             subject: subject(queue),
             station: Station::new(queue),
+            give_up: None,
             _items: std::marker::PhantomData,
+        }
+    }
+
+    /// A sender onto `queue` that stops waiting at a full queue once `give_up` says so (asked
+    /// about once a second while it waits): the send then fails with
+    /// [`QueueError::Carrier`]. For queues whose consumer may be gone for good (a gateway's
+    /// ACK queue), so that their producers are not held for ever.
+    pub fn sender_giving_up<T: Serialize + Send + Sync + 'static>(
+        &self,
+        queue: &str,
+        give_up: impl Fn() -> bool + Send + Sync + 'static,
+    ) -> JetStreamSender<T> {
+        JetStreamSender {
+            give_up: Some(Arc::new(give_up)),
+            ..self.sender(queue)
         }
     }
 
@@ -201,11 +234,18 @@ impl JetStream {
     }
 }
 
+/// Whether a sender waiting at a full queue should stop waiting.
+type GiveUp = Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// How often a sender waiting at a full queue asks whether to give up.
+const GIVE_UP_ASKED_EVERY: Duration = Duration::from_secs(1);
+
 /// Sends onto a JetStream queue.
 pub struct JetStreamSender<T> {
     jetstream: JetStream,
     subject: String,
     station: Arc<Station>,
+    give_up: Option<GiveUp>,
     _items: std::marker::PhantomData<fn(T)>,
 }
 
@@ -215,6 +255,7 @@ impl<T> Clone for JetStreamSender<T> {
             jetstream: self.jetstream.clone(),
             subject: self.subject.clone(),
             station: self.station.clone(),
+            give_up: self.give_up.clone(),
             _items: std::marker::PhantomData,
         }
     }
@@ -247,6 +288,7 @@ impl<T: Serialize> JetStreamSender<T> {
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(ENQUEUED_NS_HEADER, enqueued_ns.to_string().as_str());
         let mut backoff = Duration::from_millis(1);
+        let mut asked = Instant::now();
         loop {
             let published = self.jetstream.runtime.block_on(async {
                 self.jetstream
@@ -258,6 +300,14 @@ impl<T: Serialize> JetStreamSender<T> {
             match published {
                 Ok(_) => return Ok(()),
                 Err(error) if is_full(&error) => {
+                    if let Some(give_up) = &self.give_up {
+                        if asked.elapsed() >= GIVE_UP_ASKED_EVERY {
+                            if give_up() {
+                                return Err(carrier(&self.subject, "full, and given up"));
+                            }
+                            asked = Instant::now();
+                        }
+                    }
                     std::thread::sleep(backoff);
                     backoff = (backoff * 2).min(FULL_RETRY_MAX);
                 }

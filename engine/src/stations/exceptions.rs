@@ -52,6 +52,7 @@ pub(crate) fn run_exception_writer(
         for item in items {
             acks.push(Ack {
                 correlation: item.correlation,
+                origin: item.origin,
                 result: AckResult::Rejected(item.rejection.code),
             });
             let (raw, detail) = bounded_raw(item.bytes, item.rejection.detail);
@@ -74,8 +75,10 @@ pub(crate) fn run_exception_writer(
             waited_ns,
             dequeued_ns,
         );
-        receipt.ack().map_err(queue_error)?;
+        // Answered before the batches it came from are acknowledged: a node that dies in
+        // between leaves them to be delivered again, and answered again.
         ack_tx.send(acks).map_err(queue_error)?;
+        receipt.ack().map_err(queue_error)?;
     }
     Ok(WriterReport {
         rows: store.row_counts()?,

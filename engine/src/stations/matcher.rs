@@ -111,6 +111,7 @@ pub(crate) fn run_matcher(
                 meta,
                 bytes: item.bytes,
                 correlation: item.correlation,
+                origin: item.origin,
                 injected_ns: item.injected_ns,
             }));
         }

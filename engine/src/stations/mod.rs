@@ -69,6 +69,7 @@ pub struct Validated {
     verdict: Result<Msg, Refused>,
     bytes: Vec<u8>,
     correlation: u64,
+    origin: u32,
     injected_ns: u64,
 }
 
@@ -148,6 +149,7 @@ pub(crate) struct Processed {
     meta: MessageMeta,
     bytes: Vec<u8>,
     correlation: u64,
+    origin: u32,
     injected_ns: u64,
 }
 
@@ -158,6 +160,7 @@ pub struct RejectedItem {
     sender: Option<String>,
     bytes: Vec<u8>,
     correlation: u64,
+    origin: u32,
 }
 
 /// What a writer reports when it stops.

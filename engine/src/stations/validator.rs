@@ -60,6 +60,7 @@ pub(crate) fn run_validator(
                                 sender: envelope.sender,
                                 bytes: envelope.bytes,
                                 correlation: envelope.correlation,
+                                origin: envelope.origin,
                             });
                             continue;
                         }
@@ -75,6 +76,7 @@ pub(crate) fn run_validator(
                 verdict,
                 bytes: envelope.bytes,
                 correlation: envelope.correlation,
+                origin: envelope.origin,
                 injected_ns: envelope.injected_ns,
             });
         }

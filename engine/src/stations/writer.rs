@@ -179,6 +179,7 @@ pub(crate) fn run_writer(
             };
             acks.push(Ack {
                 correlation: item.correlation,
+                origin: item.origin,
                 result,
             });
             if let Some(status) = item.outcome.trade_status {
@@ -230,9 +231,13 @@ pub(crate) fn run_writer(
             waited_ns,
             dequeued_ns,
         );
-        receipt.ack().map_err(queue_error)?;
-        ack_tx.send(acks).map_err(queue_error)?;
+        // CLS first, then the answers, then the acknowledgement of the batches they came from:
+        // whoever holds every answer of a run holds every CLS of it, and a node that dies
+        // before the acknowledgement leaves the batches to be delivered again (answered again,
+        // as duplicates; their CLS are in the outbox, emitted again by the next owner).
         out_tx.send(events).map_err(queue_error)?;
+        ack_tx.send(acks).map_err(queue_error)?;
+        receipt.ack().map_err(queue_error)?;
     }
     // Record the final watermark, once the consumer has confirmed what this writer emitted.
     if delivery_in_use.load(Ordering::Relaxed) {

@@ -17,7 +17,7 @@ mod postgres;
 mod sqlite;
 
 pub use memory::MemoryStore;
-pub use postgres::{Month, PgStore};
+pub use postgres::{Month, PgStore, TradeStates};
 pub use sqlite::SqliteStore;
 
 use time::Date;

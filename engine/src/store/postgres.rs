@@ -248,6 +248,55 @@ impl PgStore {
             connection,
         })
     }
+
+    /// How many of the shard's trades are in each status (`PENDING`, `MATCHED`, ...; a trade
+    /// with messages and no status written yet is pending), and how
+    /// many distinct trades hold an accepted message: what a cluster's driver reports at the
+    /// end of a run, as the matchers do in process.
+    pub fn trade_states(&mut self) -> Result<TradeStates, StoreError> {
+        let result = self.runtime.block_on(async {
+            let by_status: Vec<(String, i64)> =
+                sqlx::query_as("SELECT status, COUNT(*) FROM trades GROUP BY status")
+                    .fetch_all(&mut self.connection)
+                    .await?;
+            // A trade gets a row when its status first changes: one that holds messages and no
+            // row is pending.
+            let (with_messages, without_row): (i64, i64) = sqlx::query_as(
+                "SELECT COUNT(*), COUNT(*) FILTER (WHERE NOT EXISTS \
+                 (SELECT 1 FROM trades t WHERE t.trade_key = m.trade_key)) \
+                 FROM (SELECT DISTINCT trade_key FROM messages) m",
+            )
+            .fetch_one(&mut self.connection)
+            .await?;
+            Ok::<_, sqlx::Error>((by_status, with_messages, without_row))
+        });
+        let (by_status, with_messages, without_row) =
+            result.map_err(|source| database_error(&self.name, source))?;
+        let mut by_status: std::collections::BTreeMap<String, u64> = by_status
+            .into_iter()
+            .map(|(status, count)| (status, count as u64))
+            .collect();
+        *by_status.entry("PENDING".to_owned()).or_default() += without_row as u64;
+        Ok(TradeStates {
+            by_status,
+            with_messages: with_messages as u64,
+        })
+    }
+}
+
+/// A shard's trades by status ([`PgStore::trade_states`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TradeStates {
+    pub by_status: std::collections::BTreeMap<String, u64>,
+    /// Distinct trades with at least one accepted message.
+    pub with_messages: u64,
+}
+
+impl TradeStates {
+    /// Trades in `status`.
+    pub fn count(&self, status: &str) -> u64 {
+        self.by_status.get(status).copied().unwrap_or(0)
+    }
 }
 
 /// Whether `error` is two sessions creating the same table at once: `CREATE TABLE IF NOT
