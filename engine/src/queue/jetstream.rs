@@ -40,6 +40,54 @@ const ACK_WAIT: Duration = Duration::from_secs(30);
 const ACK_PENDING_MAX: i64 = 1024;
 /// Batches one pull request takes when they are already waiting: one round trip for several.
 const PULL_BATCHES_MAX: usize = 16;
+/// How long a sender or receiver goes on trying through a failing connection (the server
+/// restarting, the network away) before it reports the carrier failed.
+const CARRIER_OUTAGE_MAX: Duration = Duration::from_secs(60);
+/// Longest pause between two tries through a failing connection.
+const CARRIER_RETRY_MAX: Duration = Duration::from_millis(500);
+/// How long the server remembers a batch's id to drop a repeated publish of it (a publish
+/// tried again because its acknowledgement was lost).
+const DUPLICATE_WINDOW: Duration = Duration::from_secs(60);
+/// The header naming a batch for the server's deduplication.
+const MSG_ID_HEADER: &str = "Nats-Msg-Id";
+
+/// A name for each batch this process publishes, unique across processes.
+fn batch_id() -> String {
+    static PREFIX: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let prefix = PREFIX.get_or_init(rand::random::<u64>);
+    format!("{prefix:016x}-{}", NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Tries through a failing connection: pauses before the next try, or gives up once the
+/// outage has lasted [`CARRIER_OUTAGE_MAX`].
+struct Outage {
+    since: Option<Instant>,
+    pause: Duration,
+}
+
+impl Outage {
+    fn new() -> Self {
+        Self {
+            since: None,
+            pause: Duration::from_millis(10),
+        }
+    }
+
+    /// After a failure: `Err` once the outage is too long, else waits and says try again.
+    fn wait(&mut self, queue: &str, error: impl std::fmt::Display) -> Result<(), QueueError> {
+        let since = *self.since.get_or_insert_with(Instant::now);
+        if since.elapsed() >= CARRIER_OUTAGE_MAX {
+            return Err(carrier(queue, error));
+        }
+        if self.pause >= CARRIER_RETRY_MAX {
+            tracing::warn!(queue, %error, "the queue's server does not answer; trying again");
+        }
+        std::thread::sleep(self.pause);
+        self.pause = (self.pause * 2).min(CARRIER_RETRY_MAX);
+        Ok(())
+    }
+}
 
 /// Nanoseconds since the Unix epoch.
 fn wall_ns() -> u64 {
@@ -125,6 +173,7 @@ impl JetStream {
             discard: stream::DiscardPolicy::New,
             max_messages: limits.batches_max,
             max_bytes: limits.bytes_max,
+            duplicate_window: DUPLICATE_WINDOW,
             ..Default::default()
         };
         self.runtime
@@ -287,8 +336,11 @@ impl<T: Serialize> JetStreamSender<T> {
         let payload = bytes::Bytes::from(payload);
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(ENQUEUED_NS_HEADER, enqueued_ns.to_string().as_str());
+        // Tried again after a lost acknowledgement, the batch is stored once.
+        headers.insert(MSG_ID_HEADER, batch_id().as_str());
         let mut backoff = Duration::from_millis(1);
         let mut asked = Instant::now();
+        let mut outage = Outage::new();
         loop {
             let published = self.jetstream.runtime.block_on(async {
                 self.jetstream
@@ -311,7 +363,7 @@ impl<T: Serialize> JetStreamSender<T> {
                     std::thread::sleep(backoff);
                     backoff = (backoff * 2).min(FULL_RETRY_MAX);
                 }
-                Err(error) => return Err(carrier(&self.subject, error)),
+                Err(error) => outage.wait(&self.subject, error)?,
             }
         }
     }
@@ -426,9 +478,12 @@ impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
         let handle = self.jetstream.runtime.handle().clone();
         let queue = self.queue.clone();
         let receipt = Receipt::from_fn(move || {
-            handle
-                .block_on(message.ack())
-                .map_err(|error| carrier(&queue, error))
+            // A lost acknowledgement delivers the batch again after the ack wait, which every
+            // consumer handles (its effects are idempotent): not worth stopping a station for.
+            if let Err(error) = handle.block_on(message.ack()) {
+                tracing::warn!(queue, %error, "an acknowledgement was lost; the batch comes again");
+            }
+            Ok(())
         });
         Ok(Received {
             items,
@@ -440,6 +495,7 @@ impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
 
 impl<T: DeserializeOwned + Send + 'static> BatchReceiver<T> for JetStreamReceiver<T> {
     fn recv_until(&self, deadline: Option<Instant>) -> Result<Option<Received<T>>, QueueError> {
+        let mut outage = Outage::new();
         loop {
             if self.stopped.load(Ordering::Relaxed) {
                 return Err(QueueError::Closed {
@@ -452,7 +508,17 @@ impl<T: DeserializeOwned + Send + 'static> BatchReceiver<T> for JetStreamReceive
                     .saturating_duration_since(Instant::now())
                     .clamp(Duration::from_millis(1), PULL_EXPIRES_MAX),
             };
-            if let Some(message) = self.pull(wait)? {
+            let pulled = match self.pull(wait) {
+                Ok(pulled) => {
+                    outage = Outage::new();
+                    pulled
+                }
+                Err(error) => {
+                    outage.wait(&self.queue, error)?;
+                    continue;
+                }
+            };
+            if let Some(message) = pulled {
                 return self.received(message).map(Some);
             }
             if deadline.is_some_and(|deadline| Instant::now() >= deadline) {

@@ -1,0 +1,377 @@
+//! A cluster of engine nodes (the `engine` binary with `--nats`) on a `nats-server` of the
+//! test's own and four PostgreSQL databases, loaded by `driver --nats`: the outcome, the
+//! routing of every shard, and what survives nodes killed, stalled and a server restarted.
+//!
+//! The engine binary is the workspace's (`cargo test --workspace` builds it beside the
+//! driver's).
+
+#[path = "../../engine/tests/common/mod.rs"]
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{block_on, NatsServer, TempDatabases};
+use sqlx::{Connection, PgConnection};
+use ste_engine::lease::{Leased, Leases};
+use ste_engine::queue::jetstream::JetStream;
+use ste_engine::routing::shard_of;
+
+const SHARDS: u32 = 4;
+const LEASE_TTL_MS: u64 = 2_000;
+
+fn engine_binary() -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_BIN_EXE_driver")).with_file_name("engine");
+    assert!(
+        path.exists(),
+        "{} is missing: cargo test --workspace builds it (or cargo build -p ste-bridge --bin engine)",
+        path.display()
+    );
+    path
+}
+
+/// Nodes, their NATS server and their shards' databases.
+struct Cluster {
+    nats: NatsServer,
+    databases: TempDatabases,
+    dir: tempfile::TempDir,
+    keys: PathBuf,
+    nodes: Vec<(String, Child)>,
+}
+
+impl Cluster {
+    fn start(label: &str) -> Self {
+        let nats = NatsServer::start();
+        let databases = TempDatabases::create(label, SHARDS as usize);
+        let dir = tempfile::tempdir().expect("a folder");
+        let keys = dir.path().join("keys.csv");
+        let status = Command::new(env!("CARGO_BIN_EXE_driver"))
+            .args(["keys", "--out"])
+            .arg(&keys)
+            .stdout(Stdio::null())
+            .status()
+            .expect("driver keys");
+        assert!(status.success());
+        Self {
+            nats,
+            databases,
+            dir,
+            keys,
+            nodes: Vec::new(),
+        }
+    }
+
+    fn db_args(&self) -> Vec<String> {
+        self.databases
+            .urls()
+            .into_iter()
+            .flat_map(|url| ["--db".to_owned(), url])
+            .collect()
+    }
+
+    /// Starts node `id`: at most two shards and two partitions each.
+    fn start_node(&mut self, id: &str) {
+        let log = std::fs::File::create(self.dir.path().join(format!("{id}.log"))).expect("log");
+        let child = Command::new(engine_binary())
+            .args(["--nats", &self.nats.url, "--node-id", id])
+            .arg("--keys")
+            .arg(&self.keys)
+            .args(self.db_args())
+            .args(["--max-shards", "2", "--validators", "2"])
+            .args(["--lease-ttl-ms", &LEASE_TTL_MS.to_string()])
+            .env("RUST_LOG", "info,sqlx=error")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("the engine starts");
+        self.nodes.push((id.to_owned(), child));
+    }
+
+    fn log(&self, id: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("{id}.log"))).unwrap_or_default()
+    }
+
+    fn pid(&self, id: &str) -> u32 {
+        self.nodes
+            .iter()
+            .find(|(node, _)| node == id)
+            .map(|(_, child)| child.id())
+            .expect("a running node")
+    }
+
+    /// SIGKILL, as a crash.
+    fn kill(&mut self, id: &str) {
+        let index = self
+            .nodes
+            .iter()
+            .position(|(node, _)| node == id)
+            .expect("a running node");
+        let (_, mut child) = self.nodes.remove(index);
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    fn signal(&self, id: &str, signal: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.pid(id).to_string())
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    }
+
+    fn leases(&self) -> Leases {
+        let jetstream = JetStream::connect(&self.nats.url).expect("connects");
+        Leases::open(&jetstream, Duration::from_millis(LEASE_TTL_MS)).expect("leases")
+    }
+
+    /// Waits until every shard and every partition has a holder.
+    fn wait_until_held(&self, leases: &Leases) {
+        let started = Instant::now();
+        loop {
+            let shards = (0..SHARDS).all(|k| matches!(leases.holder(Leased::Shard(k)), Ok(Some(_))));
+            let partitions =
+                (0..4).all(|p| matches!(leases.holder(Leased::Partition(p)), Ok(Some(_))));
+            if shards && partitions {
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the nodes did not take every shard and partition"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `driver --nats` with `args`, in the background.
+    fn driver(&self, args: &[&str]) -> Child {
+        Command::new(env!("CARGO_BIN_EXE_driver"))
+            .args(args)
+            .args(["--nats", &self.nats.url, "--quiet", "--json"])
+            .arg("--keys")
+            .arg(&self.keys)
+            .arg("--run-dir")
+            .arg(self.dir.path().join("run"))
+            .args(self.db_args())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the driver runs")
+    }
+
+    /// The shards' trade keys, each shard's own.
+    fn trade_keys(&self) -> Vec<Vec<String>> {
+        self.databases
+            .urls()
+            .iter()
+            .map(|url| {
+                block_on(async {
+                    let mut connection = PgConnection::connect(url).await.expect("connects");
+                    let keys: Vec<(String,)> =
+                        sqlx::query_as("SELECT DISTINCT trade_key FROM messages")
+                            .fetch_all(&mut connection)
+                            .await
+                            .expect("keys");
+                    keys.into_iter().map(|(key,)| key).collect()
+                })
+            })
+            .collect()
+    }
+
+    /// Messages stored twice (same sender and MsgId) across the shards.
+    fn stored_twice(&self) -> i64 {
+        self.databases
+            .urls()
+            .iter()
+            .map(|url| {
+                block_on(async {
+                    let mut connection = PgConnection::connect(url).await.expect("connects");
+                    let (twice,): (i64,) = sqlx::query_as(
+                        "SELECT COUNT(*) FROM (SELECT sender, msg_id FROM messages \
+                         GROUP BY sender, msg_id HAVING COUNT(*) > 1) d",
+                    )
+                    .fetch_one(&mut connection)
+                    .await
+                    .expect("count");
+                    let (cls_twice,): (i64,) = sqlx::query_as(
+                        "SELECT COUNT(*) FROM (SELECT cls_id FROM cls_outbox \
+                         GROUP BY cls_id HAVING COUNT(*) > 1) d",
+                    )
+                    .fetch_one(&mut connection)
+                    .await
+                    .expect("count");
+                    twice + cls_twice
+                })
+            })
+            .sum()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.nodes {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn summary_of(output: &Output, cluster: &Cluster) -> serde_json::Value {
+    assert!(
+        output.status.success(),
+        "driver: {}\nnode-a: {}",
+        String::from_utf8_lossy(&output.stderr),
+        cluster.log("node-a")
+    );
+    serde_json::from_slice(&output.stdout).expect("the summary in JSON")
+}
+
+fn assert_routed(cluster: &Cluster) {
+    for (shard, keys) in cluster.trade_keys().iter().enumerate() {
+        assert!(!keys.is_empty(), "shard {shard} holds trades");
+        for key in keys {
+            assert_eq!(shard_of(key, SHARDS), shard as u32, "{key} is on shard {shard}");
+        }
+    }
+}
+
+#[test]
+fn three_nodes_on_four_shards_give_the_outcome_the_generator_expected() {
+    let mut cluster = Cluster::start("cluster_outcome");
+    for id in ["node-a", "node-b", "node-c"] {
+        cluster.start_node(id);
+    }
+    cluster.wait_until_held(&cluster.leases());
+    let output = cluster
+        .driver(&["--trades", "20000", "--fault-rate", "0.1", "--shuffle"])
+        .wait_with_output()
+        .expect("the driver ends");
+    let summary = summary_of(&output, &cluster);
+    assert_eq!(summary["conserved"], true, "{summary:#}");
+    assert_eq!(summary["matches_expected"], true, "{summary:#}");
+    assert!(
+        summary["exceptions"]
+            .as_object()
+            .is_some_and(|codes| codes.len() >= 5),
+        "the fault mix gives several codes: {summary:#}"
+    );
+    assert_routed(&cluster);
+    assert_eq!(cluster.stored_twice(), 0);
+}
+
+#[test]
+fn nodes_killed_three_times_mid_run_leave_one_cls_per_trade_and_nothing_stored_twice() {
+    let mut cluster = Cluster::start("cluster_failover");
+    for id in ["node-a", "node-b", "node-c"] {
+        cluster.start_node(id);
+    }
+    let leases = cluster.leases();
+    cluster.wait_until_held(&leases);
+    let trades = 6000;
+    // Paced, so that the kills fall inside the run.
+    let driver = cluster.driver(&[
+        "--trades",
+        &trades.to_string(),
+        "--fault-rate",
+        "0.1",
+        "--shuffle",
+        "--rate",
+        "2500",
+    ]);
+    for round in 0..3 {
+        std::thread::sleep(Duration::from_secs(3));
+        let owner = leases
+            .holder(Leased::Shard(round % SHARDS))
+            .expect("lease bucket")
+            .expect("an owner");
+        let killed_at = Instant::now();
+        cluster.kill(&owner);
+        // Another node takes the shard within the lease's time to live and the recovery.
+        loop {
+            match leases.holder(Leased::Shard(round % SHARDS)) {
+                Ok(Some(holder)) if holder != owner => break,
+                _ => {}
+            }
+            assert!(
+                killed_at.elapsed() < Duration::from_millis(LEASE_TTL_MS * 5),
+                "shard {} was not taken over after {owner} died",
+                round % SHARDS
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        eprintln!(
+            "round {round}: {owner} killed, shard {} taken over in {} ms",
+            round % SHARDS,
+            killed_at.elapsed().as_millis()
+        );
+        cluster.start_node(&owner);
+    }
+    let output = driver.wait_with_output().expect("the driver ends");
+    let summary = summary_of(&output, &cluster);
+    assert_eq!(summary["conserved"], true, "{summary:#}");
+    let expected = &summary["expected"];
+    assert_eq!(summary["cls"], expected["cls"], "one CLS per matched trade");
+    let stored: u64 = summary["shards"]
+        .as_array()
+        .expect("shards")
+        .iter()
+        .map(|shard| shard["stored_messages"].as_u64().expect("rows"))
+        .sum();
+    assert_eq!(
+        stored,
+        expected["accepted"].as_u64().expect("accepted"),
+        "every accepted message stored once"
+    );
+    assert_eq!(cluster.stored_twice(), 0);
+    assert_routed(&cluster);
+}
+
+#[test]
+fn a_stalled_owner_is_fenced_off_when_it_wakes_and_stands_down() {
+    let mut cluster = Cluster::start("cluster_fencing");
+    for id in ["node-a", "node-b", "node-c"] {
+        cluster.start_node(id);
+    }
+    let leases = cluster.leases();
+    cluster.wait_until_held(&leases);
+    let driver = cluster.driver(&[
+        "--trades", "4000", "--fault-rate", "0.1", "--shuffle", "--rate", "2500",
+    ]);
+    std::thread::sleep(Duration::from_secs(2));
+    let owner = leases
+        .holder(Leased::Shard(1))
+        .expect("lease bucket")
+        .expect("an owner");
+    cluster.signal(&owner, "STOP");
+    let stopped_at = Instant::now();
+    let successor = loop {
+        match leases.holder(Leased::Shard(1)) {
+            Ok(Some(holder)) if holder != owner => break holder,
+            _ => {}
+        }
+        assert!(
+            stopped_at.elapsed() < Duration::from_millis(LEASE_TTL_MS * 5),
+            "shard 1 was not taken over while {owner} was stalled"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // Let the successor commit, then wake the stalled owner.
+    std::thread::sleep(Duration::from_secs(2));
+    cluster.signal(&owner, "CONT");
+    let output = driver.wait_with_output().expect("the driver ends");
+    let summary = summary_of(&output, &cluster);
+    assert_eq!(summary["conserved"], true, "{summary:#}");
+    assert_eq!(summary["cls"], summary["expected"]["cls"], "one CLS per trade");
+    assert_eq!(cluster.stored_twice(), 0, "nothing stored twice");
+    let started = Instant::now();
+    while !cluster.log(&owner).contains("stood down from the shard") {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{owner} did not stand down after {successor} took shard 1:\n{}",
+            cluster.log(&owner)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_routed(&cluster);
+}
