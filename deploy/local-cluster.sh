@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Starts or stops N local PostgreSQL instances, one per STE shard, natively (initdb + pg_ctl as
-# the postgres user), on consecutive ports.
+# the postgres user), on consecutive ports; with --nodes K, also a NATS JetStream server (its
+# own data folder and port) and K engine nodes of a cluster on it.
 #
-#   deploy/local-cluster.sh up N [--dir DIR] [--port FIRST_PORT]
-#   deploy/local-cluster.sh down [--dir DIR]
+#   deploy/local-cluster.sh up N [--nodes K] [--dir DIR] [--port FIRST_PORT] [--nats-port PORT]
+#   deploy/local-cluster.sh down [--dir DIR]          (nodes, NATS and the instances)
 #   deploy/local-cluster.sh urls [--dir DIR]
 #   deploy/local-cluster.sh crash K [--dir DIR]   (stop shard K's instance abruptly; `up N` restarts it)
 #   deploy/local-cluster.sh reset [--dir DIR]     (drop and recreate every shard's database)
@@ -11,13 +12,16 @@
 # `up` prints the shard URLs, one per line, in shard order; pass them to the driver as
 # `--db URL` each, or comma-separated in STE_DATABASE_URLS. Data lives under DIR
 # (default /tmp/ste-cluster); each instance listens on 127.0.0.1 only, with trust auth.
+# With --nodes, the nodes' logs are DIR/node-I.log, their shared key set DIR/keys.csv, and
+# how to drive them is printed on stderr. The engine and driver binaries come from STE_BIN
+# (default target/release; build them with cargo build --release).
 #
 # STE_PG_OPTIONS adds server settings to every instance started, e.g.
 # STE_PG_OPTIONS="-c shared_buffers=1GB".
 set -euo pipefail
 
 usage() {
-  sed -n '2,14p' "$0" >&2
+  sed -n '2,19p' "$0" >&2
   exit 2
 }
 
@@ -38,10 +42,14 @@ if [ "$command" = "up" ]; then
 fi
 dir=${STE_CLUSTER_DIR:-/tmp/ste-cluster}
 first_port=${STE_CLUSTER_PORT:-55432}
+nats_port=${STE_CLUSTER_NATS_PORT:-14222}
+nodes=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dir) dir=$2; shift 2 ;;
     --port) first_port=$2; shift 2 ;;
+    --nats-port) nats_port=$2; shift 2 ;;
+    --nodes) nodes=$2; [[ "$nodes" =~ ^[0-9]+$ ]] || usage; shift 2 ;;
     *) usage ;;
   esac
 done
@@ -65,6 +73,54 @@ url_of() {
   echo "postgres://postgres@127.0.0.1:$1/ste"
 }
 
+bin=${STE_BIN:-target/release}
+
+# Stops the process whose pid is in $1 (SIGTERM: a node finishes what it holds), then forgets it.
+stop_pid_file() {
+  local file=$1 pid
+  [ -f "$file" ] || return 0
+  pid=$(cat "$file")
+  if kill "$pid" 2>/dev/null; then
+    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null || true
+  fi
+  rm -f "$file"
+}
+
+# NATS and K engine nodes on the shards whose URLs are in $dir/urls.
+start_nodes() {
+  local count=$1 shards=$2
+  command -v nats-server >/dev/null || { echo "nats-server is not installed (Debian: apt-get install nats-server)" >&2; exit 1; }
+  for binary in engine driver; do
+    [ -x "$bin/$binary" ] || { echo "$bin/$binary is missing: cargo build --release (or set STE_BIN)" >&2; exit 1; }
+  done
+  if [ ! -f "$dir/nats.pid" ] || ! kill -0 "$(cat "$dir/nats.pid")" 2>/dev/null; then
+    mkdir -p "$dir/nats"
+    nats-server -js -a 127.0.0.1 -p "$nats_port" -sd "$dir/nats" >"$dir/nats.log" 2>&1 &
+    echo $! > "$dir/nats.pid"
+    for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$nats_port") 2>/dev/null && break; sleep 0.1; done
+  fi
+  [ -f "$dir/keys.csv" ] || "$bin/driver" keys --out "$dir/keys.csv" >/dev/null
+  local db_args=() url
+  while read -r url; do db_args+=(--db "$url"); done < "$dir/urls"
+  # Spare room on each node for the shards of one that fails.
+  local max_shards=$shards
+  [ "$count" -gt 1 ] && max_shards=$(( (shards + count - 2) / (count - 1) ))
+  for ((node = 1; node <= count; node++)); do
+    [ -f "$dir/node-$node.pid" ] && kill -0 "$(cat "$dir/node-$node.pid")" 2>/dev/null && continue
+    "$bin/engine" --nats "nats://127.0.0.1:$nats_port" --node-id "node-$node" \
+      --keys "$dir/keys.csv" "${db_args[@]}" --max-shards "$max_shards" \
+      >"$dir/node-$node.log" 2>&1 &
+    echo $! > "$dir/node-$node.pid"
+  done
+  {
+    echo "cluster: NATS on nats://127.0.0.1:$nats_port, $count nodes (logs $dir/node-*.log), $shards shards"
+    echo "drive it with:"
+    echo "  $bin/driver --trades 250000 --nats nats://127.0.0.1:$nats_port --keys $dir/keys.csv ${db_args[*]}"
+    echo "stop it with: $0 down --dir $dir"
+  } >&2
+}
+
 case "$command" in
   up)
     mkdir -p "$dir"
@@ -84,7 +140,8 @@ case "$command" in
         -c "SELECT 1 FROM pg_database WHERE datname = 'ste'" | grep -q 1 \
         || as_postgres "$bindir/createdb" -h 127.0.0.1 -p "$port" -U postgres ste
       url_of "$port"
-    done
+    done | tee "$dir/urls"
+    [ "$nodes" -gt 0 ] && start_nodes "$nodes" "$count"
     ;;
   urls)
     for port_file in $(ls "$dir"/shard-*.port 2>/dev/null | sort -V); do
@@ -102,6 +159,8 @@ case "$command" in
     as_postgres "$bindir/pg_ctl" -D "$dir/shard-$shard_to_crash" -m immediate -w stop >/dev/null
     ;;
   down)
+    for pid_file in "$dir"/node-*.pid; do stop_pid_file "$pid_file"; done
+    stop_pid_file "$dir/nats.pid"
     for data in $(ls -d "$dir"/shard-* 2>/dev/null | grep -v '\.' | sort -V); do
       if as_postgres "$bindir/pg_ctl" -D "$data" status >/dev/null 2>&1; then
         as_postgres "$bindir/pg_ctl" -D "$data" -m fast -w stop >/dev/null

@@ -454,15 +454,21 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
     }
     let shards = cli.shards.unwrap_or(urls.len() as u32);
     if shards as usize != urls.len() {
-        bail!("{shards} shards need {shards} database URLs, {} given", urls.len());
+        bail!(
+            "{shards} shards need {shards} database URLs, {} given",
+            urls.len()
+        );
     }
     if cli.partitions == 0 {
         bail!("--partitions must be at least 1");
     }
     let Some(keys) = &cli.keys else {
-        bail!("the nodes of a cluster verify with one shared key set: --keys FILE (or STE_KEYS_FILE)");
+        bail!(
+            "the nodes of a cluster verify with one shared key set: --keys FILE (or STE_KEYS_FILE)"
+        );
     };
-    let ring = KeyRing::load(keys).with_context(|| format!("loading keys from {}", keys.display()))?;
+    let ring =
+        KeyRing::load(keys).with_context(|| format!("loading keys from {}", keys.display()))?;
     let refdata = Arc::new(
         RefData::embedded()
             .context("loading the compiled-in reference data")?
@@ -501,7 +507,8 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
     let shutdown = runtime
         .block_on(async { ShutdownSignal::install() })
         .context("installing the signal handlers")?;
-    let node = ste_engine::node::Node::start(&jetstream, config, refdata).context("starting the node")?;
+    let node =
+        ste_engine::node::Node::start(&jetstream, config, refdata).context("starting the node")?;
     info!(node = %node_id, %url, "node started");
     println!("node {node_id}");
     runtime.block_on(async {

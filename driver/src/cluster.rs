@@ -80,8 +80,11 @@ pub fn run_cluster(
         shards: config.shards,
         ..ClusterLayout::default()
     };
-    layout.ensure(&jetstream).context("making the cluster's queues")?;
-    let leases = Arc::new(Leases::open(&jetstream, target.lease_ttl).context("opening the leases")?);
+    layout
+        .ensure(&jetstream)
+        .context("making the cluster's queues")?;
+    let leases =
+        Arc::new(Leases::open(&jetstream, target.lease_ttl).context("opening the leases")?);
     let node_id = format!("driver-{}", std::process::id());
     let mut ingress =
         Ingress::open(&jetstream, &layout, leases, &node_id).context("taking a gateway number")?;
@@ -134,7 +137,10 @@ pub fn run_cluster(
                         DUPLICATE
                     }
                     AckResult::Rejected(code) => {
-                        *answers.exceptions.entry(code.as_str().to_owned()).or_default() += 1;
+                        *answers
+                            .exceptions
+                            .entry(code.as_str().to_owned())
+                            .or_default() += 1;
                         REJECTED
                     }
                 };
@@ -162,13 +168,25 @@ pub fn run_cluster(
         Source::Generated(generator_config) => {
             let mut generator = Generator::new(&refdata, generator_config.clone());
             let lines = generator.by_ref().map(Ok);
-            let count = inject(&mut submitter, &refdata, lines, &pacing, &progress.submitted);
+            let count = inject(
+                &mut submitter,
+                &refdata,
+                lines,
+                &pacing,
+                &progress.submitted,
+            );
             (count, Some(generator.expected().clone()))
         }
         Source::File(path) => {
             let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
             let lines = MessageSetReader::new(BufReader::new(file));
-            let count = inject(&mut submitter, &refdata, lines, &pacing, &progress.submitted);
+            let count = inject(
+                &mut submitter,
+                &refdata,
+                lines,
+                &pacing,
+                &progress.submitted,
+            );
             (count, None)
         }
     };

@@ -484,12 +484,15 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         return run_remote(args, target, refdata);
     }
     let dashboard_address = args.dashboard.clone();
-    let cluster = args.nats.clone().map(|url| ste_driver::cluster::ClusterTarget {
-        url,
-        partitions: args.partitions.max(1),
-        lease_ttl: Duration::from_secs(3),
-        stall_timeout: Duration::from_secs(args.stall_timeout_s.max(1)),
-    });
+    let cluster = args
+        .nats
+        .clone()
+        .map(|url| ste_driver::cluster::ClusterTarget {
+            url,
+            partitions: args.partitions.max(1),
+            lease_ttl: Duration::from_secs(3),
+            stall_timeout: Duration::from_secs(args.stall_timeout_s.max(1)),
+        });
     let config = run_config(args)?;
     let _dashboard = match dashboard_address {
         Some(address) => {

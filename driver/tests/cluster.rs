@@ -130,7 +130,8 @@ impl Cluster {
     fn wait_until_held(&self, leases: &Leases) {
         let started = Instant::now();
         loop {
-            let shards = (0..SHARDS).all(|k| matches!(leases.holder(Leased::Shard(k)), Ok(Some(_))));
+            let shards =
+                (0..SHARDS).all(|k| matches!(leases.holder(Leased::Shard(k)), Ok(Some(_))));
             let partitions =
                 (0..4).all(|p| matches!(leases.holder(Leased::Partition(p)), Ok(Some(_))));
             if shards && partitions {
@@ -231,7 +232,11 @@ fn assert_routed(cluster: &Cluster) {
     for (shard, keys) in cluster.trade_keys().iter().enumerate() {
         assert!(!keys.is_empty(), "shard {shard} holds trades");
         for key in keys {
-            assert_eq!(shard_of(key, SHARDS), shard as u32, "{key} is on shard {shard}");
+            assert_eq!(
+                shard_of(key, SHARDS),
+                shard as u32,
+                "{key} is on shard {shard}"
+            );
         }
     }
 }
@@ -328,6 +333,50 @@ fn nodes_killed_three_times_mid_run_leave_one_cls_per_trade_and_nothing_stored_t
 }
 
 #[test]
+fn a_nats_server_restarted_mid_run_loses_nothing_and_stores_nothing_twice() {
+    let mut cluster = Cluster::start("cluster_nats_restart");
+    for id in ["node-a", "node-b", "node-c"] {
+        cluster.start_node(id);
+    }
+    cluster.wait_until_held(&cluster.leases());
+    let driver = cluster.driver(&[
+        "--trades",
+        "4000",
+        "--fault-rate",
+        "0.1",
+        "--shuffle",
+        "--rate",
+        "2500",
+    ]);
+    std::thread::sleep(Duration::from_secs(3));
+    let restarted_at = Instant::now();
+    cluster.nats.restart();
+    eprintln!(
+        "nats-server restarted in {} ms",
+        restarted_at.elapsed().as_millis()
+    );
+    let output = driver.wait_with_output().expect("the driver ends");
+    let summary = summary_of(&output, &cluster);
+    assert_eq!(summary["conserved"], true, "{summary:#}");
+    assert_eq!(
+        summary["cls"], summary["expected"]["cls"],
+        "one CLS per trade"
+    );
+    let stored: u64 = summary["shards"]
+        .as_array()
+        .expect("shards")
+        .iter()
+        .map(|shard| shard["stored_messages"].as_u64().expect("rows"))
+        .sum();
+    assert_eq!(
+        stored,
+        summary["expected"]["accepted"].as_u64().expect("accepted")
+    );
+    assert_eq!(cluster.stored_twice(), 0);
+    assert_routed(&cluster);
+}
+
+#[test]
 fn a_stalled_owner_is_fenced_off_when_it_wakes_and_stands_down() {
     let mut cluster = Cluster::start("cluster_fencing");
     for id in ["node-a", "node-b", "node-c"] {
@@ -336,7 +385,13 @@ fn a_stalled_owner_is_fenced_off_when_it_wakes_and_stands_down() {
     let leases = cluster.leases();
     cluster.wait_until_held(&leases);
     let driver = cluster.driver(&[
-        "--trades", "4000", "--fault-rate", "0.1", "--shuffle", "--rate", "2500",
+        "--trades",
+        "4000",
+        "--fault-rate",
+        "0.1",
+        "--shuffle",
+        "--rate",
+        "2500",
     ]);
     std::thread::sleep(Duration::from_secs(2));
     let owner = leases
@@ -362,7 +417,10 @@ fn a_stalled_owner_is_fenced_off_when_it_wakes_and_stands_down() {
     let output = driver.wait_with_output().expect("the driver ends");
     let summary = summary_of(&output, &cluster);
     assert_eq!(summary["conserved"], true, "{summary:#}");
-    assert_eq!(summary["cls"], summary["expected"]["cls"], "one CLS per trade");
+    assert_eq!(
+        summary["cls"], summary["expected"]["cls"],
+        "one CLS per trade"
+    );
     assert_eq!(cluster.stored_twice(), 0, "nothing stored twice");
     let started = Instant::now();
     while !cluster.log(&owner).contains("stood down from the shard") {
@@ -372,6 +430,22 @@ fn a_stalled_owner_is_fenced_off_when_it_wakes_and_stands_down() {
             cluster.log(&owner)
         );
         std::thread::sleep(Duration::from_millis(100));
+    }
+    // It stood down because the database refused its commit (Fenced), or because it saw its
+    // lease lost before it tried one (LeaseLost).
+    let log = cluster.log(&owner);
+    let stood_down: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("stood down from the shard"))
+        .collect();
+    assert!(
+        stood_down
+            .iter()
+            .all(|line| line.contains("Fenced") || line.contains("LeaseLost")),
+        "{stood_down:#?}"
+    );
+    for line in stood_down {
+        eprintln!("{owner}: {line}");
     }
     assert_routed(&cluster);
 }

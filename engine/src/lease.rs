@@ -42,7 +42,11 @@ fn bucket_error(bucket: &str, detail: impl std::fmt::Display) -> QueueError {
 
 /// Opens the key-value bucket `name`, making its stream where it does not exist: one value a
 /// key, entries living `max_age` (zero: for ever).
-fn open_bucket(jetstream: &JetStream, name: &str, max_age: Duration) -> Result<kv::Store, QueueError> {
+fn open_bucket(
+    jetstream: &JetStream,
+    name: &str,
+    max_age: Duration,
+) -> Result<kv::Store, QueueError> {
     let context = jetstream.context();
     jetstream.block_on(async {
         let config = stream::Config {

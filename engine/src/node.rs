@@ -20,7 +20,9 @@ use crate::pipeline::{
     PipelineError, RetryPolicy, Submitter,
 };
 use crate::profile::Tolerances;
-use crate::queue::jetstream::{JetStream, JetStreamReceiver, JetStreamSender, QueueLimits, StopReceiving};
+use crate::queue::jetstream::{
+    JetStream, JetStreamReceiver, JetStreamSender, QueueLimits, StopReceiving,
+};
 use crate::queue::local;
 use crate::queue::{BatchSender, QueueError, Receipt, Rx, Tx};
 use crate::refdata::RefData;
@@ -215,7 +217,6 @@ impl Validators {
     }
 }
 
-
 /// Sends each ACK to the queue of the gateway its message came through (`ack.<origin>`). A
 /// gateway whose queue stays full while nobody holds its number any more is gone, and so are
 /// the connections its answers were for: those answers are dropped, with a warning, rather
@@ -246,10 +247,10 @@ impl AckRouter {
             .entry(origin)
             .or_insert_with(|| {
                 let leases = self.leases.clone();
-                self.jetstream.sender_giving_up(
-                    &ClusterLayout::ack_queue(origin),
-                    move || matches!(leases.holder(Leased::Gateway(origin)), Ok(None)),
-                )
+                self.jetstream
+                    .sender_giving_up(&ClusterLayout::ack_queue(origin), move || {
+                        matches!(leases.holder(Leased::Gateway(origin)), Ok(None))
+                    })
             })
             .clone()
     }
@@ -316,7 +317,9 @@ impl Ingress {
         jetstream
             .ensure_queue(&queue, layout.acks)
             .map_err(PipelineError::Queue)?;
-        jetstream.purge_queue(&queue).map_err(PipelineError::Queue)?;
+        jetstream
+            .purge_queue(&queue)
+            .map_err(PipelineError::Queue)?;
         let acks = jetstream
             .receiver::<Ack>(&queue, "gateway", true)
             .map_err(PipelineError::Queue)?;
@@ -704,8 +707,12 @@ impl Node {
                 config.database_urls.len()
             )));
         }
-        config.layout.ensure(jetstream).map_err(PipelineError::Queue)?;
-        let leases = Arc::new(Leases::open(jetstream, config.lease_ttl).map_err(PipelineError::Queue)?);
+        config
+            .layout
+            .ensure(jetstream)
+            .map_err(PipelineError::Queue)?;
+        let leases =
+            Arc::new(Leases::open(jetstream, config.lease_ttl).map_err(PipelineError::Queue)?);
         let stop = Arc::new(AtomicBool::new(false));
         let holdings = Arc::new(Mutex::new(Holdings::default()));
         let thread = {
@@ -779,27 +786,52 @@ fn supervise(
                 batch_max_messages: config.batch_max_messages,
                 retry: config.retry,
             };
-            match ShardOwner::take_over(jetstream, leases.clone(), &owner_config, refdata.clone(), Duration::ZERO) {
-                Ok(Some(owner)) => owners.push(owner),
+            match ShardOwner::take_over(
+                jetstream,
+                leases.clone(),
+                &owner_config,
+                refdata.clone(),
+                Duration::ZERO,
+            ) {
+                Ok(Some(owner)) => {
+                    owners.push(owner);
+                    // One new shard a pass: nodes that start together share the shards.
+                    break;
+                }
                 Ok(None) => {}
-                Err(error) => tracing::warn!(shard, %error, "taking the shard over failed; trying again"),
+                Err(error) => {
+                    tracing::warn!(shard, %error, "taking the shard over failed; trying again")
+                }
             }
         }
         let held: usize = validators.iter().map(|v| v.partitions().len()).sum();
         if held < config.validators_max as usize {
-            let mine: Vec<u32> = validators.iter().flat_map(|v| v.partitions().to_vec()).collect();
+            let mine: Vec<u32> = validators
+                .iter()
+                .flat_map(|v| v.partitions().to_vec())
+                .collect();
             let partitions = config.layout.partitions;
             let free: Vec<u32> = (0..partitions)
                 .map(|step| ((offset + u64::from(step)) % u64::from(partitions)) as u32)
                 .filter(|partition| !mine.contains(partition))
                 .collect();
             for partition in free {
-                if validators.iter().map(|v| v.partitions().len()).sum::<usize>()
+                if validators
+                    .iter()
+                    .map(|v| v.partitions().len())
+                    .sum::<usize>()
                     >= config.validators_max as usize
                 {
                     break;
                 }
-                match Validators::start(jetstream, &config.layout, leases, &config.node_id, &[partition], refdata.clone()) {
+                match Validators::start(
+                    jetstream,
+                    &config.layout,
+                    leases,
+                    &config.node_id,
+                    &[partition],
+                    refdata.clone(),
+                ) {
                     Ok(started) if !started.partitions().is_empty() => validators.push(started),
                     Ok(_) => {}
                     Err(error) => tracing::warn!(partition, %error, "starting a validator failed"),
@@ -807,7 +839,10 @@ fn supervise(
             }
         }
         if let Ok(mut shared) = holdings.lock() {
-            let mut partitions: Vec<u32> = validators.iter().flat_map(|v| v.partitions().to_vec()).collect();
+            let mut partitions: Vec<u32> = validators
+                .iter()
+                .flat_map(|v| v.partitions().to_vec())
+                .collect();
             partitions.sort_unstable();
             let mut shards: Vec<u32> = owners.iter().map(ShardOwner::shard).collect();
             shards.sort_unstable();

@@ -34,6 +34,8 @@ const FULL_RETRY_MAX: Duration = Duration::from_millis(100);
 /// Longest one pull request waits for a batch; a receiver waiting for ever renews it (and sees
 /// a stop within this).
 const PULL_EXPIRES_MAX: Duration = Duration::from_secs(1);
+/// How much longer than a pull request's own expiry the client waits for its answer.
+const PULL_CLIENT_MARGIN: Duration = Duration::from_secs(2);
 /// How long the server waits for an acknowledgement before it delivers a batch again.
 const ACK_WAIT: Duration = Duration::from_secs(30);
 /// Batches delivered to a consumer and not yet acknowledged.
@@ -427,33 +429,49 @@ impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
         if let Some(message) = pulled.pop_front() {
             return Ok(Some(message));
         }
+        // A pull request lives on the server: one lost with a restarting server is never
+        // answered, so the client bounds its wait too.
+        let bound = wait + PULL_CLIENT_MARGIN;
+        let queue = &self.queue;
         self.jetstream.runtime.block_on(async {
-            let mut waiting = self
-                .consumer
-                .fetch()
-                .max_messages(PULL_BATCHES_MAX)
-                .messages()
-                .await
-                .map_err(|error| carrier(&self.queue, error))?;
-            while let Some(message) = waiting.next().await {
-                pulled.push_back(message.map_err(|error| carrier(&self.queue, error))?);
+            let waiting = tokio::time::timeout(bound, async {
+                let mut waiting = self
+                    .consumer
+                    .fetch()
+                    .max_messages(PULL_BATCHES_MAX)
+                    .messages()
+                    .await
+                    .map_err(|error| carrier(queue, error))?;
+                while let Some(message) = waiting.next().await {
+                    pulled.push_back(message.map_err(|error| carrier(queue, error))?);
+                }
+                Ok::<_, QueueError>(())
+            })
+            .await;
+            match waiting {
+                Ok(result) => result?,
+                Err(_) => return Err(carrier(queue, "a pull request went unanswered")),
             }
             if let Some(message) = pulled.pop_front() {
                 return Ok(Some(message));
             }
-            let mut batch = self
-                .consumer
-                .batch()
-                .max_messages(1)
-                .expires(wait)
-                .messages()
-                .await
-                .map_err(|error| carrier(&self.queue, error))?;
-            match batch.next().await {
-                None => Ok(None),
-                Some(Ok(message)) => Ok(Some(message)),
-                Some(Err(error)) => Err(carrier(&self.queue, error)),
-            }
+            let next = tokio::time::timeout(bound, async {
+                let mut batch = self
+                    .consumer
+                    .batch()
+                    .max_messages(1)
+                    .expires(wait)
+                    .messages()
+                    .await
+                    .map_err(|error| carrier(queue, error))?;
+                match batch.next().await {
+                    None => Ok(None),
+                    Some(Ok(message)) => Ok(Some(message)),
+                    Some(Err(error)) => Err(carrier(queue, error)),
+                }
+            })
+            .await;
+            next.unwrap_or_else(|_| Err(carrier(queue, "a pull request went unanswered")))
         })
     }
 

@@ -12,7 +12,8 @@ use sqlx::{Connection, PgConnection};
 pub struct NatsServer {
     child: Child,
     pub url: String,
-    _store: tempfile::TempDir,
+    port: u16,
+    store: tempfile::TempDir,
 }
 
 impl NatsServer {
@@ -22,14 +23,23 @@ impl NatsServer {
             .expect("a free port")
             .port();
         let store = tempfile::tempdir().expect("a store folder");
+        let child = Self::spawn(port, store.path());
+        Self {
+            child,
+            url: format!("nats://127.0.0.1:{port}"),
+            port,
+            store,
+        }
+    }
+
+    fn spawn(port: u16, store: &std::path::Path) -> Child {
         let child = Command::new("nats-server")
             .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-            .arg(store.path())
+            .arg(store)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("nats-server starts (Debian's nats-server package)");
-        let url = format!("nats://127.0.0.1:{port}");
         let started = Instant::now();
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(
@@ -38,11 +48,17 @@ impl NatsServer {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        Self {
-            child,
-            url,
-            _store: store,
-        }
+        child
+    }
+
+    /// Stops the server (SIGTERM, as an operator would) and starts it again on the same port
+    /// and store.
+    pub fn restart(&mut self) {
+        let _ = Command::new("kill")
+            .arg(self.child.id().to_string())
+            .status();
+        let _ = self.child.wait();
+        self.child = Self::spawn(self.port, self.store.path());
     }
 }
 
