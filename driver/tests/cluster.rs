@@ -218,6 +218,72 @@ impl Drop for Cluster {
     }
 }
 
+/// One cluster at a time: two cores do not run four of them and keep their leases in time.
+static ONE_CLUSTER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_cluster() -> std::sync::MutexGuard<'static, ()> {
+    ONE_CLUSTER
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The summary of a run during which nodes failed. A message whose answer was lost with a node
+/// is delivered again and answered DUPLICATE (the shard holds it), so the run may differ from
+/// the generator's expectation there, and only there: accepted and duplicates move between
+/// each other, everything else is exact.
+fn summary_after_failures(output: &Output, cluster: &Cluster) -> serde_json::Value {
+    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap_or_else(|_| {
+        panic!(
+            "driver: {}\nnode-a: {}",
+            String::from_utf8_lossy(&output.stderr),
+            cluster.log("node-a")
+        )
+    });
+    let expected = &summary["expected"];
+    let number = |value: &serde_json::Value| value.as_u64().expect("a count");
+    assert_eq!(summary["conserved"], true, "{summary:#}");
+    assert_eq!(summary["exceptions"], expected["exceptions"], "{summary:#}");
+    assert_eq!(
+        summary["cls"], expected["cls"],
+        "one CLS per matched trade: {summary:#}"
+    );
+    assert_eq!(
+        number(&summary["accepted"]) + number(&summary["duplicates"]),
+        number(&expected["accepted"]) + number(&expected["duplicates"]),
+        "{summary:#}"
+    );
+    for state in ["mismatched_trades", "pending_trades", "cancelled_trades"] {
+        assert_eq!(summary[state], expected[state], "{state}: {summary:#}");
+    }
+    if !output.status.success() {
+        assert!(
+            String::from_utf8_lossy(&output.stderr).contains("differs"),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let stored: u64 = summary["shards"]
+        .as_array()
+        .expect("shards")
+        .iter()
+        .map(|shard| number(&shard["stored_messages"]))
+        .sum();
+    assert_eq!(
+        stored,
+        number(&expected["accepted"]),
+        "every accepted message stored once"
+    );
+    eprintln!(
+        "accepted {} (expected {}), duplicates {} (expected {}), CLS repeats dropped {}",
+        summary["accepted"],
+        expected["accepted"],
+        summary["duplicates"],
+        expected["duplicates"],
+        summary["cls_repeats"]
+    );
+    summary
+}
+
 fn summary_of(output: &Output, cluster: &Cluster) -> serde_json::Value {
     assert!(
         output.status.success(),
@@ -243,6 +309,7 @@ fn assert_routed(cluster: &Cluster) {
 
 #[test]
 fn three_nodes_on_four_shards_give_the_outcome_the_generator_expected() {
+    let _one = one_cluster();
     let mut cluster = Cluster::start("cluster_outcome");
     for id in ["node-a", "node-b", "node-c"] {
         cluster.start_node(id);
@@ -267,6 +334,7 @@ fn three_nodes_on_four_shards_give_the_outcome_the_generator_expected() {
 
 #[test]
 fn nodes_killed_three_times_mid_run_leave_one_cls_per_trade_and_nothing_stored_twice() {
+    let _one = one_cluster();
     let mut cluster = Cluster::start("cluster_failover");
     for id in ["node-a", "node-b", "node-c"] {
         cluster.start_node(id);
@@ -313,27 +381,14 @@ fn nodes_killed_three_times_mid_run_leave_one_cls_per_trade_and_nothing_stored_t
         cluster.start_node(&owner);
     }
     let output = driver.wait_with_output().expect("the driver ends");
-    let summary = summary_of(&output, &cluster);
-    assert_eq!(summary["conserved"], true, "{summary:#}");
-    let expected = &summary["expected"];
-    assert_eq!(summary["cls"], expected["cls"], "one CLS per matched trade");
-    let stored: u64 = summary["shards"]
-        .as_array()
-        .expect("shards")
-        .iter()
-        .map(|shard| shard["stored_messages"].as_u64().expect("rows"))
-        .sum();
-    assert_eq!(
-        stored,
-        expected["accepted"].as_u64().expect("accepted"),
-        "every accepted message stored once"
-    );
+    summary_after_failures(&output, &cluster);
     assert_eq!(cluster.stored_twice(), 0);
     assert_routed(&cluster);
 }
 
 #[test]
 fn a_nats_server_restarted_mid_run_loses_nothing_and_stores_nothing_twice() {
+    let _one = one_cluster();
     let mut cluster = Cluster::start("cluster_nats_restart");
     for id in ["node-a", "node-b", "node-c"] {
         cluster.start_node(id);
@@ -356,28 +411,14 @@ fn a_nats_server_restarted_mid_run_loses_nothing_and_stores_nothing_twice() {
         restarted_at.elapsed().as_millis()
     );
     let output = driver.wait_with_output().expect("the driver ends");
-    let summary = summary_of(&output, &cluster);
-    assert_eq!(summary["conserved"], true, "{summary:#}");
-    assert_eq!(
-        summary["cls"], summary["expected"]["cls"],
-        "one CLS per trade"
-    );
-    let stored: u64 = summary["shards"]
-        .as_array()
-        .expect("shards")
-        .iter()
-        .map(|shard| shard["stored_messages"].as_u64().expect("rows"))
-        .sum();
-    assert_eq!(
-        stored,
-        summary["expected"]["accepted"].as_u64().expect("accepted")
-    );
+    summary_after_failures(&output, &cluster);
     assert_eq!(cluster.stored_twice(), 0);
     assert_routed(&cluster);
 }
 
 #[test]
 fn a_stalled_owner_is_fenced_off_when_it_wakes_and_stands_down() {
+    let _one = one_cluster();
     let mut cluster = Cluster::start("cluster_fencing");
     for id in ["node-a", "node-b", "node-c"] {
         cluster.start_node(id);
@@ -415,12 +456,7 @@ fn a_stalled_owner_is_fenced_off_when_it_wakes_and_stands_down() {
     std::thread::sleep(Duration::from_secs(2));
     cluster.signal(&owner, "CONT");
     let output = driver.wait_with_output().expect("the driver ends");
-    let summary = summary_of(&output, &cluster);
-    assert_eq!(summary["conserved"], true, "{summary:#}");
-    assert_eq!(
-        summary["cls"], summary["expected"]["cls"],
-        "one CLS per trade"
-    );
+    summary_after_failures(&output, &cluster);
     assert_eq!(cluster.stored_twice(), 0, "nothing stored twice");
     let started = Instant::now();
     while !cluster.log(&owner).contains("stood down from the shard") {

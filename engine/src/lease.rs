@@ -194,7 +194,14 @@ pub struct LeaseKeeper {
     token: u64,
     held: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
-    thread: JoinHandle<()>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for LeaseKeeper {
+    /// A keeper dropped (its owner failed half way) stops renewing too.
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
 }
 
 impl LeaseKeeper {
@@ -237,7 +244,7 @@ impl LeaseKeeper {
             token,
             held,
             stop,
-            thread,
+            thread: Some(thread),
         }
     }
 
@@ -252,9 +259,11 @@ impl LeaseKeeper {
     }
 
     /// Stops renewing. The lease is not given back: it runs out, as a crashed node's would.
-    pub fn stop(self) {
+    pub fn stop(mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        let _ = self.thread.join();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }
 

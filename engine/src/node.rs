@@ -481,6 +481,19 @@ impl ShardOwner {
         let shard = config.shard;
         let token = lease.token;
         tracing::info!(shard, node = %config.node_id, token, "won the shard");
+        // Renewed from now on, however long the rebuild takes; dropped (renewals stopped) if
+        // taking over fails half way. Once it is lost, every consumer of the shard stops at
+        // once; the writer checks the lease before its next commit, and the shard's fence
+        // refuses what is already on its way.
+        let stoppers: Arc<Mutex<Vec<StopReceiving>>> = Arc::default();
+        let keeper = {
+            let stoppers = stoppers.clone();
+            LeaseKeeper::start(leases.clone(), lease, config.node_id.clone(), move || {
+                if let Ok(stoppers) = stoppers.lock() {
+                    stoppers.iter().for_each(StopReceiving::stop);
+                }
+            })
+        };
         let book = Arc::new(DeliveryBook::open(jetstream).map_err(PipelineError::Queue)?);
         let mut store: Box<dyn Store> = Box::new(PgStore::open(&config.database_url)?);
         store.fence(token)?;
@@ -504,16 +517,13 @@ impl ShardOwner {
         } else {
             None
         };
-        let keeper = {
-            let stoppers: Vec<StopReceiving> = std::iter::once(stopper.clone())
-                .chain(exception_receiver.as_ref().map(|r| r.stopper()))
-                .collect();
-            // Stop consuming at once; the writer checks the lease before its next commit, and
-            // the shard's fence refuses what is already on its way.
-            LeaseKeeper::start(leases.clone(), lease, config.node_id.clone(), move || {
-                stoppers.iter().for_each(StopReceiving::stop)
-            })
-        };
+        if let Ok(mut stoppers) = stoppers.lock() {
+            stoppers.push(stopper.clone());
+            stoppers.extend(exception_receiver.as_ref().map(|r| r.stopper()));
+        }
+        if !keeper.held().load(Ordering::Acquire) {
+            return Err(PipelineError::LeaseLost { shard });
+        }
         let held = keeper.held();
         let ack_tx: Tx<Ack> = Box::new(AckRouter::new(jetstream, leases));
         let out_tx: Tx<OutboundEvent> =
