@@ -105,7 +105,9 @@ start_nodes() {
   while read -r url; do db_args+=(--db "$url"); done < "$dir/urls"
   # Spare room on each node for the shards of one that fails.
   local max_shards=$shards
-  [ "$count" -gt 1 ] && max_shards=$(( (shards + count - 2) / (count - 1) ))
+  if [ "$count" -gt 1 ]; then
+    max_shards=$(( (shards + count - 2) / (count - 1) ))
+  fi
   for ((node = 1; node <= count; node++)); do
     [ -f "$dir/node-$node.pid" ] && kill -0 "$(cat "$dir/node-$node.pid")" 2>/dev/null && continue
     "$bin/engine" --nats "nats://127.0.0.1:$nats_port" --node-id "node-$node" \
@@ -141,7 +143,9 @@ case "$command" in
         || as_postgres "$bindir/createdb" -h 127.0.0.1 -p "$port" -U postgres ste
       url_of "$port"
     done | tee "$dir/urls"
-    [ "$nodes" -gt 0 ] && start_nodes "$nodes" "$count"
+    if [ "$nodes" -gt 0 ]; then
+      start_nodes "$nodes" "$count"
+    fi
     ;;
   urls)
     for port_file in $(ls "$dir"/shard-*.port 2>/dev/null | sort -V); do
