@@ -149,8 +149,9 @@ struct Cli {
     /// Shards this node owns at most (cluster); default: every shard.
     #[arg(long, env = "STE_MAX_SHARDS", requires = "nats")]
     max_shards: Option<u32>,
-    /// Time to live of the cluster's leases in milliseconds; the same on every node. A node
-    /// that dies leaves its shards to the others this long after its last renewal.
+    /// Time to live of the cluster's leases in milliseconds, set by the first node of the
+    /// cluster (later ones renew by the cluster's). A node that dies leaves its shards to the
+    /// others this long after its last renewal.
     #[arg(long, default_value_t = 3_000, requires = "nats")]
     lease_ttl_ms: u64,
 }
@@ -173,13 +174,25 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
-    let urls: Vec<String> = cli
-        .db
+/// The shards' database URLs, in shard order (blank ones dropped).
+fn database_urls(cli: &Cli) -> Vec<String> {
+    cli.db
         .iter()
         .map(|url| url.trim().to_owned())
         .filter(|url| !url.is_empty())
-        .collect();
+        .collect()
+}
+
+/// When unmatched trades age out (`None`: never).
+fn aging(cli: &Cli) -> Option<Aging> {
+    (cli.aging_business_days > 0).then(|| Aging {
+        business_days: cli.aging_business_days,
+        check_interval: Duration::from_millis(cli.aging_check_ms.max(1)),
+    })
+}
+
+fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
+    let urls = database_urls(cli);
     let store_arg = cli.store.unwrap_or(StoreArg::Embedded);
     let store = match store_arg {
         StoreArg::Memory => StoreConfig::Memory,
@@ -219,10 +232,7 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
             recover: true,
             retention_days: cli.retention_days,
             shard_backlog_bytes: cli.shard_backlog_mib.max(1) << 20,
-            aging: (cli.aging_business_days > 0).then(|| Aging {
-                business_days: cli.aging_business_days,
-                check_interval: Duration::from_millis(cli.aging_check_ms.max(1)),
-            }),
+            aging: aging(cli),
             ..PipelineConfig::default()
         },
         tolerances: Tolerances::load(cli.profile.as_deref())?,
@@ -293,20 +303,24 @@ fn key_ring(cli: &Cli, refdata: &RefData) -> anyhow::Result<KeyRing> {
     Ok(ring)
 }
 
+/// The compiled-in reference data with the participants' keys the node verifies with.
+fn refdata_with_keys(cli: &Cli) -> anyhow::Result<Arc<RefData>> {
+    let refdata = RefData::embedded().context("loading the compiled-in reference data")?;
+    let ring = key_ring(cli, &refdata)?;
+    Ok(Arc::new(
+        refdata
+            .with_keys(&ring)
+            .context("installing the signing keys")?,
+    ))
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(url) = cli.nats.clone() {
         return run_node(&cli, &url);
     }
     let config = gateway_config(&cli)?;
-    let refdata = RefData::embedded().context("loading the compiled-in reference data")?;
-    let ring = key_ring(&cli, &refdata)?;
+    let refdata = refdata_with_keys(&cli)?;
     let tls = tls(&cli)?;
-    let refdata = Arc::new(
-        refdata
-            .with_keys(&ring)
-            .context("installing the signing keys")?,
-    );
-    drop(ring);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -443,12 +457,7 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
              STE_DATABASE_URLS); the embedded and memory stores live inside one process"
         ),
     }
-    let urls: Vec<String> = cli
-        .db
-        .iter()
-        .map(|url| url.trim().to_owned())
-        .filter(|url| !url.is_empty())
-        .collect();
+    let urls = database_urls(cli);
     if urls.is_empty() {
         bail!("a cluster needs each shard's database: --db URL per shard, or STE_DATABASE_URLS");
     }
@@ -462,20 +471,12 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
     if cli.partitions == 0 {
         bail!("--partitions must be at least 1");
     }
-    let Some(keys) = &cli.keys else {
+    if cli.keys.is_none() {
         bail!(
             "the nodes of a cluster verify with one shared key set: --keys FILE (or STE_KEYS_FILE)"
         );
-    };
-    let ring =
-        KeyRing::load(keys).with_context(|| format!("loading keys from {}", keys.display()))?;
-    let refdata = Arc::new(
-        RefData::embedded()
-            .context("loading the compiled-in reference data")?
-            .with_keys(&ring)
-            .context("installing the signing keys")?,
-    );
-    drop(ring);
+    }
+    let refdata = refdata_with_keys(cli)?;
     let backlog_bytes = (cli.shard_backlog_mib.max(1) << 20) as i64;
     let mut layout = ste_engine::node::ClusterLayout {
         partitions: cli.partitions,
@@ -491,10 +492,7 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
         shards_max: cli.max_shards.unwrap_or(shards),
         database_urls: urls,
         tolerances: Tolerances::load(cli.profile.as_deref())?,
-        aging: (cli.aging_business_days > 0).then(|| Aging {
-            business_days: cli.aging_business_days,
-            check_interval: Duration::from_millis(cli.aging_check_ms.max(1)),
-        }),
+        aging: aging(cli),
         batch_max_messages: PipelineConfig::default().batch_max_messages,
         retry: Default::default(),
     };

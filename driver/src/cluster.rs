@@ -3,18 +3,14 @@
 //! the cluster's CLS queue by the sink, and the run summarised from the answers and the shards'
 //! databases as in process.
 
-use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::BufReader;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use ste_engine::generator::{Generator, RunOutcome};
+use ste_engine::generator::RunOutcome;
 use ste_engine::lease::Leases;
 use ste_engine::node::{ClsFeed, ClusterLayout, Ingress};
-use ste_engine::pipeline::AckResult;
 use ste_engine::queue::jetstream::JetStream;
 use ste_engine::refdata::RefData;
 use ste_engine::station::RunClock;
@@ -22,7 +18,7 @@ use ste_engine::store::{PgStore, Store};
 use ste_sink::Sink;
 
 use super::{
-    inject, peak_rss_mb, LatencySummary, MessageSetReader, Pacing, Progress, RunConfig,
+    inject_source, peak_rss_mb, run_seconds, tally_answers, write_run_files, Progress, RunConfig,
     ShardSummary, Source, Summary, Tally,
 };
 
@@ -38,20 +34,6 @@ pub struct ClusterTarget {
     /// Longest the driver waits without a new answer before it gives up on the run.
     pub stall_timeout: Duration,
 }
-
-/// The first answer to each message, by correlation (the order it was injected in): a message
-/// delivered again after a node failed is answered again, and only its first answer counts.
-#[derive(Default)]
-struct Answers {
-    /// 0: none yet; 1 + the answer's kind otherwise.
-    first: Vec<u8>,
-    exceptions: BTreeMap<String, u64>,
-    repeats: u64,
-}
-
-const ACCEPTED: u8 = 1;
-const DUPLICATE: u8 = 2;
-const REJECTED: u8 = 3;
 
 /// How often the driver looks whether the CLS queue is drained at the end of a run.
 const DRAIN_POLL: Duration = Duration::from_millis(50);
@@ -88,66 +70,15 @@ pub fn run_cluster(
     let node_id = format!("driver-{}", std::process::id());
     let mut ingress =
         Ingress::open(&jetstream, &layout, leases, &node_id).context("taking a gateway number")?;
-    let mut feed = ClsFeed::open(&jetstream, &layout).context("opening the CLS queue")?;
+    let mut feed = ClsFeed::open(&jetstream).context("opening the CLS queue")?;
     let clock = RunClock::start();
     let started = Instant::now();
 
     let tally = Arc::new(Tally::default());
-    let answers: Arc<Mutex<Answers>> = Arc::default();
     let ack_thread = {
         let acks = ingress.take_acks().context("the ACK queue")?;
-        let (tally, answers) = (tally.clone(), answers.clone());
-        std::thread::spawn(move || loop {
-            let batch = match ste_engine::queue::receive(&acks) {
-                Ok(Some(received)) => {
-                    let items = received.items;
-                    if let Err(error) = received.receipt.ack() {
-                        tracing::warn!(%error, "acknowledging answers failed; they come again");
-                    }
-                    items
-                }
-                Ok(None) => break,
-                Err(error) => {
-                    tracing::warn!(%error, "the ACK queue failed; taking answers again");
-                    std::thread::sleep(Duration::from_millis(200));
-                    continue;
-                }
-            };
-            let Ok(mut answers) = answers.lock() else {
-                break;
-            };
-            let mut fresh = 0;
-            for ack in batch {
-                let index = ack.correlation as usize;
-                if answers.first.len() <= index {
-                    answers.first.resize(index + 1, 0);
-                }
-                if answers.first[index] != 0 {
-                    answers.repeats += 1;
-                    continue;
-                }
-                fresh += 1;
-                answers.first[index] = match ack.result {
-                    AckResult::Accepted => {
-                        tally.accepted.fetch_add(1, Ordering::Relaxed);
-                        ACCEPTED
-                    }
-                    AckResult::Duplicate => {
-                        tally.duplicates.fetch_add(1, Ordering::Relaxed);
-                        DUPLICATE
-                    }
-                    AckResult::Rejected(code) => {
-                        *answers
-                            .exceptions
-                            .entry(code.as_str().to_owned())
-                            .or_default() += 1;
-                        REJECTED
-                    }
-                };
-            }
-            tally.acked.fetch_add(fresh, Ordering::Relaxed);
-            tally.last_ack_ns.store(clock.now_ns(), Ordering::Relaxed);
-        })
+        let tally = tally.clone();
+        std::thread::spawn(move || tally_answers(acks, &tally, clock, true))
     };
     let sink = Sink::new(config.cls_out.as_deref(), false).context("opening the CLS output")?;
     let sink_stopper = feed.stopper();
@@ -159,37 +90,13 @@ pub fn run_cluster(
 
     let progress = Progress::start(&tally, &config.source, config.progress);
     let mut submitter = ingress.submitter(clock);
-    let pacing = Pacing {
-        rate: config.rate_msgs_per_s,
-        window: config.window.map(|window| window.max(1)),
-        acked: &tally.acked,
-    };
-    let (injected, expected) = match &config.source {
-        Source::Generated(generator_config) => {
-            let mut generator = Generator::new(&refdata, generator_config.clone());
-            let lines = generator.by_ref().map(Ok);
-            let count = inject(
-                &mut submitter,
-                &refdata,
-                lines,
-                &pacing,
-                &progress.submitted,
-            );
-            (count, Some(generator.expected().clone()))
-        }
-        Source::File(path) => {
-            let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-            let lines = MessageSetReader::new(BufReader::new(file));
-            let count = inject(
-                &mut submitter,
-                &refdata,
-                lines,
-                &pacing,
-                &progress.submitted,
-            );
-            (count, None)
-        }
-    };
+    let (injected, expected) = inject_source(
+        &mut submitter,
+        &refdata,
+        config,
+        &tally,
+        &progress.submitted,
+    )?;
     drop(submitter);
     let messages_in = injected?;
 
@@ -212,10 +119,7 @@ pub fn run_cluster(
             );
         }
     }
-    let elapsed_s = match tally.last_ack_ns.load(Ordering::Relaxed) {
-        0 => started.elapsed().as_secs_f64(),
-        last_ack_ns => last_ack_ns as f64 / 1e9,
-    };
+    let elapsed_s = run_seconds(&tally, started);
     while jetstream
         .queue_len(ClusterLayout::CLS_QUEUE)
         .context("reading the CLS queue")?
@@ -226,7 +130,9 @@ pub fn run_cluster(
     sink_stopper.stop();
     progress.finish();
     ingress.stop();
-    let _ = ack_thread.join();
+    let answers = ack_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("the ack thread panicked"))?;
     let sink_report = sink_thread
         .join()
         .map_err(|_| anyhow::anyhow!("the sink thread panicked"))?
@@ -251,7 +157,6 @@ pub fn run_cluster(
             commit_retries: 0,
         });
     }
-    let answers = std::mem::take(&mut *answers.lock().map_err(|_| anyhow::anyhow!("answers"))?);
     let accepted = tally.accepted.load(Ordering::Relaxed);
     let duplicates = tally.duplicates.load(Ordering::Relaxed);
     let exceptions_total: u64 = answers.exceptions.values().sum();
@@ -288,13 +193,7 @@ pub fn run_cluster(
         throughput_msg_s: messages_in as f64 / elapsed_s.max(1e-9),
         throughput_first_10pct_msg_s: None,
         throughput_last_10pct_msg_s: None,
-        latency_ms: LatencySummary {
-            p50: latency.p50,
-            p99: latency.p99,
-            p999: latency.p999,
-            max: latency.max,
-            mean: latency.mean,
-        },
+        latency_ms: latency.into(),
         stations: Vec::new(),
         bottleneck: None,
         shards,
@@ -307,11 +206,6 @@ pub fn run_cluster(
         matches_expected,
         run_dir: config.run_dir.display().to_string(),
     };
-    let summary_path = config.run_dir.join("summary.json");
-    std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
-        .with_context(|| format!("writing {}", summary_path.display()))?;
-    let latency_path = config.run_dir.join("latency.csv");
-    std::fs::write(&latency_path, sink_report.latency_csv())
-        .with_context(|| format!("writing {}", latency_path.display()))?;
+    write_run_files(config, &summary, &sink_report)?;
     Ok(summary)
 }

@@ -13,9 +13,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde::Serialize;
 use ste_engine::generator::{Generator, GeneratorConfig, RunOutcome};
-use ste_engine::pipeline::{AckResult, Pipeline, PipelineConfig, StoreConfig, Submitter};
+use ste_engine::pipeline::{Ack, AckResult, Pipeline, PipelineConfig, StoreConfig, Submitter};
 use ste_engine::profile::Tolerances;
+use ste_engine::queue::Rx;
 use ste_engine::refdata::RefData;
+use ste_engine::station::RunClock;
 use ste_engine::validate::MESSAGE_SIZE_MAX_BYTES;
 use ste_sink::Sink;
 
@@ -498,42 +500,10 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     let clock = pipeline.clock();
 
     let tally = Arc::new(Tally::default());
-    let exceptions: Arc<std::sync::Mutex<BTreeMap<String, u64>>> = Arc::default();
     let ack_thread = {
         let acks = pipeline.acks();
         let tally = tally.clone();
-        let exceptions = exceptions.clone();
-        std::thread::spawn(move || {
-            let mut codes: BTreeMap<String, u64> = BTreeMap::new();
-            loop {
-                let batch = match ste_engine::queue::receive(&acks) {
-                    Ok(Some(received)) => received.items,
-                    Ok(None) => break,
-                    Err(error) => {
-                        tracing::error!(%error, "the ack queue failed; the tally stops here");
-                        break;
-                    }
-                };
-                for ack in &batch {
-                    match ack.result {
-                        AckResult::Accepted => {
-                            tally.accepted.fetch_add(1, Ordering::Relaxed);
-                        }
-                        AckResult::Duplicate => {
-                            tally.duplicates.fetch_add(1, Ordering::Relaxed);
-                        }
-                        AckResult::Rejected(code) => {
-                            *codes.entry(code.as_str().to_owned()).or_default() += 1;
-                        }
-                    }
-                }
-                tally.acked.fetch_add(batch.len() as u64, Ordering::Relaxed);
-                tally.last_ack_ns.store(clock.now_ns(), Ordering::Relaxed);
-            }
-            if let Ok(mut shared) = exceptions.lock() {
-                *shared = codes;
-            }
-        })
+        std::thread::spawn(move || tally_answers(acks, &tally, clock, false))
     };
     let sink =
         Sink::new(config.cls_out.as_deref(), config.resume).context("opening the CLS output")?;
@@ -546,48 +516,23 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     let progress = Progress::start(&tally, &config.source, config.progress);
 
     let mut submitter = pipeline.submitter();
-    let pacing = Pacing {
-        rate: config.rate_msgs_per_s,
-        window: config.window.map(|window| window.max(1)),
-        acked: &tally.acked,
-    };
-    let (injected, expected) = match &config.source {
-        Source::Generated(generator_config) => {
-            let mut generator = Generator::new(&refdata, generator_config.clone());
-            let lines = generator.by_ref().map(Ok);
-            let count = inject(
-                &mut submitter,
-                &refdata,
-                lines,
-                &pacing,
-                &progress.submitted,
-            );
-            (count, Some(generator.expected().clone()))
-        }
-        Source::File(path) => {
-            let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-            let lines = MessageSetReader::new(BufReader::new(file));
-            let count = inject(
-                &mut submitter,
-                &refdata,
-                lines,
-                &pacing,
-                &progress.submitted,
-            );
-            (count, None)
-        }
-    };
+    let (injected, expected) = inject_source(
+        &mut submitter,
+        &refdata,
+        config,
+        &tally,
+        &progress.submitted,
+    )?;
     drop(submitter);
     let station_handles = pipeline.stations().to_vec();
     let report = pipeline.finish();
     // Throughput counts from the first injection to the last acknowledgement; closing the
     // stores and counting their rows afterwards is not part of it.
-    let elapsed_s = match tally.last_ack_ns.load(Ordering::Relaxed) {
-        0 => started.elapsed().as_secs_f64(),
-        last_ack_ns => last_ack_ns as f64 / 1e9,
-    };
+    let elapsed_s = run_seconds(&tally, started);
     progress.finish();
-    let _ = ack_thread.join();
+    let answers = ack_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("the ack thread panicked"))?;
     let sink_report = sink_thread
         .join()
         .map_err(|_| anyhow::anyhow!("the sink thread panicked"))?
@@ -628,7 +573,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         })
         .collect();
 
-    let exceptions = exceptions.lock().map(|e| e.clone()).unwrap_or_default();
+    let exceptions = answers.exceptions;
     let accepted = tally.accepted.load(Ordering::Relaxed);
     let duplicates = tally.duplicates.load(Ordering::Relaxed);
     let exceptions_total: u64 = exceptions.values().sum();
@@ -681,13 +626,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         throughput_msg_s: messages_in as f64 / elapsed_s.max(1e-9),
         throughput_first_10pct_msg_s: edge_rates.map(|(first, _)| first),
         throughput_last_10pct_msg_s: edge_rates.map(|(_, last)| last),
-        latency_ms: LatencySummary {
-            p50: latency.p50,
-            p99: latency.p99,
-            p999: latency.p999,
-            max: latency.max,
-            mean: latency.mean,
-        },
+        latency_ms: latency.into(),
         stations,
         bottleneck,
         shards,
@@ -700,13 +639,136 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         matches_expected,
         run_dir: config.run_dir.display().to_string(),
     };
+    write_run_files(config, &summary, &sink_report)?;
+    Ok(summary)
+}
+
+/// Writes a run's `summary.json` and `latency.csv` into its run directory.
+fn write_run_files(
+    config: &RunConfig,
+    summary: &Summary,
+    sink_report: &ste_sink::SinkReport,
+) -> anyhow::Result<()> {
     let summary_path = config.run_dir.join("summary.json");
-    std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
+    std::fs::write(&summary_path, serde_json::to_string_pretty(summary)?)
         .with_context(|| format!("writing {}", summary_path.display()))?;
     let latency_path = config.run_dir.join("latency.csv");
     std::fs::write(&latency_path, sink_report.latency_csv())
-        .with_context(|| format!("writing {}", latency_path.display()))?;
-    Ok(summary)
+        .with_context(|| format!("writing {}", latency_path.display()))
+}
+
+impl From<ste_sink::LatencyMs> for LatencySummary {
+    fn from(latency: ste_sink::LatencyMs) -> Self {
+        Self {
+            p50: latency.p50,
+            p99: latency.p99,
+            p999: latency.p999,
+            max: latency.max,
+            mean: latency.mean,
+        }
+    }
+}
+
+/// Seconds from the start of a run to its last answer (to now, if none came): closing the
+/// stores and counting their rows afterwards is not part of it.
+fn run_seconds(tally: &Tally, started: Instant) -> f64 {
+    match tally.last_ack_ns.load(Ordering::Relaxed) {
+        0 => started.elapsed().as_secs_f64(),
+        last_ack_ns => last_ack_ns as f64 / 1e9,
+    }
+}
+
+/// What the answers of a run said besides the counts in [`Tally`].
+#[derive(Default)]
+struct Answers {
+    exceptions: BTreeMap<String, u64>,
+    /// Answers to messages already answered, not counted again.
+    repeats: u64,
+}
+
+/// Counts the answers off `acks` into `tally` until the queue ends. With `first_only`, only a
+/// message's first answer counts (by its correlation, the order it was injected in): across
+/// nodes a batch delivered again after a node failed is answered again. In process each message
+/// is answered once and nothing is kept per message.
+fn tally_answers(acks: Rx<Ack>, tally: &Tally, clock: RunClock, first_only: bool) -> Answers {
+    let mut answers = Answers::default();
+    let mut answered: Vec<bool> = Vec::new();
+    loop {
+        let batch = match ste_engine::queue::receive(&acks) {
+            Ok(Some(received)) => {
+                if let Err(error) = received.receipt.ack() {
+                    tracing::warn!(%error, "acknowledging answers failed; they come again");
+                }
+                received.items
+            }
+            Ok(None) => break,
+            Err(error) => {
+                tracing::error!(%error, "the ack queue failed; the tally stops here");
+                break;
+            }
+        };
+        let mut counted = 0;
+        for ack in &batch {
+            if first_only {
+                let index = ack.correlation as usize;
+                if answered.len() <= index {
+                    answered.resize(index + 1, false);
+                }
+                if std::mem::replace(&mut answered[index], true) {
+                    answers.repeats += 1;
+                    continue;
+                }
+            }
+            counted += 1;
+            match ack.result {
+                AckResult::Accepted => {
+                    tally.accepted.fetch_add(1, Ordering::Relaxed);
+                }
+                AckResult::Duplicate => {
+                    tally.duplicates.fetch_add(1, Ordering::Relaxed);
+                }
+                AckResult::Rejected(code) => {
+                    *answers
+                        .exceptions
+                        .entry(code.as_str().to_owned())
+                        .or_default() += 1;
+                }
+            }
+        }
+        tally.acked.fetch_add(counted, Ordering::Relaxed);
+        tally.last_ack_ns.store(clock.now_ns(), Ordering::Relaxed);
+    }
+    answers
+}
+
+/// Injects the configured source through `submitter`, paced as configured: how many messages
+/// (or why injection stopped, which the caller reports after the engine's own error) and, for a
+/// generated set, what the generator expects.
+fn inject_source(
+    submitter: &mut Submitter,
+    refdata: &RefData,
+    config: &RunConfig,
+    tally: &Tally,
+    submitted: &AtomicU64,
+) -> anyhow::Result<(anyhow::Result<u64>, Option<RunOutcome>)> {
+    let pacing = Pacing {
+        rate: config.rate_msgs_per_s,
+        window: config.window.map(|window| window.max(1)),
+        acked: &tally.acked,
+    };
+    Ok(match &config.source {
+        Source::Generated(generator_config) => {
+            let mut generator = Generator::new(refdata, generator_config.clone());
+            let lines = generator.by_ref().map(Ok);
+            let count = inject(submitter, refdata, lines, &pacing, submitted);
+            (count, Some(generator.expected().clone()))
+        }
+        Source::File(path) => {
+            let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+            let lines = MessageSetReader::new(BufReader::new(file));
+            (inject(submitter, refdata, lines, &pacing, submitted), None)
+        }
+    })
 }
 
 #[cfg(test)]

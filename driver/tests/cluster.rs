@@ -38,10 +38,13 @@ struct Cluster {
     dir: tempfile::TempDir,
     keys: PathBuf,
     nodes: Vec<(String, Child)>,
+    /// Held while the cluster lives (dropped last).
+    _one: std::sync::MutexGuard<'static, ()>,
 }
 
 impl Cluster {
     fn start(label: &str) -> Self {
+        let one = one_cluster();
         let nats = NatsServer::start();
         let databases = TempDatabases::create(label, SHARDS as usize);
         let dir = tempfile::tempdir().expect("a folder");
@@ -59,6 +62,7 @@ impl Cluster {
             dir,
             keys,
             nodes: Vec::new(),
+            _one: one,
         }
     }
 
@@ -121,6 +125,16 @@ impl Cluster {
         assert!(status.success());
     }
 
+    /// A cluster of three nodes, each shard and partition held.
+    fn of_three_nodes(label: &str) -> Self {
+        let mut cluster = Self::start(label);
+        for id in ["node-a", "node-b", "node-c"] {
+            cluster.start_node(id);
+        }
+        cluster.wait_until_held(&cluster.leases());
+        cluster
+    }
+
     fn leases(&self) -> Leases {
         let jetstream = JetStream::connect(&self.nats.url).expect("connects");
         Leases::open(&jetstream, Duration::from_millis(LEASE_TTL_MS)).expect("leases")
@@ -143,6 +157,20 @@ impl Cluster {
             );
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// `driver --nats` with a paced faulty, shuffled run of `trades`, so that what the test
+    /// does to the cluster falls inside the run, in the background.
+    fn paced_driver(&self, trades: u64) -> Child {
+        self.driver(&[
+            "--trades",
+            &trades.to_string(),
+            "--fault-rate",
+            "0.1",
+            "--shuffle",
+            "--rate",
+            "2500",
+        ])
     }
 
     /// `driver --nats` with `args`, in the background.
@@ -294,6 +322,23 @@ fn summary_of(output: &Output, cluster: &Cluster) -> serde_json::Value {
     serde_json::from_slice(&output.stdout).expect("the summary in JSON")
 }
 
+/// Waits for a node other than `owner` to hold `shard`, within the lease's time to live and a
+/// recovery; returns it.
+fn new_owner(leases: &Leases, shard: u32, owner: &str) -> String {
+    let since = Instant::now();
+    loop {
+        match leases.holder(Leased::Shard(shard)) {
+            Ok(Some(holder)) if holder != owner => return holder,
+            _ => {}
+        }
+        assert!(
+            since.elapsed() < Duration::from_millis(LEASE_TTL_MS * 5),
+            "shard {shard} was not taken over from {owner}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn assert_routed(cluster: &Cluster) {
     for (shard, keys) in cluster.trade_keys().iter().enumerate() {
         assert!(!keys.is_empty(), "shard {shard} holds trades");
@@ -309,12 +354,7 @@ fn assert_routed(cluster: &Cluster) {
 
 #[test]
 fn three_nodes_on_four_shards_give_the_outcome_the_generator_expected() {
-    let _one = one_cluster();
-    let mut cluster = Cluster::start("cluster_outcome");
-    for id in ["node-a", "node-b", "node-c"] {
-        cluster.start_node(id);
-    }
-    cluster.wait_until_held(&cluster.leases());
+    let cluster = Cluster::of_three_nodes("cluster_outcome");
     let output = cluster
         .driver(&["--trades", "20000", "--fault-rate", "0.1", "--shuffle"])
         .wait_with_output()
@@ -334,24 +374,9 @@ fn three_nodes_on_four_shards_give_the_outcome_the_generator_expected() {
 
 #[test]
 fn nodes_killed_three_times_mid_run_leave_one_cls_per_trade_and_nothing_stored_twice() {
-    let _one = one_cluster();
-    let mut cluster = Cluster::start("cluster_failover");
-    for id in ["node-a", "node-b", "node-c"] {
-        cluster.start_node(id);
-    }
+    let mut cluster = Cluster::of_three_nodes("cluster_failover");
     let leases = cluster.leases();
-    cluster.wait_until_held(&leases);
-    let trades = 6000;
-    // Paced, so that the kills fall inside the run.
-    let driver = cluster.driver(&[
-        "--trades",
-        &trades.to_string(),
-        "--fault-rate",
-        "0.1",
-        "--shuffle",
-        "--rate",
-        "2500",
-    ]);
+    let driver = cluster.paced_driver(6000);
     for round in 0..3 {
         std::thread::sleep(Duration::from_secs(3));
         let owner = leases
@@ -360,19 +385,7 @@ fn nodes_killed_three_times_mid_run_leave_one_cls_per_trade_and_nothing_stored_t
             .expect("an owner");
         let killed_at = Instant::now();
         cluster.kill(&owner);
-        // Another node takes the shard within the lease's time to live and the recovery.
-        loop {
-            match leases.holder(Leased::Shard(round % SHARDS)) {
-                Ok(Some(holder)) if holder != owner => break,
-                _ => {}
-            }
-            assert!(
-                killed_at.elapsed() < Duration::from_millis(LEASE_TTL_MS * 5),
-                "shard {} was not taken over after {owner} died",
-                round % SHARDS
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        new_owner(&leases, round % SHARDS, &owner);
         eprintln!(
             "round {round}: {owner} killed, shard {} taken over in {} ms",
             round % SHARDS,
@@ -388,21 +401,8 @@ fn nodes_killed_three_times_mid_run_leave_one_cls_per_trade_and_nothing_stored_t
 
 #[test]
 fn a_nats_server_restarted_mid_run_loses_nothing_and_stores_nothing_twice() {
-    let _one = one_cluster();
-    let mut cluster = Cluster::start("cluster_nats_restart");
-    for id in ["node-a", "node-b", "node-c"] {
-        cluster.start_node(id);
-    }
-    cluster.wait_until_held(&cluster.leases());
-    let driver = cluster.driver(&[
-        "--trades",
-        "4000",
-        "--fault-rate",
-        "0.1",
-        "--shuffle",
-        "--rate",
-        "2500",
-    ]);
+    let mut cluster = Cluster::of_three_nodes("cluster_nats_restart");
+    let driver = cluster.paced_driver(4000);
     std::thread::sleep(Duration::from_secs(3));
     let restarted_at = Instant::now();
     cluster.nats.restart();
@@ -418,40 +418,16 @@ fn a_nats_server_restarted_mid_run_loses_nothing_and_stores_nothing_twice() {
 
 #[test]
 fn a_stalled_owner_is_fenced_off_when_it_wakes_and_stands_down() {
-    let _one = one_cluster();
-    let mut cluster = Cluster::start("cluster_fencing");
-    for id in ["node-a", "node-b", "node-c"] {
-        cluster.start_node(id);
-    }
+    let cluster = Cluster::of_three_nodes("cluster_fencing");
     let leases = cluster.leases();
-    cluster.wait_until_held(&leases);
-    let driver = cluster.driver(&[
-        "--trades",
-        "4000",
-        "--fault-rate",
-        "0.1",
-        "--shuffle",
-        "--rate",
-        "2500",
-    ]);
+    let driver = cluster.paced_driver(4000);
     std::thread::sleep(Duration::from_secs(2));
     let owner = leases
         .holder(Leased::Shard(1))
         .expect("lease bucket")
         .expect("an owner");
     cluster.signal(&owner, "STOP");
-    let stopped_at = Instant::now();
-    let successor = loop {
-        match leases.holder(Leased::Shard(1)) {
-            Ok(Some(holder)) if holder != owner => break holder,
-            _ => {}
-        }
-        assert!(
-            stopped_at.elapsed() < Duration::from_millis(LEASE_TTL_MS * 5),
-            "shard 1 was not taken over while {owner} was stalled"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let successor = new_owner(&leases, 1, &owner);
     // Let the successor commit, then wake the stalled owner.
     std::thread::sleep(Duration::from_secs(2));
     cluster.signal(&owner, "CONT");

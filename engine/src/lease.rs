@@ -41,12 +41,13 @@ fn bucket_error(bucket: &str, detail: impl std::fmt::Display) -> QueueError {
 }
 
 /// Opens the key-value bucket `name`, making its stream where it does not exist: one value a
-/// key, entries living `max_age` (zero: for ever).
+/// key, entries living `max_age` (zero: for ever). Returns the bucket and how long its entries
+/// live: `max_age` for the node that made it, what the first one chose for the others.
 fn open_bucket(
     jetstream: &JetStream,
     name: &str,
     max_age: Duration,
-) -> Result<kv::Store, QueueError> {
+) -> Result<(kv::Store, Duration), QueueError> {
     let context = jetstream.context();
     jetstream.block_on(async {
         let config = stream::Config {
@@ -62,14 +63,16 @@ fn open_bucket(
             num_replicas: 1,
             ..Default::default()
         };
-        context
+        let stream = context
             .get_or_create_stream(config)
             .await
             .map_err(|error| bucket_error(name, error))?;
-        context
+        let max_age = stream.cached_info().config.max_age;
+        let bucket = context
             .get_key_value(name)
             .await
-            .map_err(|error| bucket_error(name, error))
+            .map_err(|error| bucket_error(name, error))?;
+        Ok((bucket, max_age))
     })
 }
 
@@ -111,10 +114,19 @@ pub struct Lease {
 }
 
 impl Leases {
-    /// Opens the bucket, making it with entries that live `ttl` where it does not exist. Every
-    /// node of a cluster must use the same `ttl`: the first one to start sets it.
+    /// Opens the bucket, making it with entries that live `ttl` where it does not exist. A
+    /// cluster has one time to live, set by the node that made the bucket: one that asks for
+    /// another is warned and renews by the cluster's ([`Leases::ttl`]).
     pub fn open(jetstream: &JetStream, ttl: Duration) -> Result<Self, QueueError> {
-        let bucket = open_bucket(jetstream, LEASE_BUCKET, ttl)?;
+        let (bucket, bucket_ttl) = open_bucket(jetstream, LEASE_BUCKET, ttl)?;
+        if bucket_ttl != ttl {
+            tracing::warn!(
+                asked_ms = ttl.as_millis() as u64,
+                cluster_ms = bucket_ttl.as_millis() as u64,
+                "the cluster's leases live as long as its first node chose; renewing by that"
+            );
+        }
+        let ttl = bucket_ttl;
         Ok(Self {
             jetstream: jetstream.clone(),
             bucket,
@@ -286,7 +298,7 @@ impl DeliveryBook {
     pub fn open(jetstream: &JetStream) -> Result<Self, QueueError> {
         Ok(Self {
             jetstream: jetstream.clone(),
-            bucket: open_bucket(jetstream, DELIVERY_BUCKET, Duration::ZERO)?,
+            bucket: open_bucket(jetstream, DELIVERY_BUCKET, Duration::ZERO)?.0,
         })
     }
 

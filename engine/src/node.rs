@@ -375,11 +375,9 @@ pub struct ClsFeed {
 }
 
 impl ClsFeed {
-    /// Opens the CLS queue through the sink's durable consumer (one sink per cluster).
-    pub fn open(jetstream: &JetStream, layout: &ClusterLayout) -> Result<Self, PipelineError> {
-        jetstream
-            .ensure_queue(ClusterLayout::CLS_QUEUE, layout.cls)
-            .map_err(PipelineError::Queue)?;
+    /// Opens the CLS queue through the sink's durable consumer (one sink per cluster); the
+    /// cluster's queues exist ([`ClusterLayout::ensure`]).
+    pub fn open(jetstream: &JetStream) -> Result<Self, PipelineError> {
         let events = jetstream
             .receiver::<OutboundEvent>(ClusterLayout::CLS_QUEUE, "sink", true)
             .map_err(PipelineError::Queue)?;
@@ -671,7 +669,8 @@ const STORE_QUEUE_BATCHES: usize = 128;
 pub struct NodeConfig {
     pub node_id: String,
     pub layout: ClusterLayout,
-    /// Time to live of every lease; the same on every node of the cluster.
+    /// Time to live of every lease, where this node makes the cluster's lease bucket (the
+    /// first node's otherwise).
     pub lease_ttl: Duration,
     /// Inbound partitions this node validates at most.
     pub validators_max: u32,
@@ -762,11 +761,15 @@ fn supervise(
     stop: &AtomicBool,
     holdings: &Mutex<Holdings>,
 ) -> Result<(), PipelineError> {
-    let poll = config.lease_ttl / LEASE_POLLS_PER_TTL;
+    let poll = leases.ttl() / LEASE_POLLS_PER_TTL;
     let mut validators: Vec<Validators> = Vec::new();
     let mut owners: Vec<ShardOwner> = Vec::new();
-    // Nodes start their search at different shards, so that they spread.
+    // Nodes start their search at different shards and partitions, so that they spread.
     let offset = crate::routing::fnv1a_64(config.node_id.as_bytes());
+    let rotated = |step: u32, count: u32| {
+        let count = u64::from(count);
+        ((offset % count + u64::from(step)) % count) as u32
+    };
     while !stop.load(Ordering::Relaxed) {
         for ended in drain_where(&mut owners, ShardOwner::has_ended) {
             let report = ended.stop();
@@ -783,7 +786,7 @@ fn supervise(
             if owners.len() >= config.shards_max as usize || stop.load(Ordering::Relaxed) {
                 break;
             }
-            let shard = ((offset + u64::from(step)) % u64::from(shards)) as u32;
+            let shard = rotated(step, shards);
             if owners.iter().any(|owner| owner.shard() == shard) {
                 continue;
             }
@@ -814,45 +817,35 @@ fn supervise(
                 }
             }
         }
-        let held: usize = validators.iter().map(|v| v.partitions().len()).sum();
-        if held < config.validators_max as usize {
-            let mine: Vec<u32> = validators
-                .iter()
-                .flat_map(|v| v.partitions().to_vec())
-                .collect();
-            let partitions = config.layout.partitions;
-            let free: Vec<u32> = (0..partitions)
-                .map(|step| ((offset + u64::from(step)) % u64::from(partitions)) as u32)
-                .filter(|partition| !mine.contains(partition))
-                .collect();
-            for partition in free {
-                if validators
-                    .iter()
-                    .map(|v| v.partitions().len())
-                    .sum::<usize>()
-                    >= config.validators_max as usize
-                {
-                    break;
+        let mut partitions: Vec<u32> = validators
+            .iter()
+            .flat_map(|v| v.partitions().to_vec())
+            .collect();
+        for step in 0..config.layout.partitions {
+            if partitions.len() >= config.validators_max as usize || stop.load(Ordering::Relaxed) {
+                break;
+            }
+            let partition = rotated(step, config.layout.partitions);
+            if partitions.contains(&partition) {
+                continue;
+            }
+            match Validators::start(
+                jetstream,
+                &config.layout,
+                leases,
+                &config.node_id,
+                &[partition],
+                refdata.clone(),
+            ) {
+                Ok(started) if !started.partitions().is_empty() => {
+                    partitions.extend_from_slice(started.partitions());
+                    validators.push(started);
                 }
-                match Validators::start(
-                    jetstream,
-                    &config.layout,
-                    leases,
-                    &config.node_id,
-                    &[partition],
-                    refdata.clone(),
-                ) {
-                    Ok(started) if !started.partitions().is_empty() => validators.push(started),
-                    Ok(_) => {}
-                    Err(error) => tracing::warn!(partition, %error, "starting a validator failed"),
-                }
+                Ok(_) => {}
+                Err(error) => tracing::warn!(partition, %error, "starting a validator failed"),
             }
         }
         if let Ok(mut shared) = holdings.lock() {
-            let mut partitions: Vec<u32> = validators
-                .iter()
-                .flat_map(|v| v.partitions().to_vec())
-                .collect();
             partitions.sort_unstable();
             let mut shards: Vec<u32> = owners.iter().map(ShardOwner::shard).collect();
             shards.sort_unstable();

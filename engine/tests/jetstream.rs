@@ -13,6 +13,25 @@ use ste_engine::queue::{BatchReceiver, BatchSender, QueueError};
 use ste_engine::refdata::RefData;
 use ste_engine::validate::validate;
 
+/// A cluster of `partitions` and `shards` whose queues are all [`ROOMY`], made on `jetstream`.
+fn roomy_layout(
+    jetstream: &JetStream,
+    partitions: u32,
+    shards: u32,
+) -> ste_engine::node::ClusterLayout {
+    let layout = ste_engine::node::ClusterLayout {
+        partitions,
+        shards,
+        inbound: ROOMY,
+        shard_backlog: ROOMY,
+        exceptions: ROOMY,
+        acks: ROOMY,
+        cls: ROOMY,
+    };
+    layout.ensure(jetstream).expect("streams");
+    layout
+}
+
 const ROOMY: QueueLimits = QueueLimits {
     batches_max: 1_000,
     bytes_max: 64 * 1024 * 1024,
@@ -285,16 +304,7 @@ fn validators_on_jetstream_queues_route_every_message_as_the_in_process_validato
 
     let server = NatsServer::start();
     let jetstream = JetStream::connect(&server.url).expect("connects");
-    let layout = ClusterLayout {
-        partitions: 2,
-        shards: 3,
-        inbound: ROOMY,
-        shard_backlog: ROOMY,
-        exceptions: ROOMY,
-        acks: ROOMY,
-        cls: ROOMY,
-    };
-    layout.ensure(&jetstream).expect("streams");
+    let layout = roomy_layout(&jetstream, 2, 3);
     let refdata = Arc::new(
         RefData::embedded()
             .expect("reference data")
@@ -438,16 +448,7 @@ fn a_shard_taken_over_after_its_owner_stopped_ends_with_one_cls_per_trade_and_no
     let databases = common::TempDatabases::create("takeover", 1);
     let database_url = databases.urls()[0].clone();
     let jetstream = JetStream::connect(&server.url).expect("connects");
-    let layout = ClusterLayout {
-        partitions: 1,
-        shards: 1,
-        inbound: ROOMY,
-        shard_backlog: ROOMY,
-        exceptions: ROOMY,
-        acks: ROOMY,
-        cls: ROOMY,
-    };
-    layout.ensure(&jetstream).expect("streams");
+    let layout = roomy_layout(&jetstream, 1, 1);
     let leases = Arc::new(Leases::open(&jetstream, Duration::from_secs(1)).expect("leases"));
     let refdata = Arc::new(
         RefData::embedded()
