@@ -258,7 +258,8 @@ fn one_cluster() -> std::sync::MutexGuard<'static, ()> {
 /// The summary of a run during which nodes failed. A message whose answer was lost with a node
 /// is delivered again and answered DUPLICATE (the shard holds it), so the run may differ from
 /// the generator's expectation there, and only there: accepted and duplicates move between
-/// each other, everything else is exact.
+/// each other, everything else is exact. Nothing is stored twice, and every shard holds its own
+/// trades.
 fn summary_after_failures(output: &Output, cluster: &Cluster) -> serde_json::Value {
     let summary: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap_or_else(|_| {
         panic!(
@@ -395,8 +396,6 @@ fn nodes_killed_three_times_mid_run_leave_one_cls_per_trade_and_nothing_stored_t
     }
     let output = driver.wait_with_output().expect("the driver ends");
     summary_after_failures(&output, &cluster);
-    assert_eq!(cluster.stored_twice(), 0);
-    assert_routed(&cluster);
 }
 
 #[test]
@@ -412,8 +411,6 @@ fn a_nats_server_restarted_mid_run_loses_nothing_and_stores_nothing_twice() {
     );
     let output = driver.wait_with_output().expect("the driver ends");
     summary_after_failures(&output, &cluster);
-    assert_eq!(cluster.stored_twice(), 0);
-    assert_routed(&cluster);
 }
 
 #[test]
@@ -433,7 +430,6 @@ fn a_stalled_owner_is_fenced_off_when_it_wakes_and_stands_down() {
     cluster.signal(&owner, "CONT");
     let output = driver.wait_with_output().expect("the driver ends");
     summary_after_failures(&output, &cluster);
-    assert_eq!(cluster.stored_twice(), 0, "nothing stored twice");
     let started = Instant::now();
     while !cluster.log(&owner).contains("stood down from the shard") {
         assert!(
@@ -459,5 +455,4 @@ fn a_stalled_owner_is_fenced_off_when_it_wakes_and_stands_down() {
     for line in stood_down {
         eprintln!("{owner}: {line}");
     }
-    assert_routed(&cluster);
 }
