@@ -63,9 +63,10 @@ struct Cli {
     /// Number of shards; with --store postgres, default: the number of database URLs.
     #[arg(long, env = "STE_SHARDS")]
     shards: Option<u32>,
-    /// Number of validators.
-    #[arg(long, env = "STE_VALIDATORS", default_value_t = 2)]
-    validators: u32,
+    /// Number of validators (default 2); in a cluster, the inbound partitions this node
+    /// validates at most (default: every partition).
+    #[arg(long, env = "STE_VALIDATORS")]
+    validators: Option<u32>,
     /// Folder of the node's files: the embedded store, samples.csv.
     #[arg(long, env = "STE_DATA_DIR", default_value = "ste-data")]
     data_dir: PathBuf,
@@ -211,7 +212,8 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
         (None, StoreArg::Postgres) => urls.len() as u32,
         (None, _) => 2,
     };
-    if shards == 0 || cli.validators == 0 {
+    let validators = cli.validators.unwrap_or(2);
+    if shards == 0 || validators == 0 {
         bail!("--shards and --validators must be at least 1");
     }
     if cli.retention_days.is_some() && matches!(store_arg, StoreArg::Memory) {
@@ -223,7 +225,7 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
     Ok(GatewayConfig {
         pipeline: PipelineConfig {
             shards,
-            validators: cli.validators,
+            validators,
             store,
             sample_interval,
             samples_path: (!sample_interval.is_zero()).then(|| cli.data_dir.join("samples.csv")),
@@ -488,7 +490,7 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
         node_id: node_id.clone(),
         layout,
         lease_ttl: Duration::from_millis(cli.lease_ttl_ms.max(100)),
-        validators_max: cli.validators,
+        validators_max: cli.validators.unwrap_or(cli.partitions),
         shards_max: cli.max_shards.unwrap_or(shards),
         database_urls: urls,
         tolerances: Tolerances::load(cli.profile.as_deref())?,
