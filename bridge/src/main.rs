@@ -95,7 +95,8 @@ struct Cli {
     /// Seconds a connection may stay silent (heartbeats count).
     #[arg(long, default_value_t = 300)]
     idle_timeout_s: u64,
-    /// Station sampling interval in milliseconds (samples.csv in --data-dir); 0: off.
+    /// Station sampling interval in milliseconds (samples.csv in --data-dir; with --nats,
+    /// published on ste.samples.<node-id>, at least every 100 ms); 0: off.
     #[arg(long, default_value_t = 10)]
     sample_ms: u64,
     /// Matching profile (JSON); default: the T2S-style tolerances.
@@ -497,6 +498,8 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
         aging: aging(cli),
         batch_max_messages: PipelineConfig::default().batch_max_messages,
         retry: Default::default(),
+        // Published on ste.samples.<node> for whoever collects them (the driver of a run).
+        sample_interval: Duration::from_millis(cli.sample_ms),
     };
     let jetstream = ste_engine::queue::jetstream::JetStream::connect(url)
         .with_context(|| format!("connecting to NATS at {url}"))?;

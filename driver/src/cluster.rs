@@ -3,11 +3,13 @@
 //! the cluster's CLS queue by the sink, and the run summarised from the answers and the shards'
 //! databases as in process.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use ste_engine::cluster_samples::{NodeMemory, SampleCollector};
 use ste_engine::generator::RunOutcome;
 use ste_engine::lease::Leases;
 use ste_engine::node::{ClsFeed, ClusterLayout, Ingress};
@@ -18,8 +20,8 @@ use ste_engine::store::{PgStore, Store};
 use ste_sink::Sink;
 
 use super::{
-    inject_source, peak_rss_mb, run_seconds, tally_answers, write_run_files, Progress, RunConfig,
-    ShardSummary, Source, Summary, Tally,
+    inject_source, peak_rss_mb, run_seconds, station_summaries, tally_answers, write_run_files,
+    Progress, RunConfig, ShardSummary, Source, Summary, Tally,
 };
 
 /// Where a cluster is and how its queues are laid out.
@@ -73,6 +75,23 @@ pub fn run_cluster(
     let mut feed = ClsFeed::open(&jetstream).context("opening the CLS queue")?;
     let clock = RunClock::start();
     let started = Instant::now();
+    // The nodes' stations and the queues' lengths, in one samples.csv.
+    let samples_path = config.run_dir.join("samples.csv");
+    let collector = if config.sample_interval.is_zero() {
+        None
+    } else {
+        Some(
+            SampleCollector::start(
+                &jetstream,
+                &layout,
+                &[ClusterLayout::ack_queue(ingress.number())],
+                &samples_path,
+                config.sample_interval,
+                clock,
+            )
+            .with_context(|| format!("writing {}", samples_path.display()))?,
+        )
+    };
 
     let tally = Arc::new(Tally::default());
     let ack_thread = {
@@ -137,6 +156,17 @@ pub fn run_cluster(
         .join()
         .map_err(|_| anyhow::anyhow!("the sink thread panicked"))?
         .context("writing CLS")?;
+    let (stations, bottleneck) = match collector {
+        None => (Vec::new(), None),
+        Some(collector) => {
+            let memory = collector.stop().context("collecting the nodes' samples")?;
+            report_memory(&memory, elapsed_s, &config.run_dir)?;
+            let samples = ste_monitor::read_samples(&samples_path).context("reading samples")?;
+            let metrics = ste_monitor::analyze(&samples);
+            let bottleneck = ste_monitor::bottleneck(&metrics).map(|m| m.station.clone());
+            (station_summaries(&metrics, |_| 0.0), bottleneck)
+        }
+    };
 
     let mut shards = Vec::with_capacity(config.db_urls.len());
     let (mut mismatched, mut pending, mut cancelled, mut with_messages) = (0, 0, 0, 0);
@@ -194,8 +224,8 @@ pub fn run_cluster(
         throughput_first_10pct_msg_s: None,
         throughput_last_10pct_msg_s: None,
         latency_ms: latency.into(),
-        stations: Vec::new(),
-        bottleneck: None,
+        stations,
+        bottleneck,
         shards,
         stored_validation_exceptions: 0,
         store: format!("postgres, cluster at {}", target.url),
@@ -208,4 +238,30 @@ pub fn run_cluster(
     };
     write_run_files(config, &summary, &sink_report)?;
     Ok(summary)
+}
+
+/// The share of a run after which a node counts as warmed up.
+const WARM_UP_FRACTION: f64 = 0.2;
+
+/// Prints each node's resident memory after warm-up (first, peak, last) and writes every
+/// reading to `nodes.csv` in the run directory.
+fn report_memory(
+    memory: &BTreeMap<String, NodeMemory>,
+    elapsed_s: f64,
+    run_dir: &std::path::Path,
+) -> anyhow::Result<()> {
+    let mut csv = String::from("t_ms,node,rss_mib\n");
+    for (node, readings) in memory {
+        for (t_ms, kib) in &readings.rss_kib {
+            csv.push_str(&format!("{t_ms:.3},{node},{:.1}\n", *kib as f64 / 1024.0));
+        }
+        if let Some((first, peak, last)) = readings.after(elapsed_s * 1e3 * WARM_UP_FRACTION) {
+            eprintln!(
+                "node {node}: RSS {first:.0} MiB after warm-up ({:.0}% of the run), peak {peak:.0} MiB, {last:.0} MiB at the end",
+                WARM_UP_FRACTION * 100.0
+            );
+        }
+    }
+    let path = run_dir.join("nodes.csv");
+    std::fs::write(&path, csv).with_context(|| format!("writing {}", path.display()))
 }

@@ -176,16 +176,7 @@ impl Summary {
 
 /// Peak resident set size of this process in MiB (VmHWM), where the system reports it.
 pub fn peak_rss_mb() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find(|line| line.starts_with("VmHWM:"))
-                .and_then(|line| line.split_whitespace().nth(1))
-                .and_then(|kib| kib.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kib| kib / 1024.0)
+    ste_engine::cluster_samples::proc_status_kib("VmHWM").map_or(0.0, |kib| kib as f64 / 1024.0)
 }
 
 #[derive(Default)]
@@ -549,29 +540,16 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     let metrics = ste_monitor::analyze(&samples);
     let bottleneck = ste_monitor::bottleneck(&metrics).map(|m| m.station.clone());
     let edge_rates = ste_monitor::edge_rates(&samples, "store.", 0.1);
-    let stations: Vec<StationSummary> = metrics
-        .iter()
-        .map(|m| StationSummary {
-            name: m.station.clone(),
-            A: m.A,
-            C: m.C,
-            B_s: m.B_s,
-            T_s: m.T_s,
-            X: m.X,
-            U: m.U,
-            S_ms: m.S_s * 1e3,
-            N: m.N,
-            R_ms: m.R_s * 1e3,
-            R_direct_ms: station_handles
-                .iter()
-                .find(|s| s.name() == m.station)
-                .map(|s| {
-                    let reading = s.read();
-                    reading.response_ns as f64 / 1e6 / (reading.completions.max(1) as f64)
-                })
-                .unwrap_or_default(),
-        })
-        .collect();
+    let stations = station_summaries(&metrics, |name| {
+        station_handles
+            .iter()
+            .find(|s| s.name() == name)
+            .map(|s| {
+                let reading = s.read();
+                reading.response_ns as f64 / 1e6 / (reading.completions.max(1) as f64)
+            })
+            .unwrap_or_default()
+    });
 
     let exceptions = answers.exceptions;
     let accepted = tally.accepted.load(Ordering::Relaxed);
@@ -644,6 +622,30 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
 }
 
 /// Writes a run's `summary.json` and `latency.csv` into its run directory.
+/// The stations of a run as its summary gives them; `direct_r_ms` is a station's response time
+/// as measured item by item, where it is known.
+fn station_summaries(
+    metrics: &[ste_monitor::StationMetrics],
+    direct_r_ms: impl Fn(&str) -> f64,
+) -> Vec<StationSummary> {
+    metrics
+        .iter()
+        .map(|m| StationSummary {
+            name: m.station.clone(),
+            A: m.A,
+            C: m.C,
+            B_s: m.B_s,
+            T_s: m.T_s,
+            X: m.X,
+            U: m.U,
+            S_ms: m.S_s * 1e3,
+            N: m.N,
+            R_ms: m.R_s * 1e3,
+            R_direct_ms: direct_r_ms(&m.station),
+        })
+        .collect()
+}
+
 fn write_run_files(
     config: &RunConfig,
     summary: &Summary,

@@ -34,7 +34,7 @@ fn engine_binary() -> PathBuf {
 /// Nodes, their NATS server and their shards' databases.
 struct Cluster {
     nats: NatsServer,
-    databases: TempDatabases,
+    databases: Databases,
     dir: tempfile::TempDir,
     keys: PathBuf,
     nodes: Vec<(String, Child)>,
@@ -42,11 +42,90 @@ struct Cluster {
     _one: std::sync::MutexGuard<'static, ()>,
 }
 
+/// The shards' databases: on the PostgreSQL server every test shares, or on instances of the
+/// test's own (`deploy/local-cluster.sh`), which it can stop.
+enum Databases {
+    Shared(TempDatabases),
+    Own {
+        dir: tempfile::TempDir,
+        first_port: u32,
+    },
+}
+
+impl Databases {
+    fn urls(&self) -> Vec<String> {
+        match self {
+            Self::Shared(databases) => databases.urls(),
+            Self::Own { dir, .. } => std::fs::read_to_string(dir.path().join("urls"))
+                .expect("the instances' URLs")
+                .lines()
+                .map(str::to_owned)
+                .collect(),
+        }
+    }
+
+    fn instances(args: &[&str], dir: &std::path::Path) -> bool {
+        Command::new(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/local-cluster.sh"))
+            .args(args)
+            .arg("--dir")
+            .arg(dir)
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|status| status.success())
+    }
+
+    fn own() -> Self {
+        let dir = tempfile::tempdir().expect("a folder");
+        let first_port = 46_000 + (std::process::id() % 500) * 4;
+        assert!(
+            Self::instances(
+                &["up", &SHARDS.to_string(), "--port", &first_port.to_string()],
+                dir.path()
+            ),
+            "the shards' PostgreSQL instances start"
+        );
+        Self::Own { dir, first_port }
+    }
+
+    /// Stops shard `shard`'s instance abruptly.
+    fn crash(&self, shard: u32) {
+        let Self::Own { dir, .. } = self else {
+            panic!("only a test's own instances are stopped");
+        };
+        assert!(Self::instances(&["crash", &shard.to_string()], dir.path()));
+    }
+
+    /// Starts every stopped instance again.
+    fn restart(&self) {
+        let Self::Own { dir, first_port } = self else {
+            panic!("only a test's own instances are restarted");
+        };
+        assert!(Self::instances(
+            &["up", &SHARDS.to_string(), "--port", &first_port.to_string()],
+            dir.path()
+        ));
+    }
+}
+
+impl Drop for Databases {
+    fn drop(&mut self) {
+        if let Self::Own { dir, .. } = self {
+            Self::instances(&["down"], dir.path());
+        }
+    }
+}
+
 impl Cluster {
     fn start(label: &str) -> Self {
+        Self::on(Databases::Shared(TempDatabases::create(
+            label,
+            SHARDS as usize,
+        )))
+    }
+
+    fn on(databases: Databases) -> Self {
         let one = one_cluster();
         let nats = NatsServer::start();
-        let databases = TempDatabases::create(label, SHARDS as usize);
         let dir = tempfile::tempdir().expect("a folder");
         let keys = dir.path().join("keys.csv");
         let status = Command::new(env!("CARGO_BIN_EXE_driver"))
@@ -127,12 +206,15 @@ impl Cluster {
 
     /// A cluster of three nodes, each shard and partition held.
     fn of_three_nodes(label: &str) -> Self {
-        let mut cluster = Self::start(label);
+        Self::start(label).with_three_nodes()
+    }
+
+    fn with_three_nodes(mut self) -> Self {
         for id in ["node-a", "node-b", "node-c"] {
-            cluster.start_node(id);
+            self.start_node(id);
         }
-        cluster.wait_until_held(&cluster.leases());
-        cluster
+        self.wait_until_held(&self.leases());
+        self
     }
 
     fn leases(&self) -> Leases {
@@ -455,4 +537,47 @@ fn a_stalled_owner_is_fenced_off_when_it_wakes_and_stands_down() {
     for line in stood_down {
         eprintln!("{owner}: {line}");
     }
+}
+
+#[test]
+fn a_shard_database_stopped_for_ten_seconds_holds_only_its_own_shard_back() {
+    let cluster = Cluster::on(Databases::own()).with_three_nodes();
+    // 2,500 messages/s for about 17 s: 3 s before the outage, 10 s of it, the rest after.
+    let started = Instant::now();
+    let driver = cluster.paced_driver(6000);
+    std::thread::sleep(Duration::from_secs(3));
+    let stopped_ms = started.elapsed().as_secs_f64() * 1e3;
+    cluster.databases.crash(2);
+    std::thread::sleep(Duration::from_secs(10));
+    let back_ms = started.elapsed().as_secs_f64() * 1e3;
+    cluster.databases.restart();
+    let output = driver.wait_with_output().expect("the driver ends");
+    summary_after_failures(&output, &cluster);
+    assert_routed(&cluster);
+    assert_eq!(cluster.stored_twice(), 0);
+    // The other shards' commits, on whichever node owned them, from the run's samples (the
+    // driver's clock starts a little after `started`: the windows leave it room).
+    let samples = std::fs::read_to_string(cluster.dir.path().join("run/samples.csv"))
+        .expect("the driver collected the nodes' samples");
+    let others: Vec<String> = [0, 1, 3].map(|shard| format!("store.{shard}")).into();
+    let before = common::commit_rate(&samples, &others, 1_000.0, stopped_ms - 500.0);
+    let during = common::commit_rate(&samples, &others, stopped_ms + 2_000.0, back_ms - 1_000.0);
+    eprintln!(
+        "shards 0, 1 and 3 committed {during:.0} msg/s during shard 2's outage, {before:.0} msg/s before"
+    );
+    assert!(before > 0.0, "the samples show commits before the outage");
+    assert!(
+        during >= before / 2.0,
+        "shards 0, 1 and 3 committed {during:.0} msg/s during shard 2's outage, {before:.0} msg/s before"
+    );
+    let stalled = common::commit_rate(
+        &samples,
+        &["store.2".to_owned()],
+        stopped_ms + 2_000.0,
+        back_ms - 1_000.0,
+    );
+    assert_eq!(
+        stalled, 0.0,
+        "shard 2 committed nothing while its database was down"
+    );
 }

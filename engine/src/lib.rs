@@ -4,6 +4,7 @@
 //! network in [`pipeline`] wires them together with bounded channels, instrumented stations and
 //! batched stores.
 
+pub mod cluster_samples;
 pub mod codec;
 pub mod generator;
 pub mod keys;

@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Mutex;
 
+use crate::cluster_samples::{NodeSampler, StationBoard};
 use crate::lease::{DeliveryBook, LeaseKeeper, Leased, Leases};
 use crate::matcher::ShardCounts;
 use crate::pipeline::{
@@ -24,9 +25,9 @@ use crate::queue::jetstream::{
     JetStream, JetStreamReceiver, JetStreamSender, QueueLimits, StopReceiving,
 };
 use crate::queue::local;
-use crate::queue::{BatchSender, QueueError, Receipt, Rx, Tx};
+use crate::queue::{BatchReceiver, BatchSender, QueueError, Receipt, Rx, Tx};
 use crate::refdata::RefData;
-use crate::station::RunClock;
+use crate::station::{RunClock, Station};
 use crate::stations::exceptions::run_exception_writer;
 use crate::stations::matcher::run_matcher;
 use crate::stations::validator::run_validator;
@@ -122,6 +123,7 @@ pub struct Validators {
     handles: Vec<Joined<()>>,
     stoppers: Vec<StopReceiving>,
     keepers: Vec<LeaseKeeper>,
+    stations: Vec<Arc<Station>>,
 }
 
 /// The durable consumer through which validators take an inbound partition.
@@ -148,6 +150,7 @@ impl Validators {
             handles: Vec::new(),
             stoppers: Vec::new(),
             keepers: Vec::new(),
+            stations: Vec::new(),
         };
         for &partition in partitions {
             let Some(lease) = leases
@@ -164,6 +167,7 @@ impl Validators {
                 )
                 .map_err(PipelineError::Queue)?;
             let stopper = receiver.stopper();
+            started.stations.push(receiver.station().clone());
             let on_lost = stopper.clone();
             started.keepers.push(LeaseKeeper::start(
                 leases.clone(),
@@ -194,6 +198,11 @@ impl Validators {
     /// The partitions this node validates.
     pub fn partitions(&self) -> &[u32] {
         &self.partitions
+    }
+
+    /// The stations of these validators: their inbound partitions.
+    pub fn stations(&self) -> &[Arc<Station>] {
+        &self.stations
     }
 
     /// Whether a validator ended by itself (its lease lost, or its queue failed).
@@ -442,6 +451,7 @@ pub struct ShardOwner {
     stopper: StopReceiving,
     exceptions: Option<(Joined<WriterReport>, StopReceiving)>,
     follower: (Arc<AtomicBool>, std::thread::JoinHandle<()>),
+    stations: Vec<Arc<Station>>,
 }
 
 /// Polls for a lease this many times per time to live while another node holds it.
@@ -506,6 +516,7 @@ impl ShardOwner {
             )
             .map_err(PipelineError::Queue)?;
         let stopper = receiver.stopper();
+        let mut stations = vec![receiver.station().clone()];
         let exception_receiver = if shard == 0 {
             Some(
                 jetstream
@@ -533,6 +544,7 @@ impl ShardOwner {
         let exceptions = match exception_receiver {
             Some(receiver) => {
                 let exception_stopper = receiver.stopper();
+                stations.push(receiver.station().clone());
                 let mut exception_store: Box<dyn Store> =
                     Box::new(PgStore::open(&config.database_url)?);
                 exception_store.fence(token)?;
@@ -555,6 +567,7 @@ impl ShardOwner {
         let clock = RunClock::start();
         let (store_tx, store_rx) =
             local::bounded::<ToStore>(format!("store.{shard}"), STORE_QUEUE_BATCHES, clock);
+        stations.push(store_rx.station().clone());
         let context = WriterContext {
             shard,
             ack_tx,
@@ -582,7 +595,14 @@ impl ShardOwner {
             stopper,
             exceptions,
             follower,
+            stations,
         }))
+    }
+
+    /// The stations of this shard: its match queue, its store queue and (shard 0) the
+    /// exception queue.
+    pub fn stations(&self) -> &[Arc<Station>] {
+        &self.stations
     }
 
     /// The shard owned.
@@ -682,6 +702,9 @@ pub struct NodeConfig {
     pub aging: Option<Aging>,
     pub batch_max_messages: usize,
     pub retry: RetryPolicy,
+    /// How often the node publishes its stations' counters (at least
+    /// [`crate::cluster_samples::NODE_SAMPLE_INTERVAL_MIN`]); zero: never.
+    pub sample_interval: Duration,
 }
 
 /// What a node holds right now.
@@ -699,6 +722,7 @@ pub struct Node {
     stop: Arc<AtomicBool>,
     holdings: Arc<Mutex<Holdings>>,
     thread: Joined<()>,
+    sampler: Option<NodeSampler>,
 }
 
 impl Node {
@@ -724,16 +748,28 @@ impl Node {
             Arc::new(Leases::open(jetstream, config.lease_ttl).map_err(PipelineError::Queue)?);
         let stop = Arc::new(AtomicBool::new(false));
         let holdings = Arc::new(Mutex::new(Holdings::default()));
+        let board = StationBoard::default();
+        let sampler = (!config.sample_interval.is_zero()).then(|| {
+            NodeSampler::start(
+                jetstream,
+                &config.node_id,
+                board.clone(),
+                config.sample_interval,
+            )
+        });
         let thread = {
             let (jetstream, stop, holdings) = (jetstream.clone(), stop.clone(), holdings.clone());
             spawn(format!("node-{}", config.node_id), move || {
-                supervise(&jetstream, &config, &leases, &refdata, &stop, &holdings)
+                supervise(
+                    &jetstream, &config, &leases, &refdata, &stop, &holdings, &board,
+                )
             })
         };
         Ok(Self {
             stop,
             holdings,
             thread,
+            sampler,
         })
     }
 
@@ -748,7 +784,11 @@ impl Node {
     /// Stops contending, lets every station finish what it holds, and waits for them.
     pub fn stop(self) -> Result<(), PipelineError> {
         self.stop.store(true, Ordering::Relaxed);
-        join(self.thread)
+        let result = join(self.thread);
+        if let Some(sampler) = self.sampler {
+            sampler.stop();
+        }
+        result
     }
 }
 
@@ -760,6 +800,7 @@ fn supervise(
     refdata: &Arc<RefData>,
     stop: &AtomicBool,
     holdings: &Mutex<Holdings>,
+    board: &StationBoard,
 ) -> Result<(), PipelineError> {
     let poll = leases.ttl() / LEASE_POLLS_PER_TTL;
     let mut validators: Vec<Validators> = Vec::new();
@@ -851,6 +892,13 @@ fn supervise(
             shards.sort_unstable();
             *shared = Holdings { partitions, shards };
         }
+        board.set(
+            validators
+                .iter()
+                .flat_map(|v| v.stations().iter().cloned())
+                .chain(owners.iter().flat_map(|o| o.stations().iter().cloned()))
+                .collect(),
+        );
         std::thread::sleep(poll);
     }
     let mut result = Ok(());

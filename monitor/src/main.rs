@@ -110,13 +110,20 @@ fn run_cli() -> anyhow::Result<()> {
                 let out = serde_json::json!({ "stations": metrics, "bottleneck": bottleneck });
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
+                // Wide enough for a cluster's names (`node-1/store.0`, `jetstream/match.2`).
+                let width = metrics
+                    .iter()
+                    .map(|m| m.station.len())
+                    .max()
+                    .unwrap_or(0)
+                    .max(12);
                 println!(
-                    "{:<12} {:>8} {:>10} {:>10} {:>10} {:>10} {:>6} {:>10} {:>8} {:>10}",
+                    "{:<width$} {:>8} {:>10} {:>10} {:>10} {:>10} {:>6} {:>10} {:>8} {:>10}",
                     "station", "T_s", "A", "C", "lambda", "X", "U", "S_ms", "N", "R_ms"
                 );
                 for m in &metrics {
                     println!(
-                        "{:<12} {:>8.3} {:>10} {:>10} {:>10.1} {:>10.1} {:>6.3} {:>10.4} {:>8.2} {:>10.3}",
+                        "{:<width$} {:>8.3} {:>10} {:>10} {:>10.1} {:>10.1} {:>6.3} {:>10.4} {:>8.2} {:>10.3}",
                         m.station, m.T_s, m.A, m.C, m.lambda, m.X, m.U, m.S_s * 1e3, m.N, m.R_s * 1e3
                     );
                 }

@@ -109,6 +109,7 @@ pub struct QueueLimits {
 #[derive(Clone)]
 pub struct JetStream {
     runtime: Arc<tokio::runtime::Runtime>,
+    client: async_nats::Client,
     context: jetstream::Context,
 }
 
@@ -148,8 +149,9 @@ impl JetStream {
             .block_on(async_nats::connect(url))
             .map_err(|error| carrier("connect", format!("{url}: {error}")))?;
         // The context spawns its own tasks on the runtime.
-        let context = runtime.block_on(async { jetstream::new(client) });
+        let context = runtime.block_on(async { jetstream::new(client.clone()) });
         Ok(Self {
+            client,
             context,
             runtime: Arc::new(runtime),
         })
@@ -203,6 +205,11 @@ impl JetStream {
 
     /// Batches held by the stream of `queue`: its length.
     pub fn queue_len(&self, queue: &str) -> Result<u64, QueueError> {
+        self.queue_state(queue).map(|state| state.batches)
+    }
+
+    /// What the stream of `queue` holds now and has ever been given.
+    pub fn queue_state(&self, queue: &str) -> Result<QueueState, QueueError> {
         self.runtime.block_on(async {
             let mut stream = self
                 .context
@@ -210,7 +217,34 @@ impl JetStream {
                 .await
                 .map_err(|error| carrier(queue, error))?;
             let info = stream.info().await.map_err(|error| carrier(queue, error))?;
-            Ok(info.state.messages)
+            Ok(QueueState {
+                batches: info.state.messages,
+                bytes: info.state.bytes,
+                stored_ever: info.state.last_sequence,
+            })
+        })
+    }
+
+    /// Publishes `payload` on the plain (not persisted) subject `ste.<topic>`: for notices that
+    /// may be lost, such as a node's station counters, which are cumulative.
+    pub fn notify(&self, topic: &str, payload: Vec<u8>) -> Result<(), QueueError> {
+        self.runtime.block_on(async {
+            self.client
+                .publish(subject(topic), bytes::Bytes::from(payload))
+                .await
+                .map_err(|error| carrier(topic, error))
+        })
+    }
+
+    /// Listens to the plain subjects `ste.<topics>` (`samples.>`: every node's samples).
+    pub fn listen(&self, topics: &str) -> Result<Listener, QueueError> {
+        let subscriber = self
+            .runtime
+            .block_on(self.client.subscribe(subject(topics)))
+            .map_err(|error| carrier(topics, error))?;
+        Ok(Listener {
+            runtime: self.runtime.clone(),
+            subscriber,
         })
     }
 
@@ -282,6 +316,41 @@ impl JetStream {
             stopped: Arc::new(AtomicBool::new(false)),
             _items: std::marker::PhantomData,
         })
+    }
+}
+
+/// What a queue's stream holds and has been given, in batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueState {
+    /// Batches held: published and not yet acknowledged.
+    pub batches: u64,
+    /// Bytes held.
+    pub bytes: u64,
+    /// Batches ever stored (the stream's last sequence number).
+    pub stored_ever: u64,
+}
+
+/// A subscription to plain subjects ([`JetStream::listen`]).
+pub struct Listener {
+    runtime: Arc<tokio::runtime::Runtime>,
+    subscriber: async_nats::Subscriber,
+}
+
+impl Listener {
+    /// The next notice, its subject without the `ste.` prefix and its payload, waiting at most
+    /// `wait`; `None` when none came (or the subscription ended).
+    pub fn next(&mut self, wait: Duration) -> Option<(String, bytes::Bytes)> {
+        let message = self
+            .runtime
+            .block_on(async { tokio::time::timeout(wait, self.subscriber.next()).await })
+            .ok()??;
+        let topic = message
+            .subject
+            .as_str()
+            .strip_prefix("ste.")
+            .unwrap_or(message.subject.as_str())
+            .to_owned();
+        Some((topic, message.payload))
     }
 }
 

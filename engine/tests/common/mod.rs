@@ -142,3 +142,35 @@ impl Drop for TempDatabases {
         });
     }
 }
+
+/// The commit rate (messages per second) of the stations whose names end with one of
+/// `store_stations` (`store.0`, or `n1/store.0` on a node), between `from_ms` and `to_ms` of a
+/// run's `samples.csv`: completions summed over stations (each station's latest reading at or
+/// before each instant), divided by the time between.
+pub fn commit_rate(samples_csv: &str, store_stations: &[String], from_ms: f64, to_ms: f64) -> f64 {
+    let completed_at = |instant_ms: f64| -> u64 {
+        let mut latest: std::collections::BTreeMap<&str, u64> = Default::default();
+        for line in samples_csv.lines().skip(1) {
+            let columns: Vec<&str> = line.split(',').collect();
+            let (Some(t), Some(station), Some(completions)) =
+                (columns.first(), columns.get(1), columns.get(4))
+            else {
+                continue;
+            };
+            let (Ok(t), Ok(completions)) = (t.parse::<f64>(), completions.parse::<u64>()) else {
+                continue;
+            };
+            let base = station.split('#').next().unwrap_or(station);
+            let wanted = store_stations
+                .iter()
+                .any(|name| base == name || base.ends_with(&format!("/{name}")));
+            if wanted && t <= instant_ms {
+                // A station's incarnations (`#1`, …) add up: each counts from zero.
+                latest.insert(station, completions);
+            }
+        }
+        latest.values().sum()
+    };
+    let committed = completed_at(to_ms).saturating_sub(completed_at(from_ms));
+    committed as f64 / ((to_ms - from_ms) / 1e3).max(1e-9)
+}

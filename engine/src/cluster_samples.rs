@@ -1,0 +1,348 @@
+//! Samples of a cluster (DESIGN.md section 6 across nodes): every node publishes its stations'
+//! cumulative counters and its resident memory on the plain subject `ste.samples.<node>`; a
+//! collector (the driver of a run) writes them into one `samples.csv`, station names prefixed
+//! with the node (`n1/match.2`), beside the JetStream queues' own lengths
+//! (`jetstream/match.2`, in batches), so that the monitor reads a cluster's run as it reads an
+//! in-process one.
+//!
+//! Counters are cumulative, so a lost notice costs resolution, not correctness. A station that
+//! starts again from zero (a node restarted, a shard won back) is a new incarnation:
+//! `n1/match.2#1`.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::node::ClusterLayout;
+use crate::queue::jetstream::JetStream;
+use crate::station::{RunClock, Station};
+use crate::stations::sampler::SAMPLES_HEADER;
+
+/// The plain subject (after `ste.`) a node publishes its samples on.
+pub fn samples_topic(node_id: &str) -> String {
+    format!("samples.{}", node_id.replace(['.', '*', '>', ' '], "_"))
+}
+
+/// Nodes publish at most this often: their samples cross the network.
+pub const NODE_SAMPLE_INTERVAL_MIN: Duration = Duration::from_millis(100);
+
+/// One station's counters in a node's sample.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StationCount {
+    pub name: String,
+    pub arrivals: u64,
+    pub completions: u64,
+    pub busy_ns: u64,
+}
+
+/// What a node publishes at each sampling instant.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeSample {
+    pub node: String,
+    /// Milliseconds since the Unix epoch when the counters were read.
+    pub wall_ms: f64,
+    /// The node's resident set size.
+    pub rss_kib: u64,
+    pub stations: Vec<StationCount>,
+}
+
+/// A field of `/proc/self/status` in KiB (`VmRSS`, `VmHWM`), where the system reports it.
+pub fn proc_status_kib(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|line| {
+        line.strip_prefix(field)
+            .is_some_and(|rest| rest.starts_with(':'))
+    })?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn wall_ms() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |since| since.as_secs_f64() * 1e3)
+}
+
+/// The stations a node runs right now, kept by its supervisor and read by its sampler.
+#[derive(Clone, Default)]
+pub struct StationBoard(Arc<Mutex<Vec<Arc<Station>>>>);
+
+impl StationBoard {
+    /// Replaces the stations on the board.
+    pub fn set(&self, stations: Vec<Arc<Station>>) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = stations;
+    }
+
+    fn read(&self) -> Vec<StationCount> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|station| {
+                let reading = station.read();
+                StationCount {
+                    name: station.name().to_owned(),
+                    arrivals: reading.arrivals,
+                    completions: reading.completions,
+                    busy_ns: reading.busy_ns,
+                }
+            })
+            .collect()
+    }
+}
+
+/// A node's sampler: publishes the board's counters every interval until stopped.
+pub struct NodeSampler {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl NodeSampler {
+    /// Starts publishing `board`'s counters as `node_id` every `interval` (at least
+    /// [`NODE_SAMPLE_INTERVAL_MIN`]).
+    pub fn start(
+        jetstream: &JetStream,
+        node_id: &str,
+        board: StationBoard,
+        interval: Duration,
+    ) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let interval = interval.max(NODE_SAMPLE_INTERVAL_MIN);
+        let (jetstream, node, flag) = (jetstream.clone(), node_id.to_owned(), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name("node-sampler".to_owned())
+            .spawn(move || {
+                let topic = samples_topic(&node);
+                let mut warned = false;
+                while !flag.load(Ordering::Relaxed) {
+                    let sample = NodeSample {
+                        node: node.clone(),
+                        wall_ms: wall_ms(),
+                        rss_kib: proc_status_kib("VmRSS").unwrap_or_default(),
+                        stations: board.read(),
+                    };
+                    let sent = serde_json::to_vec(&sample)
+                        .map_err(|error| error.to_string())
+                        .and_then(|payload| {
+                            jetstream
+                                .notify(&topic, payload)
+                                .map_err(|error| error.to_string())
+                        });
+                    match sent {
+                        Err(error) if !warned => {
+                            tracing::warn!(%error, "publishing samples failed; trying on");
+                            warned = true;
+                        }
+                        Err(_) => {}
+                        Ok(()) => warned = false,
+                    }
+                    std::thread::sleep(interval);
+                }
+            })
+            .expect("the operating system can start a thread");
+        Self { stop, thread }
+    }
+
+    /// Stops publishing.
+    pub fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = self.thread.join();
+    }
+}
+
+/// A node's resident memory over a run, as its samples reported it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodeMemory {
+    /// (milliseconds on the run clock, RSS in KiB), in order.
+    pub rss_kib: Vec<(f64, u64)>,
+}
+
+impl NodeMemory {
+    /// RSS in MiB at the first sample at or after `from_ms`, the highest from then on, and the
+    /// last: a flat curve after warm-up has the three close together.
+    pub fn after(&self, from_ms: f64) -> Option<(f64, f64, f64)> {
+        let mib = |kib: u64| kib as f64 / 1024.0;
+        let tail: Vec<u64> = self
+            .rss_kib
+            .iter()
+            .filter(|(t, _)| *t >= from_ms)
+            .map(|(_, kib)| *kib)
+            .collect();
+        let first = *tail.first()?;
+        let peak = tail.iter().copied().max()?;
+        let last = *tail.last()?;
+        Some((mib(first), mib(peak), mib(last)))
+    }
+}
+
+/// The last counters seen of a station, and how many times it started again from zero.
+struct Incarnation {
+    arrivals: u64,
+    completions: u64,
+    count: u32,
+}
+
+/// Writes the samples of every node of a cluster, and its queues' lengths, into one file.
+pub struct SampleCollector {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<std::io::Result<BTreeMap<String, NodeMemory>>>,
+}
+
+impl SampleCollector {
+    /// Listens to every node's samples and reads the length of each of `layout`'s queues (and
+    /// `extra_queues`) every `interval`, writing `samples.csv` rows to `path` on `clock`.
+    pub fn start(
+        jetstream: &JetStream,
+        layout: &ClusterLayout,
+        extra_queues: &[String],
+        path: &Path,
+        interval: Duration,
+        clock: RunClock,
+    ) -> std::io::Result<Self> {
+        let mut out = BufWriter::new(File::create(path)?);
+        writeln!(out, "{SAMPLES_HEADER}")?;
+        let mut listener = jetstream
+            .listen("samples.>")
+            .map_err(std::io::Error::other)?;
+        let mut queues: Vec<String> = (0..layout.partitions)
+            .map(ClusterLayout::inbound_queue)
+            .chain((0..layout.shards).map(ClusterLayout::match_queue))
+            .chain([
+                ClusterLayout::EXCEPTIONS_QUEUE.to_owned(),
+                ClusterLayout::CLS_QUEUE.to_owned(),
+            ])
+            .collect();
+        queues.extend_from_slice(extra_queues);
+        let interval = interval.max(NODE_SAMPLE_INTERVAL_MIN);
+        // The run clock's zero on the wall clock: nodes stamp their samples with the latter.
+        let zero_wall_ms = wall_ms() - clock.now_ns() as f64 / 1e6;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (flag, jetstream) = (stop.clone(), jetstream.clone());
+        let thread = std::thread::Builder::new()
+            .name("sample-collector".to_owned())
+            .spawn(move || {
+                let mut seen: BTreeMap<String, Incarnation> = BTreeMap::new();
+                let mut memory: BTreeMap<String, NodeMemory> = BTreeMap::new();
+                let mut next_tick = Instant::now();
+                let mut flushed = Instant::now();
+                loop {
+                    let now = Instant::now();
+                    if now >= next_tick {
+                        let t_ms = clock.now_ns() as f64 / 1e6;
+                        for queue in &queues {
+                            // A queue whose state cannot be read now is read at the next tick.
+                            if let Ok(state) = jetstream.queue_state(queue) {
+                                writeln!(
+                                    out,
+                                    "{t_ms:.3},jetstream/{queue},{},{},{},0.000",
+                                    state.batches,
+                                    state.stored_ever,
+                                    state.stored_ever.saturating_sub(state.batches)
+                                )?;
+                            }
+                        }
+                        next_tick += interval;
+                        if next_tick < now {
+                            next_tick = now + interval;
+                        }
+                    }
+                    if flushed.elapsed() >= Duration::from_millis(500) {
+                        out.flush()?;
+                        flushed = Instant::now();
+                    }
+                    if flag.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let wait = next_tick.saturating_duration_since(Instant::now());
+                    let Some((_, payload)) = listener.next(wait.max(Duration::from_millis(1)))
+                    else {
+                        continue;
+                    };
+                    let Ok(sample) = serde_json::from_slice::<NodeSample>(&payload) else {
+                        tracing::debug!("a sample that does not decode was left out");
+                        continue;
+                    };
+                    let t_ms = sample.wall_ms - zero_wall_ms;
+                    if t_ms < 0.0 {
+                        continue;
+                    }
+                    memory
+                        .entry(sample.node.clone())
+                        .or_default()
+                        .rss_kib
+                        .push((t_ms, sample.rss_kib));
+                    for station in &sample.stations {
+                        let name = format!("{}/{}", sample.node, station.name);
+                        let incarnation = seen.entry(name.clone()).or_insert(Incarnation {
+                            arrivals: 0,
+                            completions: 0,
+                            count: 0,
+                        });
+                        if station.arrivals < incarnation.arrivals
+                            || station.completions < incarnation.completions
+                        {
+                            incarnation.count += 1;
+                        }
+                        incarnation.arrivals = station.arrivals;
+                        incarnation.completions = station.completions;
+                        let name = match incarnation.count {
+                            0 => name,
+                            count => format!("{name}#{count}"),
+                        };
+                        writeln!(
+                            out,
+                            "{t_ms:.3},{name},{},{},{},{:.3}",
+                            station.arrivals.saturating_sub(station.completions),
+                            station.arrivals,
+                            station.completions,
+                            station.busy_ns as f64 / 1e6
+                        )?;
+                    }
+                }
+                out.flush()?;
+                Ok(memory)
+            })?;
+        Ok(Self { stop, thread })
+    }
+
+    /// Stops collecting; every node's memory over the run.
+    pub fn stop(self) -> std::io::Result<BTreeMap<String, NodeMemory>> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread
+            .join()
+            .map_err(|_| std::io::Error::other("the sample collector panicked"))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_after_warm_up_reads_first_peak_and_last() {
+        let memory = NodeMemory {
+            rss_kib: vec![(0.0, 1024), (10.0, 4096), (20.0, 3072), (30.0, 3072)],
+        };
+        assert_eq!(memory.after(10.0), Some((4.0, 4.0, 3.0)));
+        assert_eq!(memory.after(40.0), None);
+    }
+
+    #[test]
+    fn topics_keep_subject_wildcards_out() {
+        assert_eq!(samples_topic("n.1>*"), "samples.n_1__");
+    }
+
+    #[test]
+    fn this_process_reports_its_memory() {
+        assert!(proc_status_kib("VmRSS").is_some_and(|kib| kib > 0));
+        assert_eq!(proc_status_kib("NoSuchField"), None);
+    }
+}
