@@ -1,10 +1,12 @@
-//! The gateway between the listeners and the engine's pipeline.
+//! The gateway between the listeners and the engine: the pipeline in this process, or the
+//! inbound partitions of a cluster.
 //!
-//! Listeners submit messages through a [`GatewayHandle`]; one ingress thread owns the pipeline's
+//! Listeners submit messages through a [`GatewayHandle`]; one ingress thread owns the engine's
 //! submitter and batches what the connections send. Every message gets a correlation id that
 //! routes its ACK or NAK, after commit, back to the connection that sent it. The outbound
-//! thread is the engine's sink (CLS file, repeats dropped, delivery confirmed) and pushes each
-//! CLS and status advice to the connections subscribed for a party of the trade.
+//! thread pushes each CLS and status advice to the connections subscribed for a party of the
+//! trade; in process it is also the engine's sink (CLS file, repeats dropped, delivery
+//! confirmed), while in a cluster the sink consumes the CLS queue and the gateway pushes copies.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,11 +14,14 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::thread::JoinHandle;
 
 use ahash::{AHashMap, AHashSet};
+use ste_engine::node::Ingress;
 use ste_engine::pipeline::{
-    AckResult, Envelope, OutboundEvent, Pipeline, PipelineConfig, PipelineError, PipelineReport,
-    Submitter,
+    Ack, AckResult, Delivery, Envelope, OutboundEvent, Pipeline, PipelineConfig, PipelineError,
+    PipelineReport, Submitter,
 };
 use ste_engine::profile::Tolerances;
+use ste_engine::queue::jetstream::StopReceiving;
+use ste_engine::queue::Rx;
 use ste_engine::reason::{ReasonCode, Rejection};
 use ste_engine::refdata::RefData;
 use ste_engine::sign::{self, SIGNATURE_LEN};
@@ -316,16 +321,33 @@ fn unsubscribe(shared: &Shared, connections: &AHashSet<u64>) {
 pub struct Gateway {
     shared: Arc<Shared>,
     ingress: Option<mpsc::Sender<Envelope>>,
-    pipeline: Option<Pipeline>,
+    engine: Option<Engine>,
     ingress_thread: Option<JoinHandle<Result<(), PipelineError>>>,
     ack_thread: Option<JoinHandle<()>>,
     outbound_thread: Option<JoinHandle<std::io::Result<SinkReport>>>,
 }
 
+/// What the listeners put messages into.
+enum Engine {
+    /// The whole queue network, in this process.
+    InProcess(Box<Pipeline>),
+    /// A cluster's inbound partitions, through a gateway number whose ACK queue answers; the
+    /// copies of the cluster's CLS it pushes end when `pushes_stop` is used.
+    Cluster {
+        ingress: Box<Ingress>,
+        pushes_stop: StopReceiving,
+    },
+}
+
+/// How long a gateway in front of a cluster waits, when it stops, for the answers to what it
+/// submitted.
+const CLUSTER_ANSWERS_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// What a stopped gateway reports.
 #[derive(Debug)]
 pub struct GatewayReport {
-    pub pipeline: PipelineReport,
+    /// The pipeline's report, in process (a cluster's shards report on their nodes).
+    pub pipeline: Option<PipelineReport>,
     pub sink: SinkReport,
     pub submitted: u64,
     pub accepted: u64,
@@ -353,6 +375,72 @@ impl Gateway {
         let pipeline =
             Pipeline::start(&config.pipeline, refdata.clone(), config.tolerances.clone())?;
         let clock = pipeline.clock();
+        let submitter = pipeline.submitter();
+        let acks = pipeline.acks();
+        let events = pipeline.outbound();
+        let delivery = Some(pipeline.delivery());
+        Self::start_on(
+            Engine::InProcess(Box::new(pipeline)),
+            Parts {
+                clock,
+                submitter,
+                acks,
+                events,
+                delivery,
+            },
+            config,
+            refdata,
+        )
+    }
+
+    /// Starts the gateway's threads in front of a cluster: messages go to its inbound
+    /// partitions stamped with `ingress`'s gateway number, answers come back on that number's
+    /// ACK queue, and `pushes` (copies of the CLS queue) go to the subscribed connections.
+    pub fn start_cluster(
+        mut ingress: Ingress,
+        pushes: Rx<OutboundEvent>,
+        pushes_stop: StopReceiving,
+        config: &GatewayConfig,
+        refdata: Arc<RefData>,
+    ) -> Result<Self, GatewayError> {
+        let clock = RunClock::start();
+        let submitter = ingress.submitter(clock);
+        let acks = ingress.take_acks().ok_or_else(|| {
+            GatewayError::Pipeline(PipelineError::Config(
+                "the gateway's ACK queue was taken already".to_owned(),
+            ))
+        })?;
+        Self::start_on(
+            Engine::Cluster {
+                ingress: Box::new(ingress),
+                pushes_stop,
+            },
+            Parts {
+                clock,
+                submitter,
+                acks,
+                events: pushes,
+                // Copies carry no confirmation: the cluster's sink confirms delivery.
+                delivery: None,
+            },
+            config,
+            refdata,
+        )
+    }
+
+    fn start_on(
+        engine: Engine,
+        parts: Parts,
+        config: &GatewayConfig,
+        refdata: Arc<RefData>,
+    ) -> Result<Self, GatewayError> {
+        let Parts {
+            clock,
+            submitter,
+            acks,
+            events,
+            delivery,
+        } = parts;
         let shared = Arc::new(Shared {
             refdata,
             clock,
@@ -364,12 +452,10 @@ impl Gateway {
             counters: GatewayCounters::default(),
         });
         let (ingress_tx, ingress_rx) = mpsc::channel(config.ingress_capacity.max(1));
-        let submitter = pipeline.submitter();
         let ingress_thread = spawn("gateway-ingress", move || {
             run_ingress(ingress_rx, submitter)
         });
         let ack_thread = {
-            let acks = pipeline.acks();
             let shared = shared.clone();
             spawn("gateway-acks", move || loop {
                 match ste_engine::queue::receive(&acks) {
@@ -382,15 +468,17 @@ impl Gateway {
                 }
             })
         };
-        let sink = Sink::new(config.cls_out.as_deref(), true)?;
+        // In process the gateway is the sink and writes the CLS file; before a cluster it
+        // only pushes (the cluster's sink writes and confirms).
+        let sink = Sink::new(
+            config.cls_out.as_deref().filter(|_| delivery.is_some()),
+            true,
+        )?;
         let outbound_thread = {
-            let events = pipeline.outbound();
-            let delivery = pipeline.delivery();
             let shared = shared.clone();
             spawn("gateway-outbound", move || {
-                let result = ste_sink::run_with(events, sink, clock, Some(delivery), |event| {
-                    push(&shared, event)
-                });
+                let result =
+                    ste_sink::run_with(events, sink, clock, delivery, |event| push(&shared, event));
                 // Nothing more will be pushed: the subscribers' connections may close.
                 shared
                     .subscribers
@@ -403,7 +491,7 @@ impl Gateway {
         Ok(Self {
             shared,
             ingress: Some(ingress_tx),
-            pipeline: Some(pipeline),
+            engine: Some(engine),
             ingress_thread: Some(ingress_thread),
             ack_thread: Some(ack_thread),
             outbound_thread: Some(outbound_thread),
@@ -432,15 +520,35 @@ impl Gateway {
     pub fn finish(mut self) -> Result<GatewayReport, GatewayError> {
         self.ingress = None;
         let ingress = join(self.ingress_thread.take());
-        let pipeline = self
-            .pipeline
-            .take()
-            .expect("the pipeline lives until finish")
-            .finish();
+        let pipeline = match self.engine.take() {
+            Some(Engine::InProcess(pipeline)) => Some(pipeline.finish()),
+            Some(Engine::Cluster {
+                ingress,
+                pushes_stop,
+            }) => {
+                // The cluster answers what was submitted; the connections waiting for those
+                // answers are owed them.
+                let since = std::time::Instant::now();
+                while self.unanswered() > 0 && since.elapsed() < CLUSTER_ANSWERS_WAIT {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                let unanswered = self.unanswered();
+                if unanswered > 0 {
+                    tracing::warn!(
+                        unanswered,
+                        "stopping with messages the cluster did not answer in time"
+                    );
+                }
+                ingress.stop();
+                pushes_stop.stop();
+                None
+            }
+            None => return Err(GatewayError::Panicked),
+        };
         join(self.ack_thread.take()).map_err(|_| GatewayError::Panicked)?;
         let sink = join(self.outbound_thread.take()).map_err(|_| GatewayError::Panicked)??;
         ingress.map_err(|_| GatewayError::Panicked)??;
-        let pipeline = pipeline?;
+        let pipeline = pipeline.transpose()?;
         let counters = &self.shared.counters;
         Ok(GatewayReport {
             pipeline,
@@ -454,6 +562,24 @@ impl Gateway {
             slow_subscribers: counters.slow_subscribers.load(Ordering::Relaxed),
         })
     }
+
+    /// Messages submitted whose answer has not come back.
+    fn unanswered(&self) -> usize {
+        self.shared
+            .routes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+}
+
+/// The queues a gateway works with, whatever engine is behind them.
+struct Parts {
+    clock: RunClock,
+    submitter: Submitter,
+    acks: Rx<Ack>,
+    events: Rx<OutboundEvent>,
+    delivery: Option<Delivery>,
 }
 
 fn spawn<T: Send + 'static>(

@@ -156,6 +156,17 @@ struct Cli {
     /// others this long after its last renewal.
     #[arg(long, default_value_t = 3_000, requires = "nats")]
     lease_ttl_ms: u64,
+    /// Serve the participants' listeners (framed XML, SOAP, FIX) on this node of a cluster:
+    /// their messages go to the cluster's inbound partitions under a gateway number of the
+    /// node's, their answers come back to it, and copies of the cluster's CLS are pushed to
+    /// the connections subscribed for them.
+    #[arg(long, requires = "nats")]
+    gateway: bool,
+    /// Run the cluster's sink on this node: take every CLS and advice off the CLS queue (to
+    /// --cls-out, if given), drop repeated ClsIds and confirm delivery, which advances each
+    /// shard's watermark. One node of a cluster runs it (or `driver --nats` does, for a run).
+    #[arg(long, requires = "nats")]
+    sink: bool,
 }
 
 fn main() -> std::process::ExitCode {
@@ -240,7 +251,7 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
         },
         tolerances: Tolerances::load(cli.profile.as_deref())?,
         cls_out: cli.cls_out.clone(),
-        ingress_capacity: 16_384,
+        ingress_capacity: GATEWAY_INGRESS_CAPACITY,
     })
 }
 
@@ -323,13 +334,40 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
     let config = gateway_config(&cli)?;
     let refdata = refdata_with_keys(&cli)?;
-    let tls = tls(&cli)?;
+    let gateway = Gateway::start(&config, refdata).context("starting the engine")?;
+    let report = serve(&cli, gateway, || {})?;
+    let shards: Vec<String> = report
+        .pipeline
+        .iter()
+        .flat_map(|pipeline| &pipeline.shards)
+        .map(|s| s.messages.to_string())
+        .collect();
+    info!(
+        submitted = report.submitted,
+        accepted = report.accepted,
+        duplicates = report.duplicates,
+        rejected = report.rejected,
+        cls = report.sink.cls,
+        pushed = report.pushed,
+        shards = shards.join(","),
+        "stopped"
+    );
+    Ok(())
+}
+
+/// Serves the participants' listeners in front of `gateway` until SIGTERM or Ctrl-C, calling
+/// `tick` every 5 s meanwhile, then drains the gateway.
+fn serve(
+    cli: &Cli,
+    gateway: Gateway,
+    mut tick: impl FnMut(),
+) -> anyhow::Result<ste_bridge::gateway::GatewayReport> {
+    let tls = tls(cli)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the runtime")?;
-    let gateway = Gateway::start(&config, refdata).context("starting the engine")?;
     let handle = gateway.handle();
     let tcp_config = TcpConfig {
         tls: tls.clone(),
@@ -359,7 +397,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         message_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
         ..FixConfig::default()
     };
-    let report = runtime.block_on(async move {
+    runtime.block_on(async move {
         let shutdown = ShutdownSignal::install().context("installing the signal handlers")?;
         let listener = tokio::net::TcpListener::bind(&cli.tcp)
             .await
@@ -415,7 +453,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
         });
-        shutdown.wait().await;
+        let waiting = shutdown.wait();
+        tokio::pin!(waiting);
+        let mut ticks = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tokio::select! {
+                _ = &mut waiting => break,
+                _ = ticks.tick() => tick(),
+            }
+        }
         info!("stopping: no new messages; answering what is in flight");
         let _ = stop_tx.send(true);
         let _ = server.await;
@@ -426,24 +472,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             .await
             .context("the shutdown task")?
             .context("draining the engine")
-    })?;
-    let shards: Vec<String> = report
-        .pipeline
-        .shards
-        .iter()
-        .map(|s| s.messages.to_string())
-        .collect();
-    info!(
-        submitted = report.submitted,
-        accepted = report.accepted,
-        duplicates = report.duplicates,
-        rejected = report.rejected,
-        cls = report.sink.cls,
-        pushed = report.pushed,
-        shards = shards.join(","),
-        "stopped"
-    );
-    Ok(())
+    })
 }
 
 /// A node of a cluster: validators and shard owners on the JetStream queues at `url`, until
@@ -503,40 +532,138 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
     };
     let jetstream = ste_engine::queue::jetstream::JetStream::connect(url)
         .with_context(|| format!("connecting to NATS at {url}"))?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the runtime")?;
-    let shutdown = runtime
-        .block_on(async { ShutdownSignal::install() })
-        .context("installing the signal handlers")?;
-    let node =
-        ste_engine::node::Node::start(&jetstream, config, refdata).context("starting the node")?;
+    let layout = config.layout;
+    let lease_ttl = config.lease_ttl;
+    let node = ste_engine::node::Node::start(&jetstream, config, refdata.clone())
+        .context("starting the node")?;
     info!(node = %node_id, %url, "node started");
     println!("node {node_id}");
-    runtime.block_on(async {
-        let mut tick = tokio::time::interval(Duration::from_secs(5));
-        let mut last = None;
-        let waiting = shutdown.wait();
-        tokio::pin!(waiting);
-        loop {
-            tokio::select! {
-                _ = &mut waiting => break,
-                _ = tick.tick() => {
-                    let holdings = node.holdings();
-                    if last.as_ref() != Some(&holdings) {
-                        info!(node = %node_id, partitions = ?holdings.partitions, shards = ?holdings.shards, "holding");
-                        last = Some(holdings);
-                    }
+    let mut last = None;
+    let log_holdings = || {
+        let holdings = node.holdings();
+        if last.as_ref() != Some(&holdings) {
+            info!(node = %node_id, partitions = ?holdings.partitions, shards = ?holdings.shards, "holding");
+            last = Some(holdings);
+        }
+    };
+    let sink = if cli.sink {
+        Some(ClusterSink::start(&jetstream, cli.cls_out.as_deref())?)
+    } else {
+        None
+    };
+    if cli.gateway {
+        let gateway = cluster_gateway(cli, &jetstream, &layout, lease_ttl, &node_id, refdata)?;
+        let report = serve(cli, gateway, log_holdings)?;
+        info!(
+            submitted = report.submitted,
+            accepted = report.accepted,
+            duplicates = report.duplicates,
+            rejected = report.rejected,
+            pushed = report.pushed,
+            "the gateway stopped"
+        );
+    } else {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting the runtime")?;
+        runtime.block_on(async {
+            let shutdown = ShutdownSignal::install().context("installing the signal handlers")?;
+            let waiting = shutdown.wait();
+            tokio::pin!(waiting);
+            let mut log_holdings = log_holdings;
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tokio::select! {
+                    _ = &mut waiting => break,
+                    _ = tick.tick() => log_holdings(),
                 }
             }
-        }
-    });
+            anyhow::Ok(())
+        })?;
+    }
     info!(node = %node_id, "stopping: finishing what is in hand");
     node.stop().context("stopping the node")?;
+    if let Some(sink) = sink {
+        let report = sink.stop()?;
+        info!(
+            cls = report.cls,
+            repeats = report.cls_repeats,
+            "the sink stopped"
+        );
+    }
     info!(node = %node_id, "stopped");
     Ok(())
 }
+
+/// The gateway of a cluster node: a gateway number of the node's, the inbound partitions, and
+/// copies of the CLS queue for the connections' pushes.
+fn cluster_gateway(
+    cli: &Cli,
+    jetstream: &ste_engine::queue::jetstream::JetStream,
+    layout: &ste_engine::node::ClusterLayout,
+    lease_ttl: Duration,
+    node_id: &str,
+    refdata: Arc<RefData>,
+) -> anyhow::Result<Gateway> {
+    let leases = Arc::new(
+        ste_engine::lease::Leases::open(jetstream, lease_ttl).context("opening the leases")?,
+    );
+    let ingress = ste_engine::node::Ingress::open(jetstream, layout, leases, node_id)
+        .context("taking a gateway number")?;
+    let copies = jetstream
+        .copies::<ste_engine::pipeline::OutboundEvent>(ste_engine::node::ClusterLayout::CLS_QUEUE)
+        .context("listening to the CLS queue")?;
+    let stopper = copies.stopper();
+    let config = GatewayConfig {
+        pipeline: PipelineConfig::default(),
+        tolerances: Tolerances::load(cli.profile.as_deref())?,
+        cls_out: None,
+        ingress_capacity: GATEWAY_INGRESS_CAPACITY,
+    };
+    Gateway::start_cluster(ingress, Box::new(copies), stopper, &config, refdata)
+        .context("starting the gateway")
+}
+
+/// The cluster's sink on a node: the CLS queue's one consumer.
+struct ClusterSink {
+    stopper: ste_engine::queue::jetstream::StopReceiving,
+    thread: std::thread::JoinHandle<std::io::Result<ste_sink::SinkReport>>,
+}
+
+impl ClusterSink {
+    fn start(
+        jetstream: &ste_engine::queue::jetstream::JetStream,
+        cls_out: Option<&std::path::Path>,
+    ) -> anyhow::Result<Self> {
+        let mut feed =
+            ste_engine::node::ClsFeed::open(jetstream).context("opening the CLS queue")?;
+        let events = feed.take_events().context("the CLS queue")?;
+        let delivery = feed.delivery();
+        let sink = ste_sink::Sink::new(cls_out, false).context("opening the CLS output")?;
+        let clock = ste_engine::station::RunClock::start();
+        let thread = std::thread::Builder::new()
+            .name("sink".to_owned())
+            .spawn(move || ste_sink::run(events, sink, clock, Some(delivery)))
+            .context("starting the sink")?;
+        info!("running the cluster's sink");
+        Ok(Self {
+            stopper: feed.stopper(),
+            thread,
+        })
+    }
+
+    fn stop(self) -> anyhow::Result<ste_sink::SinkReport> {
+        self.stopper.stop();
+        self.thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("the sink panicked"))?
+            .context("writing CLS")
+    }
+}
+
+/// Messages that may wait between the listeners and the ingress thread.
+const GATEWAY_INGRESS_CAPACITY: usize = 16_384;
 
 /// SIGTERM or Ctrl-C. Installed before the listeners announce their addresses: a signal that
 /// comes right after them must already find the handler, not the default action (death).

@@ -155,20 +155,53 @@ impl Cluster {
 
     /// Starts node `id`: at most two shards and two partitions each.
     fn start_node(&mut self, id: &str) {
+        let child = self.spawn_node(id, &[], Stdio::null());
+        self.nodes.push((id.to_owned(), child));
+    }
+
+    /// Starts node `id` with the participants' listeners on free ports and the cluster's sink;
+    /// returns the address of its framed-XML listener.
+    fn start_gateway_node(&mut self, id: &str) -> String {
+        let mut child = self.spawn_node(
+            id,
+            &[
+                "--gateway",
+                "--sink",
+                "--tcp",
+                "127.0.0.1:0",
+                "--http",
+                "127.0.0.1:0",
+                "--fix",
+                "127.0.0.1:0",
+            ],
+            Stdio::piped(),
+        );
+        let stdout = child.stdout.take().expect("the node's stdout");
+        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+        let address = lines
+            .find_map(|line| line.ok()?.strip_prefix("tcp ").map(str::to_owned))
+            .unwrap_or_else(|| panic!("{id} announced no listener:\n{}", self.log(id)));
+        // The node's later lines go nowhere, and it never blocks writing them.
+        std::thread::spawn(move || lines.for_each(drop));
+        self.nodes.push((id.to_owned(), child));
+        address
+    }
+
+    fn spawn_node(&self, id: &str, extra: &[&str], stdout: Stdio) -> Child {
         let log = std::fs::File::create(self.dir.path().join(format!("{id}.log"))).expect("log");
-        let child = Command::new(engine_binary())
+        Command::new(engine_binary())
             .args(["--nats", &self.nats.url, "--node-id", id])
             .arg("--keys")
             .arg(&self.keys)
             .args(self.db_args())
             .args(["--max-shards", "2", "--validators", "2"])
             .args(["--lease-ttl-ms", &LEASE_TTL_MS.to_string()])
+            .args(extra)
             .env("RUST_LOG", "info,sqlx=error")
-            .stdout(Stdio::null())
+            .stdout(stdout)
             .stderr(log)
             .spawn()
-            .expect("the engine starts");
-        self.nodes.push((id.to_owned(), child));
+            .expect("the engine starts")
     }
 
     fn log(&self, id: &str) -> String {
@@ -580,4 +613,48 @@ fn a_shard_database_stopped_for_ten_seconds_holds_only_its_own_shard_back() {
         stalled, 0.0,
         "shard 2 committed nothing while its database was down"
     );
+}
+
+#[test]
+fn participants_connected_to_a_node_get_every_answer_and_their_cls_from_the_cluster() {
+    let mut cluster = Cluster::start("cluster_gateway");
+    let address = cluster.start_gateway_node("node-a");
+    for id in ["node-b", "node-c"] {
+        cluster.start_node(id);
+    }
+    cluster.wait_until_held(&cluster.leases());
+    let output = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .args(["--trades", "3000", "--fault-rate", "0.1", "--shuffle"])
+        .args(["--target", &format!("tcp://{address}"), "--quiet", "--json"])
+        .arg("--keys")
+        .arg(&cluster.keys)
+        .output()
+        .expect("the driver runs");
+    assert!(
+        output.status.success(),
+        "driver: {}\nnode-a: {}",
+        String::from_utf8_lossy(&output.stderr),
+        cluster.log("node-a")
+    );
+    let summary: serde_json::Value =
+        serde_json::from_slice(&output.stdout).expect("the summary in JSON");
+    // Answers, NAKs by code and one CLS pushed per matched trade, as the generator expected.
+    assert_eq!(summary["matches_expected"], true, "{summary:#}");
+    assert_eq!(summary["conserved"], true, "{summary:#}");
+    assert_routed(&cluster);
+    assert_eq!(cluster.stored_twice(), 0);
+    // The node's sink took the CLS off their queue and confirmed them.
+    let jetstream = JetStream::connect(&cluster.nats.url).expect("connects");
+    let since = Instant::now();
+    while jetstream
+        .queue_len(ste_engine::node::ClusterLayout::CLS_QUEUE)
+        .expect("the CLS queue")
+        > 0
+    {
+        assert!(
+            since.elapsed() < Duration::from_secs(20),
+            "the sink left CLS on their queue"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

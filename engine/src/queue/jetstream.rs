@@ -248,6 +248,20 @@ impl JetStream {
         })
     }
 
+    /// Copies of the batches published onto `queue` from now on ([`CopyReceiver`]).
+    pub fn copies<T: DeserializeOwned + Send + 'static>(
+        &self,
+        queue: &str,
+    ) -> Result<CopyReceiver<T>, QueueError> {
+        Ok(CopyReceiver {
+            queue: queue.to_owned(),
+            listener: std::sync::Mutex::new(self.listen(queue)?),
+            station: Station::new(format!("{queue}.copies")),
+            stopped: Arc::new(AtomicBool::new(false)),
+            _items: std::marker::PhantomData,
+        })
+    }
+
     /// A sender onto `queue`, whose stream must exist.
     pub fn sender<T: Serialize + Send + Sync + 'static>(&self, queue: &str) -> JetStreamSender<T> {
         JetStreamSender {
@@ -477,6 +491,79 @@ impl StopReceiving {
     /// Stops the receiver.
     pub fn stop(&self) {
         self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Copies of the batches published onto a queue, taken off its subject by a plain
+/// subscription as they are published ([`JetStream::copies`]): for a gateway that pushes CLS to
+/// the participants connected to it while the sink, alone, consumes the queue. A copy is never
+/// acknowledged and may be missed (the client's subscription buffer is bounded and drops what a
+/// slow reader leaves); the queue itself loses nothing.
+pub struct CopyReceiver<T> {
+    queue: String,
+    listener: std::sync::Mutex<Listener>,
+    station: Arc<Station>,
+    stopped: Arc<AtomicBool>,
+    _items: std::marker::PhantomData<fn() -> T>,
+}
+
+impl<T> CopyReceiver<T> {
+    /// A handle that stops this receiver.
+    pub fn stopper(&self) -> StopReceiving {
+        StopReceiving(self.stopped.clone())
+    }
+}
+
+/// How long one wait for a copy lasts at most, so that a stopped receiver notices.
+const COPY_WAIT_MAX: Duration = Duration::from_millis(200);
+
+impl<T: DeserializeOwned + Send + 'static> BatchReceiver<T> for CopyReceiver<T> {
+    fn recv_until(&self, deadline: Option<Instant>) -> Result<Option<Received<T>>, QueueError> {
+        loop {
+            if self.stopped.load(Ordering::Relaxed) {
+                return Err(QueueError::Closed {
+                    queue: self.queue.clone(),
+                });
+            }
+            let wait = match deadline {
+                None => COPY_WAIT_MAX,
+                Some(deadline) => deadline
+                    .saturating_duration_since(Instant::now())
+                    .clamp(Duration::from_millis(1), COPY_WAIT_MAX),
+            };
+            let copy = self
+                .listener
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .next(wait);
+            if let Some((_, payload)) = copy {
+                match postcard::from_bytes::<Vec<T>>(&payload) {
+                    Ok(items) => {
+                        self.station.arrive(items.len() as u64);
+                        return Ok(Some(Received {
+                            items,
+                            enqueued_ns: wall_ns(),
+                            receipt: Receipt::none(),
+                        }));
+                    }
+                    Err(error) => {
+                        tracing::warn!(queue = %self.queue, %error, "a copied batch does not decode; left out");
+                        continue;
+                    }
+                }
+            }
+            if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+                return Ok(None);
+            }
+        }
+    }
+
+    fn station(&self) -> &Arc<Station> {
+        &self.station
+    }
+
+    fn now_ns(&self) -> u64 {
+        wall_ns()
     }
 }
 
