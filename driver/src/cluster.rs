@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use ste_engine::cluster_samples::{NodeMemory, SampleCollector};
+use ste_engine::cluster_samples::{MemoryReading, NodeMemory, SampleCollector};
 use ste_engine::generator::RunOutcome;
 use ste_engine::lease::Leases;
 use ste_engine::node::{ClsFeed, ClusterLayout, Ingress};
@@ -243,22 +243,43 @@ pub fn run_cluster(
 /// The share of a run after which a node counts as warmed up.
 const WARM_UP_FRACTION: f64 = 0.2;
 
-/// Prints each node's resident memory after warm-up (first, peak, last) and writes every
-/// reading to `nodes.csv` in the run directory.
+/// Prints each node's resident memory after warm-up (first, peak, last), with its matcher
+/// tables and what the rest of it did, and writes every reading to `nodes.csv` in the run
+/// directory.
 fn report_memory(
     memory: &BTreeMap<String, NodeMemory>,
     elapsed_s: f64,
     run_dir: &std::path::Path,
 ) -> anyhow::Result<()> {
-    let mut csv = String::from("t_ms,node,rss_mib\n");
+    let mut csv = String::from("t_ms,node,rss_mib,matcher_tables_mib\n");
+    let warm_ms = elapsed_s * 1e3 * WARM_UP_FRACTION;
     for (node, readings) in memory {
-        for (t_ms, kib) in &readings.rss_kib {
-            csv.push_str(&format!("{t_ms:.3},{node},{:.1}\n", *kib as f64 / 1024.0));
+        for reading in &readings.readings {
+            csv.push_str(&format!(
+                "{:.3},{node},{:.1},{:.1}\n",
+                reading.t_ms,
+                reading.rss_mib(),
+                reading.matcher_mib()
+            ));
         }
-        if let Some((first, peak, last)) = readings.after(elapsed_s * 1e3 * WARM_UP_FRACTION) {
+        let spans = (
+            readings.span(warm_ms, MemoryReading::rss_mib),
+            readings.span(warm_ms, MemoryReading::matcher_mib),
+            readings.span(warm_ms, |r| r.rss_mib() - r.matcher_mib()),
+        );
+        if let (Some(rss), Some(tables), Some(rest)) = spans {
             eprintln!(
-                "node {node}: RSS {first:.0} MiB after warm-up ({:.0}% of the run), peak {peak:.0} MiB, {last:.0} MiB at the end",
-                WARM_UP_FRACTION * 100.0
+                "node {node}: RSS {:.0} MiB after warm-up ({:.0}% of the run), peak {:.0}, {:.0} at the end; \
+                 its matchers' tables {:.0} then {:.0} MiB; the rest {:.0}, peak {:.0}, {:.0} at the end",
+                rss.first,
+                WARM_UP_FRACTION * 100.0,
+                rss.peak,
+                rss.last,
+                tables.first,
+                tables.last,
+                rest.first,
+                rest.peak,
+                rest.last
             );
         }
     }

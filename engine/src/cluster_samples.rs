@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -49,6 +49,9 @@ pub struct NodeSample {
     pub wall_ms: f64,
     /// The node's resident set size.
     pub rss_kib: u64,
+    /// Bytes of its shards' matcher tables ([`crate::matcher::Matcher::table_bytes`]).
+    #[serde(default)]
+    pub matcher_bytes: u64,
     pub stations: Vec<StationCount>,
 }
 
@@ -68,23 +71,44 @@ fn wall_ms() -> f64 {
         .map_or(0.0, |since| since.as_secs_f64() * 1e3)
 }
 
-/// The stations a node runs right now, kept by its supervisor and read by its sampler.
+/// What a node runs right now: its stations and its shards' matcher-table sizes, kept by its
+/// supervisor and read by its sampler.
 #[derive(Clone, Default)]
-pub struct StationBoard(Arc<Mutex<Vec<Arc<Station>>>>);
+pub struct StationBoard(Arc<Mutex<Board>>);
+
+#[derive(Default)]
+struct Board {
+    stations: Vec<Arc<Station>>,
+    matcher_tables: Vec<Arc<AtomicU64>>,
+}
 
 impl StationBoard {
-    /// Replaces the stations on the board.
-    pub fn set(&self, stations: Vec<Arc<Station>>) {
+    /// Replaces what is on the board.
+    pub fn set(&self, stations: Vec<Arc<Station>>, matcher_tables: Vec<Arc<AtomicU64>>) {
         *self
             .0
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = stations;
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Board {
+            stations,
+            matcher_tables,
+        };
+    }
+
+    fn matcher_bytes(&self) -> u64 {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .matcher_tables
+            .iter()
+            .map(|bytes| bytes.load(Ordering::Relaxed))
+            .sum()
     }
 
     fn read(&self) -> Vec<StationCount> {
         self.0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .stations
             .iter()
             .map(|station| {
                 let reading = station.read();
@@ -127,6 +151,7 @@ impl NodeSampler {
                         node: node.clone(),
                         wall_ms: wall_ms(),
                         rss_kib: proc_status_kib("VmRSS").unwrap_or_default(),
+                        matcher_bytes: board.matcher_bytes(),
                         stations: board.read(),
                     };
                     let sent = serde_json::to_vec(&sample)
@@ -158,28 +183,58 @@ impl NodeSampler {
     }
 }
 
-/// A node's resident memory over a run, as its samples reported it.
+/// A node's memory over a run, as its samples reported it.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct NodeMemory {
-    /// (milliseconds on the run clock, RSS in KiB), in order.
-    pub rss_kib: Vec<(f64, u64)>,
+    /// Readings in order.
+    pub readings: Vec<MemoryReading>,
+}
+
+/// One sample's memory figures.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MemoryReading {
+    /// Milliseconds on the run clock.
+    pub t_ms: f64,
+    pub rss_kib: u64,
+    /// Bytes of the node's matcher tables.
+    pub matcher_bytes: u64,
+}
+
+/// A figure after warm-up, at its highest and at the end, in MiB.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Span {
+    pub first: f64,
+    pub peak: f64,
+    pub last: f64,
 }
 
 impl NodeMemory {
-    /// RSS in MiB at the first sample at or after `from_ms`, the highest from then on, and the
-    /// last: a flat curve after warm-up has the three close together.
-    pub fn after(&self, from_ms: f64) -> Option<(f64, f64, f64)> {
-        let mib = |kib: u64| kib as f64 / 1024.0;
-        let tail: Vec<u64> = self
-            .rss_kib
+    /// `figure` (MiB) of every reading at or after `from_ms`: the first, the highest and the
+    /// last. A flat curve after warm-up has the three close together.
+    pub fn span(&self, from_ms: f64, figure: impl Fn(&MemoryReading) -> f64) -> Option<Span> {
+        let tail: Vec<f64> = self
+            .readings
             .iter()
-            .filter(|(t, _)| *t >= from_ms)
-            .map(|(_, kib)| *kib)
+            .filter(|reading| reading.t_ms >= from_ms)
+            .map(figure)
             .collect();
-        let first = *tail.first()?;
-        let peak = tail.iter().copied().max()?;
-        let last = *tail.last()?;
-        Some((mib(first), mib(peak), mib(last)))
+        Some(Span {
+            first: *tail.first()?,
+            peak: tail.iter().copied().fold(f64::MIN, f64::max),
+            last: *tail.last()?,
+        })
+    }
+}
+
+impl MemoryReading {
+    /// The resident set in MiB.
+    pub fn rss_mib(&self) -> f64 {
+        self.rss_kib as f64 / 1024.0
+    }
+
+    /// The matcher tables in MiB.
+    pub fn matcher_mib(&self) -> f64 {
+        self.matcher_bytes as f64 / (1024.0 * 1024.0)
     }
 }
 
@@ -277,8 +332,12 @@ impl SampleCollector {
                     memory
                         .entry(sample.node.clone())
                         .or_default()
-                        .rss_kib
-                        .push((t_ms, sample.rss_kib));
+                        .readings
+                        .push(MemoryReading {
+                            t_ms,
+                            rss_kib: sample.rss_kib,
+                            matcher_bytes: sample.matcher_bytes,
+                        });
                     for station in &sample.stations {
                         let name = format!("{}/{}", sample.node, station.name);
                         let incarnation = seen.entry(name.clone()).or_insert(Incarnation {
@@ -328,11 +387,28 @@ mod tests {
 
     #[test]
     fn memory_after_warm_up_reads_first_peak_and_last() {
-        let memory = NodeMemory {
-            rss_kib: vec![(0.0, 1024), (10.0, 4096), (20.0, 3072), (30.0, 3072)],
+        let reading = |t_ms, rss_kib| MemoryReading {
+            t_ms,
+            rss_kib,
+            matcher_bytes: 0,
         };
-        assert_eq!(memory.after(10.0), Some((4.0, 4.0, 3.0)));
-        assert_eq!(memory.after(40.0), None);
+        let memory = NodeMemory {
+            readings: vec![
+                reading(0.0, 1024),
+                reading(10.0, 4096),
+                reading(20.0, 3072),
+                reading(30.0, 3072),
+            ],
+        };
+        assert_eq!(
+            memory.span(10.0, MemoryReading::rss_mib),
+            Some(Span {
+                first: 4.0,
+                peak: 4.0,
+                last: 3.0
+            })
+        );
+        assert_eq!(memory.span(40.0, MemoryReading::rss_mib), None);
     }
 
     #[test]

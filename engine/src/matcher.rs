@@ -529,6 +529,20 @@ impl Matcher {
         }
     }
 
+    /// Bytes the matcher's hash tables take, by their capacity: the memory of every message
+    /// key seen and every trade closed, which the contract keeps for a run (section 3), and of
+    /// the open trades' slots (not the messages those trades hold).
+    pub fn table_bytes(&self) -> u64 {
+        fn table<K, V>(capacity: usize) -> u64 {
+            // One control byte per bucket besides the entry.
+            (capacity * (std::mem::size_of::<(K, V)>() + 1)) as u64
+        }
+        table::<HashKey, Verdict>(self.seen.capacity())
+            + table::<HashKey, Closed>(self.closed.capacity())
+            + table::<HashKey, ()>(self.named.capacity())
+            + table::<Box<str>, Trade>(self.open.capacity())
+    }
+
     /// Final counts: trades by status and accepted messages.
     pub fn counts(&self) -> ShardCounts {
         let mut counts = ShardCounts {

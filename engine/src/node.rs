@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::cluster_samples::{NodeSampler, StationBoard};
@@ -452,6 +452,7 @@ pub struct ShardOwner {
     exceptions: Option<(Joined<WriterReport>, StopReceiving)>,
     follower: (Arc<AtomicBool>, std::thread::JoinHandle<()>),
     stations: Vec<Arc<Station>>,
+    table_bytes: Arc<AtomicU64>,
 }
 
 /// Polls for a lease this many times per time to live while another node holds it.
@@ -584,8 +585,16 @@ impl ShardOwner {
             run_writer(Box::new(store_rx), store, context, redeliver)
         });
         let aging = config.aging;
+        let table_bytes = Arc::new(AtomicU64::new(0));
+        let tables = table_bytes.clone();
         let matcher = spawn(format!("matcher-{shard}"), move || {
-            run_matcher(Box::new(receiver), matcher, Box::new(store_tx), aging)
+            run_matcher(
+                Box::new(receiver),
+                matcher,
+                Box::new(store_tx),
+                aging,
+                tables,
+            )
         });
         Ok(Some(Self {
             shard,
@@ -596,7 +605,13 @@ impl ShardOwner {
             exceptions,
             follower,
             stations,
+            table_bytes,
         }))
+    }
+
+    /// The size of this shard's matcher tables, as of its last batch.
+    pub fn table_bytes(&self) -> &Arc<AtomicU64> {
+        &self.table_bytes
     }
 
     /// The stations of this shard: its match queue, its store queue and (shard 0) the
@@ -898,6 +913,7 @@ fn supervise(
                 .flat_map(|v| v.stations().iter().cloned())
                 .chain(owners.iter().flat_map(|o| o.stations().iter().cloned()))
                 .collect(),
+            owners.iter().map(|o| o.table_bytes().clone()).collect(),
         );
         std::thread::sleep(poll);
     }

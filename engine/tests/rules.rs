@@ -1039,3 +1039,22 @@ fn unmatched_trades_age_out_after_business_days_of_their_market() {
     assert!(matcher.age_out(date!(2026 - 12 - 29), 1).is_empty());
     assert_eq!(matcher.age_out(date!(2026 - 12 - 30), 1).len(), 1);
 }
+
+#[test]
+fn the_matcher_tables_grow_with_the_messages_it_remembers() {
+    let mut matcher = matcher();
+    let empty = matcher.table_bytes();
+    let mut last = empty;
+    for trade in 0..64 {
+        let mut messages = london_trade(600, 400);
+        for message in &mut messages {
+            message.trade_ref = format!("{}-{trade}", message.trade_ref);
+            message.msg_id = format!("{}-{trade}", message.msg_id);
+        }
+        process_all(&mut matcher, &messages);
+        assert!(matcher.table_bytes() >= last, "the tables never shrink while they fill");
+        last = matcher.table_bytes();
+    }
+    // 448 message keys and 64 closed trades are remembered: at least 24 bytes per key.
+    assert!(last >= empty + 448 * 24, "{empty} → {last}");
+}

@@ -656,7 +656,13 @@ impl Pipeline {
             match_txs.push(Box::new(tx));
             let aging = config.aging;
             matchers.push(spawn(format!("matcher-{shard}"), move || {
-                run_matcher(Box::new(rx), matcher, Box::new(store_tx), aging)
+                run_matcher(
+                    Box::new(rx),
+                    matcher,
+                    Box::new(store_tx),
+                    aging,
+                    Arc::default(),
+                )
             }));
         }
 

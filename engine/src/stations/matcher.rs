@@ -1,5 +1,7 @@
 //! The matcher station: one per shard, owning the shard's open trades.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use time::format_description::well_known::Rfc3339;
@@ -37,12 +39,14 @@ impl MatchedAtClock {
 }
 
 /// Runs a shard's matcher over its match queue; what it decided goes to the shard's writer,
-/// with the receipts of the batches it came from, acknowledged once committed.
+/// with the receipts of the batches it came from, acknowledged once committed. After each
+/// batch, `table_bytes` holds the size of the matcher's tables ([`Matcher::table_bytes`]).
 pub(crate) fn run_matcher(
     rx: Rx<Validated>,
     mut matcher: Matcher,
     store_tx: Tx<ToStore>,
     aging: Option<Aging>,
+    table_bytes: Arc<AtomicU64>,
 ) -> Result<ShardCounts, PipelineError> {
     let mut wall = MatchedAtClock {
         last_ms: -1,
@@ -121,6 +125,7 @@ pub(crate) fn run_matcher(
             .forward(processed, received.receipt)
             .map_err(queue_error)?;
         complete(&rx, count, busy_ns, enqueued_ns);
+        table_bytes.store(matcher.table_bytes(), Ordering::Relaxed);
     }
     Ok(matcher.counts())
 }
