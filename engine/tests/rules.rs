@@ -1052,7 +1052,10 @@ fn the_matcher_tables_grow_with_the_messages_it_remembers() {
             message.msg_id = format!("{}-{trade}", message.msg_id);
         }
         process_all(&mut matcher, &messages);
-        assert!(matcher.table_bytes() >= last, "the tables never shrink while they fill");
+        assert!(
+            matcher.table_bytes() >= last,
+            "the tables never shrink while they fill"
+        );
         last = matcher.table_bytes();
     }
     // 448 message keys and 64 closed trades are remembered: at least 24 bytes per key.
