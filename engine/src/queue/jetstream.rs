@@ -21,7 +21,7 @@ use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::{BatchReceiver, BatchSender, QueueError, Receipt, Received, Tx};
+use super::{BatchReceiver, BatchSender, QueueError, Receipt, Received, Sending, Tx};
 use crate::station::Station;
 
 /// The header carrying a batch's enqueue time.
@@ -418,11 +418,17 @@ impl<T: Serialize> JetStreamSender<T> {
             self.publish(first, enqueued_ns)?;
             return self.publish(second, enqueued_ns);
         }
-        let payload = bytes::Bytes::from(payload);
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(ENQUEUED_NS_HEADER, enqueued_ns.to_string().as_str());
-        // Tried again after a lost acknowledgement, the batch is stored once.
-        headers.insert(MSG_ID_HEADER, batch_id().as_str());
+        let (payload, headers) = message(payload, enqueued_ns);
+        self.publish_message(&payload, &headers)
+    }
+
+    /// Publishes one batch's message until the server holds it: waiting while the stream is
+    /// full, riding out an outage.
+    fn publish_message(
+        &self,
+        payload: &bytes::Bytes,
+        headers: &async_nats::HeaderMap,
+    ) -> Result<(), QueueError> {
         let mut backoff = Duration::from_millis(1);
         let mut asked = Instant::now();
         let mut outage = Outage::new();
@@ -454,7 +460,59 @@ impl<T: Serialize> JetStreamSender<T> {
     }
 }
 
+/// A batch's message: its payload, and headers with the time it was enqueued and an id of its
+/// own (tried again after a lost acknowledgement, the batch is stored once).
+fn message(payload: Vec<u8>, enqueued_ns: u64) -> (bytes::Bytes, async_nats::HeaderMap) {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(ENQUEUED_NS_HEADER, enqueued_ns.to_string().as_str());
+    headers.insert(MSG_ID_HEADER, batch_id().as_str());
+    (bytes::Bytes::from(payload), headers)
+}
+
 impl<T: Serialize + Send + Sync + 'static> BatchSender<T> for JetStreamSender<T> {
+    /// Puts the batch on the wire and leaves its acknowledgement to [`Sending::wait`], so that
+    /// a station sending to several queues waits for all their acknowledgements at once. A
+    /// publish that fails or is refused (a full stream, an outage) is tried again there, the
+    /// retrying way, under the same message id.
+    fn start_send(&self, items: Vec<T>) -> Result<Sending, QueueError> {
+        if items.is_empty() {
+            return Ok(Sending::done());
+        }
+        self.station.arrive(items.len() as u64);
+        let enqueued_ns = wall_ns();
+        let payload =
+            postcard::to_allocvec(&items).map_err(|error| carrier(&self.subject, error))?;
+        if payload.len() > BATCH_PAYLOAD_MAX_BYTES && items.len() > 1 {
+            self.publish(&items, enqueued_ns)?;
+            return Ok(Sending::done());
+        }
+        let (payload, headers) = message(payload, enqueued_ns);
+        let started = self
+            .jetstream
+            .runtime
+            .block_on(self.jetstream.context.publish_with_headers(
+                self.subject.clone(),
+                headers.clone(),
+                payload.clone(),
+            ));
+        let sender = self.clone();
+        Ok(Sending::later(move || {
+            let acknowledged = match started {
+                Ok(acknowledgement) => sender
+                    .jetstream
+                    .runtime
+                    .block_on(async { acknowledgement.await })
+                    .is_ok(),
+                Err(_) => false,
+            };
+            if acknowledged {
+                Ok(())
+            } else {
+                sender.publish_message(&payload, &headers)
+            }
+        }))
+    }
+
     fn forward(&self, items: Vec<T>, receipt: Receipt) -> Result<(), QueueError> {
         if items.is_empty() {
             return receipt.ack();

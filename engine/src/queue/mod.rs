@@ -73,6 +73,28 @@ impl std::fmt::Debug for Receipt {
     }
 }
 
+/// A send under way ([`BatchSender::start_send`]): the batch is on its way, and
+/// [`Sending::wait`] returns once the queue holds it.
+#[must_use = "a batch is held by its queue only once its send has been waited for"]
+pub struct Sending(Option<Box<dyn FnOnce() -> Result<(), QueueError> + Send>>);
+
+impl Sending {
+    /// A send that is complete already.
+    pub fn done() -> Self {
+        Self(None)
+    }
+
+    /// A send that `wait` completes.
+    pub fn later(wait: impl FnOnce() -> Result<(), QueueError> + Send + 'static) -> Self {
+        Self(Some(Box::new(wait)))
+    }
+
+    /// Waits until the queue holds the batch.
+    pub fn wait(self) -> Result<(), QueueError> {
+        self.0.map_or(Ok(()), |wait| wait())
+    }
+}
+
 /// A batch as it comes off a queue.
 #[derive(Debug)]
 pub struct Received<T> {
@@ -92,6 +114,12 @@ pub trait BatchSender<T>: Send {
     /// once this one is: by its consumer (in process), or once the carrier holds it durably.
     /// An empty batch acknowledges them at once.
     fn forward(&self, items: Vec<T>, receipt: Receipt) -> Result<(), QueueError>;
+    /// Starts sending one batch and returns before the queue holds it where the carrier allows
+    /// (a network carrier), so that several sends wait together; in process it is
+    /// [`BatchSender::send`]. The batch counts as sent once [`Sending::wait`] returned.
+    fn start_send(&self, items: Vec<T>) -> Result<Sending, QueueError> {
+        self.send(items).map(|()| Sending::done())
+    }
     /// Another sender onto the same queue.
     fn clone_sender(&self) -> Tx<T>;
 }
