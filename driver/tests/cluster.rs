@@ -658,3 +658,46 @@ fn participants_connected_to_a_node_get_every_answer_and_their_cls_from_the_clus
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+#[test]
+fn a_node_told_to_stop_while_its_server_is_gone_does_not_wait_the_outage_out() {
+    let mut cluster = Cluster::start("cluster_stop_without_nats");
+    for id in ["node-a", "node-b"] {
+        cluster.start_node(id);
+    }
+    cluster.wait_until_held(&cluster.leases());
+    let driver = cluster.paced_driver(4000);
+    std::thread::sleep(Duration::from_secs(2));
+    cluster.nats.stop();
+    cluster.signal("node-a", "TERM");
+    let (_, mut node) = cluster.nodes.remove(0);
+    // A node that waited the outage out would still be trying after a minute.
+    let since = Instant::now();
+    let status = loop {
+        if let Some(status) = node.try_wait().expect("the node's status") {
+            break status;
+        }
+        assert!(
+            since.elapsed() < Duration::from_secs(50),
+            "node-a still stopping after 50 s:\n{}",
+            cluster.log("node-a")
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    eprintln!(
+        "node-a stopped {} ms after SIGTERM without its server ({status})",
+        since.elapsed().as_millis()
+    );
+    // Nothing it held was acknowledged that it did not finish: the next owner gets it again.
+    assert!(
+        cluster
+            .log("node-a")
+            .contains("stopping: the server is not waited for")
+            || status.success(),
+        "{}",
+        cluster.log("node-a")
+    );
+    let mut driver = driver;
+    let _ = driver.kill();
+    let _ = driver.wait();
+}

@@ -738,6 +738,7 @@ pub struct Node {
     holdings: Arc<Mutex<Holdings>>,
     thread: Joined<()>,
     sampler: Option<NodeSampler>,
+    jetstream: JetStream,
 }
 
 impl Node {
@@ -785,6 +786,7 @@ impl Node {
             holdings,
             thread,
             sampler,
+            jetstream: jetstream.clone(),
         })
     }
 
@@ -799,6 +801,9 @@ impl Node {
     /// Stops contending, lets every station finish what it holds, and waits for them.
     pub fn stop(self) -> Result<(), PipelineError> {
         self.stop.store(true, Ordering::Relaxed);
+        // What is in hand is finished while the server answers; an outage now is not waited
+        // out (what is not acknowledged goes to the node that takes over).
+        self.jetstream.stop_riding_out_outages();
         let result = join(self.thread);
         if let Some(sampler) = self.sampler {
             sampler.stop();

@@ -66,18 +66,28 @@ fn batch_id() -> String {
 struct Outage {
     since: Option<Instant>,
     pause: Duration,
+    /// Set once the process stops: an outage is then not waited out.
+    stopping: Arc<AtomicBool>,
 }
 
 impl Outage {
-    fn new() -> Self {
+    fn new(stopping: &Arc<AtomicBool>) -> Self {
         Self {
             since: None,
             pause: Duration::from_millis(10),
+            stopping: stopping.clone(),
         }
     }
 
-    /// After a failure: `Err` once the outage is too long, else waits and says try again.
+    /// After a failure: `Err` once the outage is too long (or the process is stopping), else
+    /// waits and says try again.
     fn wait(&mut self, queue: &str, error: impl std::fmt::Display) -> Result<(), QueueError> {
+        if self.stopping.load(Ordering::Relaxed) {
+            return Err(carrier(
+                queue,
+                format!("{error} (stopping: the server is not waited for)"),
+            ));
+        }
         let since = *self.since.get_or_insert_with(Instant::now);
         if since.elapsed() >= CARRIER_OUTAGE_MAX {
             return Err(carrier(queue, error));
@@ -111,6 +121,7 @@ pub struct JetStream {
     runtime: Arc<tokio::runtime::Runtime>,
     client: async_nats::Client,
     context: jetstream::Context,
+    stopping: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for JetStream {
@@ -153,8 +164,16 @@ impl JetStream {
         Ok(Self {
             client,
             context,
+            stopping: Arc::default(),
             runtime: Arc::new(runtime),
         })
+    }
+
+    /// From now on a failing server is not waited out: publishes and pulls through this
+    /// connection fail at once instead of trying again for up to a minute. For a process that
+    /// stops: what it did not finish is not acknowledged, and is delivered to whoever comes next.
+    pub fn stop_riding_out_outages(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
     }
 
     /// The JetStream context, for what else a cluster keeps there (leases).
@@ -229,10 +248,16 @@ impl JetStream {
     /// may be lost, such as a node's station counters, which are cumulative.
     pub fn notify(&self, topic: &str, payload: Vec<u8>) -> Result<(), QueueError> {
         self.runtime.block_on(async {
-            self.client
-                .publish(subject(topic), bytes::Bytes::from(payload))
-                .await
-                .map_err(|error| carrier(topic, error))
+            // A client cut off from its server buffers publishes until its buffer is full and
+            // then waits: a notice is not worth waiting for.
+            tokio::time::timeout(
+                NOTICE_WAIT_MAX,
+                self.client
+                    .publish(subject(topic), bytes::Bytes::from(payload)),
+            )
+            .await
+            .map_err(|_| carrier(topic, "the server is not taking notices"))?
+            .map_err(|error| carrier(topic, error))
         })
     }
 
@@ -431,7 +456,7 @@ impl<T: Serialize> JetStreamSender<T> {
     ) -> Result<(), QueueError> {
         let mut backoff = Duration::from_millis(1);
         let mut asked = Instant::now();
-        let mut outage = Outage::new();
+        let mut outage = Outage::new(&self.jetstream.stopping);
         loop {
             let published = self.jetstream.runtime.block_on(async {
                 self.jetstream
@@ -571,6 +596,9 @@ impl<T> CopyReceiver<T> {
         StopReceiving(self.stopped.clone())
     }
 }
+
+/// How long a notice may wait for room in the client's buffer.
+const NOTICE_WAIT_MAX: Duration = Duration::from_secs(1);
 
 /// How long one wait for a copy lasts at most, so that a stopped receiver notices.
 const COPY_WAIT_MAX: Duration = Duration::from_millis(200);
@@ -727,7 +755,7 @@ impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
 
 impl<T: DeserializeOwned + Send + 'static> BatchReceiver<T> for JetStreamReceiver<T> {
     fn recv_until(&self, deadline: Option<Instant>) -> Result<Option<Received<T>>, QueueError> {
-        let mut outage = Outage::new();
+        let mut outage = Outage::new(&self.jetstream.stopping);
         loop {
             if self.stopped.load(Ordering::Relaxed) {
                 return Err(QueueError::Closed {
@@ -742,7 +770,7 @@ impl<T: DeserializeOwned + Send + 'static> BatchReceiver<T> for JetStreamReceive
             };
             let pulled = match self.pull(wait) {
                 Ok(pulled) => {
-                    outage = Outage::new();
+                    outage = Outage::new(&self.jetstream.stopping);
                     pulled
                 }
                 Err(error) => {

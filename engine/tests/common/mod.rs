@@ -54,11 +54,16 @@ impl NatsServer {
     /// Stops the server (SIGTERM, as an operator would) and starts it again on the same port
     /// and store.
     pub fn restart(&mut self) {
+        self.stop();
+        self.child = Self::spawn(self.port, self.store.path());
+    }
+
+    /// Stops the server (SIGTERM) and waits until it has gone.
+    pub fn stop(&mut self) {
         let _ = Command::new("kill")
             .arg(self.child.id().to_string())
             .status();
         let _ = self.child.wait();
-        self.child = Self::spawn(self.port, self.store.path());
     }
 }
 
