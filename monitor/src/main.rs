@@ -6,6 +6,22 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+/// `println!` for the command's output, in place of std's: a reader that has gone
+/// (`monitor analyze … | head`) ends the command quietly, as it ends other tools, rather than
+/// in a panic.
+macro_rules! println {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(error) = writeln!(std::io::stdout(), $($arg)*) {
+            if error.kind() == std::io::ErrorKind::BrokenPipe {
+                std::process::exit(0);
+            }
+            eprintln!("error: writing the output: {error}");
+            std::process::exit(1);
+        }
+    }};
+}
+
 #[derive(Parser)]
 #[command(name = "monitor", about = "Operational analysis of STE runs")]
 struct Cli {
