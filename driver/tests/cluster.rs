@@ -155,7 +155,12 @@ impl Cluster {
 
     /// Starts node `id`: at most two shards and two partitions each.
     fn start_node(&mut self, id: &str) {
-        let child = self.spawn_node(id, &[], Stdio::null());
+        self.start_node_with(id, &[]);
+    }
+
+    /// Starts node `id` with `extra` arguments (`--max-shards` among them replaces the bounds).
+    fn start_node_with(&mut self, id: &str, extra: &[&str]) {
+        let child = self.spawn_node(id, extra, Stdio::null());
         self.nodes.push((id.to_owned(), child));
     }
 
@@ -194,7 +199,11 @@ impl Cluster {
             .arg("--keys")
             .arg(&self.keys)
             .args(self.db_args())
-            .args(["--max-shards", "2", "--validators", "2"])
+            .args(if extra.contains(&"--max-shards") {
+                &[][..]
+            } else {
+                &["--max-shards", "2", "--validators", "2"][..]
+            })
             .args(["--lease-ttl-ms", &LEASE_TTL_MS.to_string()])
             .args(extra)
             .env("RUST_LOG", "info,sqlx=error")
@@ -700,4 +709,44 @@ fn a_node_told_to_stop_while_its_server_is_gone_does_not_wait_the_outage_out() {
     let mut driver = driver;
     let _ = driver.kill();
     let _ = driver.wait();
+}
+
+#[test]
+fn nodes_that_join_a_running_cluster_get_shards_handed_over() {
+    let mut cluster = Cluster::start("cluster_balance");
+    cluster.start_node_with("node-a", &["--max-shards", "4", "--validators", "4"]);
+    cluster.wait_until_held(&cluster.leases());
+    let leases = cluster.leases();
+    let held_by = |node: &str| {
+        (0..SHARDS)
+            .filter(|&k| leases.holder(Leased::Shard(k)).ok().flatten().as_deref() == Some(node))
+            .count()
+    };
+    assert_eq!(held_by("node-a"), 4, "alone, node-a owns every shard");
+    let driver = cluster.paced_driver(6000);
+    std::thread::sleep(Duration::from_secs(2));
+    for id in ["node-b", "node-c"] {
+        cluster.start_node(id);
+    }
+    // Fair is two shards a node: node-a hands two over, one at a time, during the run.
+    let since = Instant::now();
+    while !(held_by("node-a") == 2 && held_by("node-b") == 1 && held_by("node-c") == 1) {
+        assert!(
+            since.elapsed() < Duration::from_secs(40),
+            "the shards were not shared: a {}, b {}, c {}\n{}",
+            held_by("node-a"),
+            held_by("node-b"),
+            held_by("node-c"),
+            cluster.log("node-a")
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!(
+        "shared 2/1/1 {} ms after the two nodes started",
+        since.elapsed().as_millis()
+    );
+    let output = driver.wait_with_output().expect("the driver ends");
+    summary_after_failures(&output, &cluster);
+    assert_routed(&cluster);
+    assert_eq!(cluster.stored_twice(), 0);
 }

@@ -84,13 +84,15 @@ pub struct Leases {
 }
 
 /// What a lease is for: a shard (its matcher and writer), an inbound partition (its
-/// validator: one at a time keeps a trade's messages in order), or a gateway number (the ACK
-/// queue `ack.<n>` its answers come back on).
+/// validator: one at a time keeps a trade's messages in order), a gateway number (the ACK
+/// queue `ack.<n>` its answers come back on), or a member number (a node that lives: the
+/// nodes count each other through these).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Leased {
     Shard(u32),
     Partition(u32),
     Gateway(u32),
+    Member(u32),
 }
 
 impl Leased {
@@ -99,9 +101,13 @@ impl Leased {
             Self::Shard(shard) => format!("shard.{shard}"),
             Self::Partition(partition) => format!("partition.{partition}"),
             Self::Gateway(number) => format!("gateway.{number}"),
+            Self::Member(number) => format!("member.{number}"),
         }
     }
 }
+
+/// Member numbers a cluster has room for: nodes beyond this many run, but are not counted.
+pub const MEMBERS_MAX: u32 = 64;
 
 /// A shard or partition this node holds, as long as it renews in time.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,6 +190,27 @@ impl Leases {
         lease.renewed.elapsed() < self.ttl
     }
 
+    /// Gives `lease` back at once, rather than letting it run out, if nobody wrote its key
+    /// since this node did: a node that hands a shard over lets the next one win it now.
+    pub fn release(&self, lease: &Lease) -> Result<(), QueueError> {
+        self.jetstream
+            .block_on(
+                self.bucket
+                    .delete_expect_revision(lease.what.key(), Some(lease.revision)),
+            )
+            .map_err(carrier)
+    }
+
+    /// Takes the lowest free member number for `node_id`; `None` when all are taken.
+    pub fn join(&self, node_id: &str) -> Result<Option<Lease>, QueueError> {
+        for number in 0..MEMBERS_MAX {
+            if let Some(lease) = self.try_acquire(Leased::Member(number), node_id)? {
+                return Ok(Some(lease));
+            }
+        }
+        Ok(None)
+    }
+
     /// The node holding `what`, if any.
     pub fn holder(&self, what: Leased) -> Result<Option<String>, QueueError> {
         let entry = self
@@ -206,7 +233,9 @@ pub struct LeaseKeeper {
     token: u64,
     held: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    leases: Arc<Leases>,
+    /// Ends with the lease as last renewed, while it is still held.
+    thread: Option<JoinHandle<Option<Lease>>>,
 }
 
 impl Drop for LeaseKeeper {
@@ -229,7 +258,7 @@ impl LeaseKeeper {
         let stop = Arc::new(AtomicBool::new(false));
         let interval = leases.ttl() / RENEWALS_PER_TTL;
         let thread = {
-            let (held, stop) = (held.clone(), stop.clone());
+            let (held, stop, leases) = (held.clone(), stop.clone(), leases.clone());
             std::thread::Builder::new()
                 .name("lease".to_owned())
                 .spawn(move || {
@@ -246,9 +275,10 @@ impl LeaseKeeper {
                             held.store(false, Ordering::Release);
                             tracing::warn!(what = ?lease.what, "lost the lease");
                             on_lost();
-                            return;
+                            return None;
                         }
                     }
+                    Some(lease)
                 })
                 .expect("the operating system can start a thread")
         };
@@ -256,6 +286,7 @@ impl LeaseKeeper {
             token,
             held,
             stop,
+            leases,
             thread: Some(thread),
         }
     }
@@ -272,10 +303,23 @@ impl LeaseKeeper {
 
     /// Stops renewing. The lease is not given back: it runs out, as a crashed node's would.
     pub fn stop(mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+        self.stop_renewing();
+    }
+
+    /// Stops renewing and gives the lease back at once, if it is still held
+    /// ([`Leases::release`]).
+    pub fn give_back(mut self) {
+        if let Some(lease) = self.stop_renewing() {
+            if let Err(error) = self.leases.release(&lease) {
+                tracing::warn!(what = ?lease.what, %error, "giving a lease back failed; it runs out");
+            }
         }
+    }
+
+    fn stop_renewing(&mut self) -> Option<Lease> {
+        self.stop.store(true, Ordering::Relaxed);
+        let lease = self.thread.take()?.join().ok()??;
+        self.leases.holds(&lease).then_some(lease)
     }
 }
 

@@ -644,6 +644,17 @@ impl ShardOwner {
     /// Stops consuming and renewing, lets the writer commit what the matcher handed it, and
     /// reports. The lease is not given back: it runs out, as a crashed node's would.
     pub fn stop(self) -> OwnershipReport {
+        self.finish(false)
+    }
+
+    /// Stops consuming, lets the writer commit what the matcher handed it, then gives the
+    /// lease back at once, so that another node wins the shard without waiting for it to run
+    /// out. What was not acknowledged is delivered to that node.
+    pub fn hand_over(self) -> OwnershipReport {
+        self.finish(true)
+    }
+
+    fn finish(self, give_back: bool) -> OwnershipReport {
         self.stopper.stop();
         let mut exceptions_result = Ok(());
         if let Some((handle, stopper)) = self.exceptions {
@@ -653,7 +664,11 @@ impl ShardOwner {
         let counts = join(self.matcher);
         let writer = join(self.writer).map(|_| ()).and(exceptions_result);
         let token = self.keeper.token();
-        self.keeper.stop();
+        if give_back && writer.is_ok() {
+            self.keeper.give_back();
+        } else {
+            self.keeper.stop();
+        }
         let (stop, thread) = self.follower;
         stop.store(true, Ordering::Relaxed);
         let _ = thread.join();
@@ -825,6 +840,7 @@ fn supervise(
     let poll = leases.ttl() / LEASE_POLLS_PER_TTL;
     let mut validators: Vec<Validators> = Vec::new();
     let mut owners: Vec<ShardOwner> = Vec::new();
+    let mut balance = Balance::new(config);
     // Nodes start their search at different shards and partitions, so that they spread.
     let offset = crate::routing::fnv1a_64(config.node_id.as_bytes());
     let rotated = |step: u32, count: u32| {
@@ -843,8 +859,25 @@ fn supervise(
             }
         }
         let shards = config.layout.shards;
+        let held = owners.len() as u32;
+        if balance.due() {
+            balance.count(leases, config, held);
+            if balance.should_give_up_one(held) {
+                if let Some(owner) = owners.pop() {
+                    let report = owner.hand_over();
+                    tracing::info!(
+                        shard = report.shard,
+                        held,
+                        "handed a shard over to a node with fewer"
+                    );
+                }
+            }
+        }
         for step in 0..shards {
-            if owners.len() >= config.shards_max as usize || stop.load(Ordering::Relaxed) {
+            if owners.len() >= config.shards_max as usize
+                || balance.holds_enough(owners.len() as u32)
+                || stop.load(Ordering::Relaxed)
+            {
                 break;
             }
             let shard = rotated(step, shards);
@@ -923,6 +956,9 @@ fn supervise(
         std::thread::sleep(poll);
     }
     let mut result = Ok(());
+    if let Some(member) = balance.member.take() {
+        member.give_back();
+    }
     for started in validators {
         result = result.and(started.stop());
     }
@@ -931,6 +967,113 @@ fn supervise(
         result = result.and(report.writer).and(report.counts.map(|_| ()));
     }
     result
+}
+
+/// How often a node compares what it holds with what the others hold, in times to live.
+const BALANCE_EVERY_TTLS: u32 = 2;
+
+/// The shards' balance between the nodes that can own them. Each such node holds a member
+/// number whose value says how many shards it takes at most; every few times to live it counts
+/// who holds which shard. A node holding more than its fair share (the shards over the members,
+/// rounded up) while some member holds fewer than both its fair share and its own bound hands
+/// one shard over, and takes no new one while that holds. There is no other rebalancing:
+/// nodes that are even stay as they are.
+struct Balance {
+    member: Option<LeaseKeeper>,
+    last: Option<Instant>,
+    /// Whether another member could take a shard this node has too many of.
+    others_short: bool,
+    fair: u32,
+    every: Duration,
+}
+
+impl Balance {
+    fn new(config: &NodeConfig) -> Self {
+        Self {
+            member: None,
+            last: None,
+            others_short: false,
+            fair: config.layout.shards,
+            every: Duration::ZERO,
+        }
+    }
+
+    fn due(&self) -> bool {
+        self.last.is_none_or(|last| last.elapsed() >= self.every)
+    }
+
+    /// Joins (again) as a member where needed, and counts the members and their shards.
+    fn count(&mut self, leases: &Arc<Leases>, config: &NodeConfig, held: u32) {
+        self.last = Some(Instant::now());
+        self.every = leases.ttl() * BALANCE_EVERY_TTLS;
+        if config.shards_max == 0 {
+            return;
+        }
+        let joined = self
+            .member
+            .as_ref()
+            .is_some_and(|member| member.held().load(Ordering::Acquire));
+        if !joined {
+            let value = format!("{} {}", config.node_id, config.shards_max);
+            match leases.join(&value) {
+                Ok(Some(lease)) => {
+                    self.member = Some(LeaseKeeper::start(leases.clone(), lease, value, || {}))
+                }
+                Ok(None) => {
+                    tracing::warn!("every member number is taken: this node is not counted")
+                }
+                Err(error) => tracing::warn!(%error, "joining the members failed"),
+            }
+        }
+        match balance_of(leases, config) {
+            Ok((members, holdings)) if !members.is_empty() => {
+                self.fair = config.layout.shards.div_ceil(members.len() as u32);
+                let fair = self.fair;
+                self.others_short = held >= fair
+                    && members.iter().any(|(node, bound)| {
+                        *node != config.node_id
+                            && holdings.get(node).copied().unwrap_or(0) < fair.min(*bound)
+                    });
+            }
+            Ok(_) => self.others_short = false,
+            Err(error) => tracing::debug!(%error, "counting the members failed"),
+        }
+    }
+
+    /// Whether to hand one of `held` shards over now.
+    fn should_give_up_one(&self, held: u32) -> bool {
+        self.others_short && held > self.fair
+    }
+
+    /// Whether to take no new shard: this node holds its share while another could take one.
+    fn holds_enough(&self, held: u32) -> bool {
+        self.others_short && held >= self.fair
+    }
+}
+
+/// The members (node, its bound on shards) and how many shards each node holds.
+#[allow(clippy::type_complexity)]
+fn balance_of(
+    leases: &Leases,
+    config: &NodeConfig,
+) -> Result<(Vec<(String, u32)>, BTreeMap<String, u32>), QueueError> {
+    let mut members = Vec::new();
+    for number in 0..crate::lease::MEMBERS_MAX {
+        if let Some(value) = leases.holder(Leased::Member(number))? {
+            let mut parts = value.rsplitn(2, ' ');
+            let bound = parts.next().and_then(|bound| bound.parse().ok());
+            if let (Some(bound), Some(node)) = (bound, parts.next()) {
+                members.push((node.to_owned(), bound));
+            }
+        }
+    }
+    let mut holdings = BTreeMap::new();
+    for shard in 0..config.layout.shards {
+        if let Some(node) = leases.holder(Leased::Shard(shard))? {
+            *holdings.entry(node).or_insert(0) += 1;
+        }
+    }
+    Ok((members, holdings))
 }
 
 /// Takes out of `items` those for which `ended` holds.
