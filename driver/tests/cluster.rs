@@ -717,32 +717,44 @@ fn nodes_that_join_a_running_cluster_get_shards_handed_over() {
     cluster.start_node_with("node-a", &["--max-shards", "4", "--validators", "4"]);
     cluster.wait_until_held(&cluster.leases());
     let leases = cluster.leases();
-    let held_by = |node: &str| {
-        (0..SHARDS)
-            .filter(|&k| leases.holder(Leased::Shard(k)).ok().flatten().as_deref() == Some(node))
+    let held = |leased: fn(u32) -> Leased, node: &str| {
+        (0..4)
+            .filter(|&k| leases.holder(leased(k)).ok().flatten().as_deref() == Some(node))
             .count()
     };
+    let held_by = |node: &str| held(Leased::Shard, node);
+    let validated_by = |node: &str| held(Leased::Partition, node);
     assert_eq!(held_by("node-a"), 4, "alone, node-a owns every shard");
+    assert_eq!(validated_by("node-a"), 4, "and validates every partition");
     let driver = cluster.paced_driver(6000);
     std::thread::sleep(Duration::from_secs(2));
     for id in ["node-b", "node-c"] {
         cluster.start_node(id);
     }
-    // Fair is two shards a node: node-a hands two over, one at a time, during the run.
+    // node-a hands shards and partitions over, one at a time, during the run.
     let since = Instant::now();
-    while !(held_by("node-a") == 2 && held_by("node-b") == 1 && held_by("node-c") == 1) {
+    // Four over three nodes: each holds at least one, none more than two.
+    let shared = |count: &dyn Fn(&str) -> usize| {
+        ["node-a", "node-b", "node-c"]
+            .iter()
+            .all(|node| (1..=2).contains(&count(node)))
+    };
+    while !(shared(&held_by) && shared(&validated_by)) {
         assert!(
             since.elapsed() < Duration::from_secs(40),
-            "the shards were not shared: a {}, b {}, c {}\n{}",
+            "not shared: shards a {}, b {}, c {}; partitions a {}, b {}, c {}\n{}",
             held_by("node-a"),
             held_by("node-b"),
             held_by("node-c"),
+            validated_by("node-a"),
+            validated_by("node-b"),
+            validated_by("node-c"),
             cluster.log("node-a")
         );
         std::thread::sleep(Duration::from_millis(200));
     }
     eprintln!(
-        "shared 2/1/1 {} ms after the two nodes started",
+        "shards and partitions shared {} ms after the two nodes started",
         since.elapsed().as_millis()
     );
     let output = driver.wait_with_output().expect("the driver ends");

@@ -224,6 +224,27 @@ impl Validators {
         }
         result
     }
+
+    /// Stops taking batches, lets each validator finish the one it holds, then gives the
+    /// partitions' leases back at once, so that another node takes them over without waiting
+    /// for them to run out (and never while a batch of theirs is still being handed on here).
+    pub fn hand_over(self) -> Result<(), PipelineError> {
+        for stopper in &self.stoppers {
+            stopper.stop();
+        }
+        let mut result = Ok(());
+        for handle in self.handles {
+            result = result.and(join(handle));
+        }
+        for keeper in self.keepers {
+            if result.is_ok() {
+                keeper.give_back();
+            } else {
+                keeper.stop();
+            }
+        }
+        result
+    }
 }
 
 /// Sends each ACK to the queue of the gateway its message came through (`ack.<origin>`). A
@@ -859,23 +880,37 @@ fn supervise(
             }
         }
         let shards = config.layout.shards;
-        let held = owners.len() as u32;
         if balance.due() {
-            balance.count(leases, config, held);
-            if balance.should_give_up_one(held) {
+            let held_shards = owners.len() as u32;
+            let held_partitions = validators.iter().map(|v| v.partitions().len() as u32).sum();
+            balance.count(leases, config, held_shards, held_partitions);
+            if balance.shards.should_give_up_one(held_shards) {
                 if let Some(owner) = owners.pop() {
                     let report = owner.hand_over();
                     tracing::info!(
                         shard = report.shard,
-                        held,
+                        held = held_shards,
                         "handed a shard over to a node with fewer"
                     );
+                }
+            }
+            if balance.partitions.should_give_up_one(held_partitions) {
+                if let Some(started) = validators.pop() {
+                    let partitions = started.partitions().to_vec();
+                    match started.hand_over() {
+                        Ok(()) => tracing::info!(
+                            ?partitions,
+                            held = held_partitions,
+                            "handed a partition over to a node with fewer"
+                        ),
+                        Err(error) => tracing::warn!(?partitions, %error, "a validator ended"),
+                    }
                 }
             }
         }
         for step in 0..shards {
             if owners.len() >= config.shards_max as usize
-                || balance.holds_enough(owners.len() as u32)
+                || balance.shards.holds_enough(owners.len() as u32)
                 || stop.load(Ordering::Relaxed)
             {
                 break;
@@ -916,7 +951,10 @@ fn supervise(
             .flat_map(|v| v.partitions().to_vec())
             .collect();
         for step in 0..config.layout.partitions {
-            if partitions.len() >= config.validators_max as usize || stop.load(Ordering::Relaxed) {
+            if partitions.len() >= config.validators_max as usize
+                || balance.partitions.holds_enough(partitions.len() as u32)
+                || stop.load(Ordering::Relaxed)
+            {
                 break;
             }
             let partition = rotated(step, config.layout.partitions);
@@ -972,19 +1010,71 @@ fn supervise(
 /// How often a node compares what it holds with what the others hold, in times to live.
 const BALANCE_EVERY_TTLS: u32 = 2;
 
-/// The shards' balance between the nodes that can own them. Each such node holds a member
-/// number whose value says how many shards it takes at most; every few times to live it counts
-/// who holds which shard. A node holding more than its fair share (the shards over the members,
-/// rounded up) while some member holds fewer than both its fair share and its own bound hands
-/// one shard over, and takes no new one while that holds. There is no other rebalancing:
-/// nodes that are even stay as they are.
+/// The balance of shards, and of inbound partitions, between the nodes. Each node that takes
+/// either holds a member number whose value says how many of each it takes at most; every few
+/// times to live it counts the members and who holds what. While some member holds less than
+/// the even share (the total over the members that take it, rounded down) and its own bound, a
+/// node holding more than that share, and as much as anyone, hands one over, and no node with
+/// its share takes a new one. Nodes that are even stay as they are.
 struct Balance {
     member: Option<LeaseKeeper>,
     last: Option<Instant>,
-    /// Whether another member could take a shard this node has too many of.
-    others_short: bool,
-    fair: u32,
     every: Duration,
+    shards: Share,
+    partitions: Share,
+}
+
+/// This node's view of one kind of work.
+#[derive(Debug, Clone, Copy)]
+struct Share {
+    /// The even share, rounded down: what every member that takes this work should hold.
+    even: u32,
+    /// The most any member holds.
+    most: u32,
+    /// Whether another member holds less than the even share (and could take more).
+    others_short: bool,
+}
+
+impl Share {
+    fn of(
+        total: u32,
+        me: &str,
+        held: u32,
+        members: &[Member],
+        bound: fn(&Member) -> u32,
+        holdings: &HeldBy,
+    ) -> Self {
+        let takers = members.iter().filter(|member| bound(member) > 0).count() as u32;
+        let even = total / takers.max(1);
+        let others_short = members.iter().any(|member| {
+            member.node != me
+                && holdings.get(&member.node).copied().unwrap_or(0) < even.min(bound(member))
+        });
+        let most = holdings.values().copied().max().unwrap_or(0).max(held);
+        Self {
+            even,
+            most,
+            others_short,
+        }
+    }
+
+    /// Whether to hand one of `held` over now: another member is short, and this node holds
+    /// more than the even share and as much as anyone.
+    fn should_give_up_one(&self, held: u32) -> bool {
+        self.others_short && held > self.even && held >= self.most
+    }
+
+    /// Whether to take no new one: another member is short and this node has its share.
+    fn holds_enough(&self, held: u32) -> bool {
+        self.others_short && held >= self.even
+    }
+}
+
+/// A member of the cluster as its member lease describes it.
+struct Member {
+    node: String,
+    shards_max: u32,
+    validators_max: u32,
 }
 
 impl Balance {
@@ -992,9 +1082,17 @@ impl Balance {
         Self {
             member: None,
             last: None,
-            others_short: false,
-            fair: config.layout.shards,
             every: Duration::ZERO,
+            shards: Share {
+                even: config.layout.shards,
+                most: 0,
+                others_short: false,
+            },
+            partitions: Share {
+                even: config.layout.partitions,
+                most: 0,
+                others_short: false,
+            },
         }
     }
 
@@ -1002,11 +1100,17 @@ impl Balance {
         self.last.is_none_or(|last| last.elapsed() >= self.every)
     }
 
-    /// Joins (again) as a member where needed, and counts the members and their shards.
-    fn count(&mut self, leases: &Arc<Leases>, config: &NodeConfig, held: u32) {
+    /// Joins (again) as a member where needed, and counts the members and what they hold.
+    fn count(
+        &mut self,
+        leases: &Arc<Leases>,
+        config: &NodeConfig,
+        held_shards: u32,
+        held_partitions: u32,
+    ) {
         self.last = Some(Instant::now());
         self.every = leases.ttl() * BALANCE_EVERY_TTLS;
-        if config.shards_max == 0 {
+        if config.shards_max == 0 && config.validators_max == 0 {
             return;
         }
         let joined = self
@@ -1014,7 +1118,10 @@ impl Balance {
             .as_ref()
             .is_some_and(|member| member.held().load(Ordering::Acquire));
         if !joined {
-            let value = format!("{} {}", config.node_id, config.shards_max);
+            let value = format!(
+                "{} {} {}",
+                config.node_id, config.shards_max, config.validators_max
+            );
             match leases.join(&value) {
                 Ok(Some(lease)) => {
                     self.member = Some(LeaseKeeper::start(leases.clone(), lease, value, || {}))
@@ -1026,54 +1133,73 @@ impl Balance {
             }
         }
         match balance_of(leases, config) {
-            Ok((members, holdings)) if !members.is_empty() => {
-                self.fair = config.layout.shards.div_ceil(members.len() as u32);
-                let fair = self.fair;
-                self.others_short = held >= fair
-                    && members.iter().any(|(node, bound)| {
-                        *node != config.node_id
-                            && holdings.get(node).copied().unwrap_or(0) < fair.min(*bound)
-                    });
+            Ok((members, shards, partitions)) if !members.is_empty() => {
+                let me = config.node_id.as_str();
+                self.shards = Share::of(
+                    config.layout.shards,
+                    me,
+                    held_shards,
+                    &members,
+                    |member| member.shards_max,
+                    &shards,
+                );
+                self.partitions = Share::of(
+                    config.layout.partitions,
+                    me,
+                    held_partitions,
+                    &members,
+                    |member| member.validators_max,
+                    &partitions,
+                );
             }
-            Ok(_) => self.others_short = false,
+            Ok(_) => {
+                self.shards.others_short = false;
+                self.partitions.others_short = false;
+            }
             Err(error) => tracing::debug!(%error, "counting the members failed"),
         }
     }
-
-    /// Whether to hand one of `held` shards over now.
-    fn should_give_up_one(&self, held: u32) -> bool {
-        self.others_short && held > self.fair
-    }
-
-    /// Whether to take no new shard: this node holds its share while another could take one.
-    fn holds_enough(&self, held: u32) -> bool {
-        self.others_short && held >= self.fair
-    }
 }
 
-/// The members (node, its bound on shards) and how many shards each node holds.
-#[allow(clippy::type_complexity)]
+/// How many of one kind each node holds, by node.
+type HeldBy = BTreeMap<String, u32>;
+
+/// The members, and how many shards and partitions each node holds.
 fn balance_of(
     leases: &Leases,
     config: &NodeConfig,
-) -> Result<(Vec<(String, u32)>, BTreeMap<String, u32>), QueueError> {
+) -> Result<(Vec<Member>, HeldBy, HeldBy), QueueError> {
     let mut members = Vec::new();
     for number in 0..crate::lease::MEMBERS_MAX {
         if let Some(value) = leases.holder(Leased::Member(number))? {
-            let mut parts = value.rsplitn(2, ' ');
-            let bound = parts.next().and_then(|bound| bound.parse().ok());
-            if let (Some(bound), Some(node)) = (bound, parts.next()) {
-                members.push((node.to_owned(), bound));
+            let mut parts = value.rsplitn(3, ' ');
+            let validators_max = parts.next().and_then(|bound| bound.parse().ok());
+            let shards_max = parts.next().and_then(|bound| bound.parse().ok());
+            if let (Some(validators_max), Some(shards_max), Some(node)) =
+                (validators_max, shards_max, parts.next())
+            {
+                members.push(Member {
+                    node: node.to_owned(),
+                    shards_max,
+                    validators_max,
+                });
             }
         }
     }
-    let mut holdings = BTreeMap::new();
-    for shard in 0..config.layout.shards {
-        if let Some(node) = leases.holder(Leased::Shard(shard))? {
-            *holdings.entry(node).or_insert(0) += 1;
+    let count = |leased: fn(u32) -> Leased, total: u32| -> Result<HeldBy, QueueError> {
+        let mut holdings = BTreeMap::new();
+        for index in 0..total {
+            if let Some(node) = leases.holder(leased(index))? {
+                *holdings.entry(node).or_insert(0) += 1;
+            }
         }
-    }
-    Ok((members, holdings))
+        Ok(holdings)
+    };
+    Ok((
+        members,
+        count(Leased::Shard, config.layout.shards)?,
+        count(Leased::Partition, config.layout.partitions)?,
+    ))
 }
 
 /// Takes out of `items` those for which `ended` holds.
