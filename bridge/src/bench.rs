@@ -15,15 +15,7 @@ pub fn arg(name: &str, default: u64) -> u64 {
 /// The resident set of process `pid` (`self` for this one) in bytes, from /proc; 0 where there
 /// is none.
 pub fn rss_bytes(pid: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix("VmRSS:"))
-                .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
+    ste_engine::cluster_samples::proc_status_kib(pid, "VmRSS").map_or(0, |kib| kib * 1024)
 }
 
 /// The listener flags of an `engine` on loopback, each on a port the system picks.

@@ -360,7 +360,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 fn serve(
     cli: &Cli,
     gateway: Gateway,
-    mut tick: impl FnMut(),
+    tick: impl FnMut(),
 ) -> anyhow::Result<ste_bridge::gateway::GatewayReport> {
     let tls = tls(cli)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -453,15 +453,7 @@ fn serve(
                 );
             }
         });
-        let waiting = shutdown.wait();
-        tokio::pin!(waiting);
-        let mut ticks = tokio::time::interval(Duration::from_secs(5));
-        loop {
-            tokio::select! {
-                _ = &mut waiting => break,
-                _ = ticks.tick() => tick(),
-            }
-        }
+        shutdown.wait_ticking(tick).await;
         info!("stopping: no new messages; answering what is in flight");
         let _ = stop_tx.send(true);
         let _ = server.await;
@@ -569,16 +561,7 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
             .context("starting the runtime")?;
         runtime.block_on(async {
             let shutdown = ShutdownSignal::install().context("installing the signal handlers")?;
-            let waiting = shutdown.wait();
-            tokio::pin!(waiting);
-            let mut log_holdings = log_holdings;
-            let mut tick = tokio::time::interval(Duration::from_secs(5));
-            loop {
-                tokio::select! {
-                    _ = &mut waiting => break,
-                    _ = tick.tick() => log_holdings(),
-                }
-            }
+            shutdown.wait_ticking(log_holdings).await;
             anyhow::Ok(())
         })?;
     }
@@ -686,6 +669,19 @@ impl ShutdownSignal {
         }
         #[cfg(not(unix))]
         Ok(Self {})
+    }
+
+    /// Waits for the signal, calling `tick` every 5 s meanwhile.
+    async fn wait_ticking(self, mut tick: impl FnMut()) {
+        let waiting = self.wait();
+        tokio::pin!(waiting);
+        let mut ticks = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tokio::select! {
+                _ = &mut waiting => return,
+                _ = ticks.tick() => tick(),
+            }
+        }
     }
 
     async fn wait(mut self) {

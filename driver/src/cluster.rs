@@ -162,9 +162,7 @@ pub fn run_cluster(
             let memory = collector.stop().context("collecting the nodes' samples")?;
             report_memory(&memory, elapsed_s, &config.run_dir)?;
             let samples = ste_monitor::read_samples(&samples_path).context("reading samples")?;
-            let metrics = ste_monitor::analyze(&samples);
-            let bottleneck = ste_monitor::bottleneck(&metrics).map(|m| m.station.clone());
-            (station_summaries(&metrics, |_| 0.0), bottleneck)
+            station_summaries(&samples, |_| 0.0)
         }
     };
 

@@ -176,7 +176,8 @@ impl Summary {
 
 /// Peak resident set size of this process in MiB (VmHWM), where the system reports it.
 pub fn peak_rss_mb() -> f64 {
-    ste_engine::cluster_samples::proc_status_kib("VmHWM").map_or(0.0, |kib| kib as f64 / 1024.0)
+    ste_engine::cluster_samples::proc_status_kib("self", "VmHWM")
+        .map_or(0.0, |kib| kib as f64 / 1024.0)
 }
 
 #[derive(Default)]
@@ -537,10 +538,8 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     } else {
         ste_monitor::read_samples(&samples_path).context("reading samples")?
     };
-    let metrics = ste_monitor::analyze(&samples);
-    let bottleneck = ste_monitor::bottleneck(&metrics).map(|m| m.station.clone());
     let edge_rates = ste_monitor::edge_rates(&samples, "store.", 0.1);
-    let stations = station_summaries(&metrics, |name| {
+    let (stations, bottleneck) = station_summaries(&samples, |name| {
         station_handles
             .iter()
             .find(|s| s.name() == name)
@@ -621,14 +620,15 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     Ok(summary)
 }
 
-/// Writes a run's `summary.json` and `latency.csv` into its run directory.
-/// The stations of a run as its summary gives them; `direct_r_ms` is a station's response time
-/// as measured item by item, where it is known.
+/// The stations of a run as its summary gives them, and its bottleneck; `direct_r_ms` is a
+/// station's response time as measured item by item, where it is known.
 fn station_summaries(
-    metrics: &[ste_monitor::StationMetrics],
+    samples: &[ste_monitor::Sample],
     direct_r_ms: impl Fn(&str) -> f64,
-) -> Vec<StationSummary> {
-    metrics
+) -> (Vec<StationSummary>, Option<String>) {
+    let metrics = ste_monitor::analyze(samples);
+    let bottleneck = ste_monitor::bottleneck(&metrics).map(|m| m.station.clone());
+    let stations = metrics
         .iter()
         .map(|m| StationSummary {
             name: m.station.clone(),
@@ -643,9 +643,11 @@ fn station_summaries(
             R_ms: m.R_s * 1e3,
             R_direct_ms: direct_r_ms(&m.station),
         })
-        .collect()
+        .collect();
+    (stations, bottleneck)
 }
 
+/// Writes a run's `summary.json` and `latency.csv` into its run directory.
 fn write_run_files(
     config: &RunConfig,
     summary: &Summary,

@@ -167,20 +167,9 @@ impl Cluster {
     /// Starts node `id` with the participants' listeners on free ports and the cluster's sink;
     /// returns the address of its framed-XML listener.
     fn start_gateway_node(&mut self, id: &str) -> String {
-        let mut child = self.spawn_node(
-            id,
-            &[
-                "--gateway",
-                "--sink",
-                "--tcp",
-                "127.0.0.1:0",
-                "--http",
-                "127.0.0.1:0",
-                "--fix",
-                "127.0.0.1:0",
-            ],
-            Stdio::piped(),
-        );
+        let mut extra = vec!["--gateway", "--sink"];
+        extra.extend(ste_bridge::bench::LOOPBACK_LISTENERS);
+        let mut child = self.spawn_node(id, &extra, Stdio::piped());
         let stdout = child.stdout.take().expect("the node's stdout");
         let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
         let address = lines

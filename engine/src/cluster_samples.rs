@@ -15,14 +15,14 @@ use std::io::{BufWriter, Write};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use crate::node::ClusterLayout;
-use crate::queue::jetstream::JetStream;
+use crate::queue::jetstream::{wall_ns, JetStream};
 use crate::station::{RunClock, Station};
-use crate::stations::sampler::SAMPLES_HEADER;
+use crate::stations::sampler::{write_row, SAMPLES_HEADER};
 
 /// The plain subject (after `ste.`) a node publishes its samples on.
 pub fn samples_topic(node_id: &str) -> String {
@@ -55,9 +55,10 @@ pub struct NodeSample {
     pub stations: Vec<StationCount>,
 }
 
-/// A field of `/proc/self/status` in KiB (`VmRSS`, `VmHWM`), where the system reports it.
-pub fn proc_status_kib(field: &str) -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+/// A field of `/proc/<pid>/status` in KiB (`VmRSS`, `VmHWM`; `pid` may be `self`), where the
+/// system reports it.
+pub fn proc_status_kib(pid: &str, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let line = status.lines().find(|line| {
         line.strip_prefix(field)
             .is_some_and(|rest| rest.starts_with(':'))
@@ -66,9 +67,7 @@ pub fn proc_status_kib(field: &str) -> Option<u64> {
 }
 
 fn wall_ms() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |since| since.as_secs_f64() * 1e3)
+    wall_ns() as f64 / 1e6
 }
 
 /// What a node runs right now: its stations and its shards' matcher-table sizes, kept by its
@@ -94,20 +93,13 @@ impl StationBoard {
         };
     }
 
-    fn matcher_bytes(&self) -> u64 {
-        self.0
+    /// The stations' counters and the matcher tables' bytes, read now.
+    fn read(&self) -> (Vec<StationCount>, u64) {
+        let board = self
+            .0
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .matcher_tables
-            .iter()
-            .map(|bytes| bytes.load(Ordering::Relaxed))
-            .sum()
-    }
-
-    fn read(&self) -> Vec<StationCount> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let stations = board
             .stations
             .iter()
             .map(|station| {
@@ -119,7 +111,13 @@ impl StationBoard {
                     busy_ns: reading.busy_ns,
                 }
             })
-            .collect()
+            .collect();
+        let matcher_bytes = board
+            .matcher_tables
+            .iter()
+            .map(|bytes| bytes.load(Ordering::Relaxed))
+            .sum();
+        (stations, matcher_bytes)
     }
 }
 
@@ -147,12 +145,13 @@ impl NodeSampler {
                 let topic = samples_topic(&node);
                 let mut warned = false;
                 while !flag.load(Ordering::Relaxed) {
+                    let (stations, matcher_bytes) = board.read();
                     let sample = NodeSample {
                         node: node.clone(),
                         wall_ms: wall_ms(),
-                        rss_kib: proc_status_kib("VmRSS").unwrap_or_default(),
-                        matcher_bytes: board.matcher_bytes(),
-                        stations: board.read(),
+                        rss_kib: proc_status_kib("self", "VmRSS").unwrap_or_default(),
+                        matcher_bytes,
+                        stations,
                     };
                     let sent = serde_json::to_vec(&sample)
                         .map_err(|error| error.to_string())
@@ -239,6 +238,7 @@ impl MemoryReading {
 }
 
 /// The last counters seen of a station, and how many times it started again from zero.
+#[derive(Default)]
 struct Incarnation {
     arrivals: u64,
     completions: u64,
@@ -267,13 +267,10 @@ impl SampleCollector {
         let mut listener = jetstream
             .listen("samples.>")
             .map_err(std::io::Error::other)?;
-        let mut queues: Vec<String> = (0..layout.partitions)
-            .map(ClusterLayout::inbound_queue)
-            .chain((0..layout.shards).map(ClusterLayout::match_queue))
-            .chain([
-                ClusterLayout::EXCEPTIONS_QUEUE.to_owned(),
-                ClusterLayout::CLS_QUEUE.to_owned(),
-            ])
+        let mut queues: Vec<String> = layout
+            .queues()
+            .into_iter()
+            .map(|(queue, _)| queue)
             .collect();
         queues.extend_from_slice(extra_queues);
         let interval = interval.max(NODE_SAMPLE_INTERVAL_MIN);
@@ -295,12 +292,13 @@ impl SampleCollector {
                         for queue in &queues {
                             // A queue whose state cannot be read now is read at the next tick.
                             if let Ok(state) = jetstream.queue_state(queue) {
-                                writeln!(
-                                    out,
-                                    "{t_ms:.3},jetstream/{queue},{},{},{},0.000",
-                                    state.batches,
+                                write_row(
+                                    &mut out,
+                                    t_ms,
+                                    &format!("jetstream/{queue}"),
                                     state.stored_ever,
-                                    state.stored_ever.saturating_sub(state.batches)
+                                    state.stored_ever.saturating_sub(state.batches),
+                                    0,
                                 )?;
                             }
                         }
@@ -317,8 +315,7 @@ impl SampleCollector {
                         break;
                     }
                     let wait = next_tick.saturating_duration_since(Instant::now());
-                    let Some((_, payload)) = listener.next(wait.max(Duration::from_millis(1)))
-                    else {
+                    let Some(payload) = listener.next(wait.max(Duration::from_millis(1))) else {
                         continue;
                     };
                     let Ok(sample) = serde_json::from_slice::<NodeSample>(&payload) else {
@@ -340,11 +337,7 @@ impl SampleCollector {
                         });
                     for station in &sample.stations {
                         let name = format!("{}/{}", sample.node, station.name);
-                        let incarnation = seen.entry(name.clone()).or_insert(Incarnation {
-                            arrivals: 0,
-                            completions: 0,
-                            count: 0,
-                        });
+                        let incarnation = seen.entry(name.clone()).or_default();
                         if station.arrivals < incarnation.arrivals
                             || station.completions < incarnation.completions
                         {
@@ -356,13 +349,13 @@ impl SampleCollector {
                             0 => name,
                             count => format!("{name}#{count}"),
                         };
-                        writeln!(
-                            out,
-                            "{t_ms:.3},{name},{},{},{},{:.3}",
-                            station.arrivals.saturating_sub(station.completions),
+                        write_row(
+                            &mut out,
+                            t_ms,
+                            &name,
                             station.arrivals,
                             station.completions,
-                            station.busy_ns as f64 / 1e6
+                            station.busy_ns,
                         )?;
                     }
                 }
@@ -418,7 +411,7 @@ mod tests {
 
     #[test]
     fn this_process_reports_its_memory() {
-        assert!(proc_status_kib("VmRSS").is_some_and(|kib| kib > 0));
-        assert_eq!(proc_status_kib("NoSuchField"), None);
+        assert!(proc_status_kib("self", "VmRSS").is_some_and(|kib| kib > 0));
+        assert_eq!(proc_status_kib("self", "NoSuchField"), None);
     }
 }

@@ -201,11 +201,17 @@ impl Leases {
             .map_err(carrier)
     }
 
-    /// Takes the lowest free member number for `node_id`; `None` when all are taken.
-    pub fn join(&self, node_id: &str) -> Result<Option<Lease>, QueueError> {
-        for number in 0..MEMBERS_MAX {
-            if let Some(lease) = self.try_acquire(Leased::Member(number), node_id)? {
-                return Ok(Some(lease));
+    /// Wins the lowest of the numbers `0..count` of a kind (`Leased::Gateway`,
+    /// `Leased::Member`) that nobody holds, for `node_id`; `None` when all are held.
+    pub fn take_lowest(
+        &self,
+        kind: fn(u32) -> Leased,
+        count: u32,
+        node_id: &str,
+    ) -> Result<Option<(u32, Lease)>, QueueError> {
+        for number in 0..count {
+            if let Some(lease) = self.try_acquire(kind(number), node_id)? {
+                return Ok(Some((number, lease)));
             }
         }
         Ok(None)

@@ -104,16 +104,24 @@ impl ClusterLayout {
     /// The exception queue.
     pub const EXCEPTIONS_QUEUE: &'static str = "exceptions";
 
+    /// Every queue of the layout with its bounds (the gateways' ACK queues are made by the
+    /// gateways).
+    pub fn queues(&self) -> Vec<(String, QueueLimits)> {
+        (0..self.partitions)
+            .map(|partition| (Self::inbound_queue(partition), self.inbound))
+            .chain((0..self.shards).map(|shard| (Self::match_queue(shard), self.shard_backlog)))
+            .chain([
+                (Self::EXCEPTIONS_QUEUE.to_owned(), self.exceptions),
+                (Self::CLS_QUEUE.to_owned(), self.cls),
+            ])
+            .collect()
+    }
+
     /// Creates every queue's stream that does not exist yet.
     pub fn ensure(&self, jetstream: &JetStream) -> Result<(), QueueError> {
-        for partition in 0..self.partitions {
-            jetstream.ensure_queue(&Self::inbound_queue(partition), self.inbound)?;
-        }
-        for shard in 0..self.shards {
-            jetstream.ensure_queue(&Self::match_queue(shard), self.shard_backlog)?;
-        }
-        jetstream.ensure_queue(Self::CLS_QUEUE, self.cls)?;
-        jetstream.ensure_queue(Self::EXCEPTIONS_QUEUE, self.exceptions)
+        self.queues()
+            .iter()
+            .try_for_each(|(queue, limits)| jetstream.ensure_queue(queue, *limits))
     }
 }
 
@@ -212,23 +220,17 @@ impl Validators {
 
     /// Stops taking batches, lets each validator finish the one it holds, and waits for them.
     pub fn stop(self) -> Result<(), PipelineError> {
-        for stopper in &self.stoppers {
-            stopper.stop();
-        }
-        let mut result = Ok(());
-        for keeper in self.keepers {
-            keeper.stop();
-        }
-        for handle in self.handles {
-            result = result.and(join(handle));
-        }
-        result
+        self.finish(false)
     }
 
     /// Stops taking batches, lets each validator finish the one it holds, then gives the
     /// partitions' leases back at once, so that another node takes them over without waiting
     /// for them to run out (and never while a batch of theirs is still being handed on here).
     pub fn hand_over(self) -> Result<(), PipelineError> {
+        self.finish(true)
+    }
+
+    fn finish(self, give_back: bool) -> Result<(), PipelineError> {
         for stopper in &self.stoppers {
             stopper.stop();
         }
@@ -237,7 +239,7 @@ impl Validators {
             result = result.and(join(handle));
         }
         for keeper in self.keepers {
-            if result.is_ok() {
+            if give_back && result.is_ok() {
                 keeper.give_back();
             } else {
                 keeper.stop();
@@ -328,16 +330,9 @@ impl Ingress {
         leases: Arc<Leases>,
         node_id: &str,
     ) -> Result<Self, PipelineError> {
-        let mut won = None;
-        for number in 0..GATEWAYS_MAX {
-            if let Some(lease) = leases
-                .try_acquire(Leased::Gateway(number), node_id)
-                .map_err(PipelineError::Queue)?
-            {
-                won = Some((number, lease));
-                break;
-            }
-        }
+        let won = leases
+            .take_lowest(Leased::Gateway, GATEWAYS_MAX, node_id)
+            .map_err(PipelineError::Queue)?;
         let Some((number, lease)) = won else {
             return Err(PipelineError::Config(format!(
                 "all {GATEWAYS_MAX} gateway numbers are taken"
@@ -861,7 +856,7 @@ fn supervise(
     let poll = leases.ttl() / LEASE_POLLS_PER_TTL;
     let mut validators: Vec<Validators> = Vec::new();
     let mut owners: Vec<ShardOwner> = Vec::new();
-    let mut balance = Balance::new(config);
+    let mut balance = Balance::default();
     // Nodes start their search at different shards and partitions, so that they spread.
     let offset = crate::routing::fnv1a_64(config.node_id.as_bytes());
     let rotated = |step: u32, count: u32| {
@@ -1016,6 +1011,7 @@ const BALANCE_EVERY_TTLS: u32 = 2;
 /// the even share (the total over the members that take it, rounded down) and its own bound, a
 /// node holding more than that share, and as much as anyone, hands one over, and no node with
 /// its share takes a new one. Nodes that are even stay as they are.
+#[derive(Default)]
 struct Balance {
     member: Option<LeaseKeeper>,
     last: Option<Instant>,
@@ -1024,8 +1020,8 @@ struct Balance {
     partitions: Share,
 }
 
-/// This node's view of one kind of work.
-#[derive(Debug, Clone, Copy)]
+/// This node's view of one kind of work (by default: nobody is short, nothing to do).
+#[derive(Debug, Clone, Copy, Default)]
 struct Share {
     /// The even share, rounded down: what every member that takes this work should hold.
     even: u32,
@@ -1078,24 +1074,6 @@ struct Member {
 }
 
 impl Balance {
-    fn new(config: &NodeConfig) -> Self {
-        Self {
-            member: None,
-            last: None,
-            every: Duration::ZERO,
-            shards: Share {
-                even: config.layout.shards,
-                most: 0,
-                others_short: false,
-            },
-            partitions: Share {
-                even: config.layout.partitions,
-                most: 0,
-                others_short: false,
-            },
-        }
-    }
-
     fn due(&self) -> bool {
         self.last.is_none_or(|last| last.elapsed() >= self.every)
     }
@@ -1122,8 +1100,8 @@ impl Balance {
                 "{} {} {}",
                 config.node_id, config.shards_max, config.validators_max
             );
-            match leases.join(&value) {
-                Ok(Some(lease)) => {
+            match leases.take_lowest(Leased::Member, crate::lease::MEMBERS_MAX, &value) {
+                Ok(Some((_, lease))) => {
                     self.member = Some(LeaseKeeper::start(leases.clone(), lease, value, || {}))
                 }
                 Ok(None) => {
@@ -1153,8 +1131,8 @@ impl Balance {
                 );
             }
             Ok(_) => {
-                self.shards.others_short = false;
-                self.partitions.others_short = false;
+                self.shards = Share::default();
+                self.partitions = Share::default();
             }
             Err(error) => tracing::debug!(%error, "counting the members failed"),
         }

@@ -101,8 +101,18 @@ impl Outage {
     }
 }
 
+/// How long one wait of a receiver lasts: until `deadline`, at least a millisecond and at most
+/// `longest` (so that a receiver waiting for ever still sees a stop).
+fn wait_within(deadline: Option<Instant>, longest: Duration) -> Duration {
+    deadline.map_or(longest, |deadline| {
+        deadline
+            .saturating_duration_since(Instant::now())
+            .clamp(Duration::from_millis(1), longest)
+    })
+}
+
 /// Nanoseconds since the Unix epoch.
-fn wall_ns() -> u64 {
+pub(crate) fn wall_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |elapsed| elapsed.as_nanos() as u64)
@@ -238,7 +248,6 @@ impl JetStream {
             let info = stream.info().await.map_err(|error| carrier(queue, error))?;
             Ok(QueueState {
                 batches: info.state.messages,
-                bytes: info.state.bytes,
                 stored_ever: info.state.last_sequence,
             })
         })
@@ -363,8 +372,6 @@ impl JetStream {
 pub struct QueueState {
     /// Batches held: published and not yet acknowledged.
     pub batches: u64,
-    /// Bytes held.
-    pub bytes: u64,
     /// Batches ever stored (the stream's last sequence number).
     pub stored_ever: u64,
 }
@@ -376,20 +383,13 @@ pub struct Listener {
 }
 
 impl Listener {
-    /// The next notice, its subject without the `ste.` prefix and its payload, waiting at most
-    /// `wait`; `None` when none came (or the subscription ended).
-    pub fn next(&mut self, wait: Duration) -> Option<(String, bytes::Bytes)> {
-        let message = self
-            .runtime
+    /// The payload of the next notice, waiting at most `wait`; `None` when none came (or the
+    /// subscription ended).
+    pub fn next(&mut self, wait: Duration) -> Option<bytes::Bytes> {
+        self.runtime
             .block_on(async { tokio::time::timeout(wait, self.subscriber.next()).await })
-            .ok()??;
-        let topic = message
-            .subject
-            .as_str()
-            .strip_prefix("ste.")
-            .unwrap_or(message.subject.as_str())
-            .to_owned();
-        Some((topic, message.payload))
+            .ok()?
+            .map(|message| message.payload)
     }
 }
 
@@ -434,17 +434,21 @@ impl<T: Serialize> JetStreamSender<T> {
         &self.station
     }
 
-    /// Publishes `items` as one message, or split in halves while too large for one.
-    fn publish(&self, items: &[T], enqueued_ns: u64) -> Result<(), QueueError> {
+    /// The messages of `items`: one, or the halves' while too large for one.
+    fn messages(
+        &self,
+        items: &[T],
+        enqueued_ns: u64,
+    ) -> Result<Vec<(bytes::Bytes, async_nats::HeaderMap)>, QueueError> {
         let payload =
             postcard::to_allocvec(items).map_err(|error| carrier(&self.subject, error))?;
         if payload.len() > BATCH_PAYLOAD_MAX_BYTES && items.len() > 1 {
             let (first, second) = items.split_at(items.len() / 2);
-            self.publish(first, enqueued_ns)?;
-            return self.publish(second, enqueued_ns);
+            let mut messages = self.messages(first, enqueued_ns)?;
+            messages.extend(self.messages(second, enqueued_ns)?);
+            return Ok(messages);
         }
-        let (payload, headers) = message(payload, enqueued_ns);
-        self.publish_message(&payload, &headers)
+        Ok(vec![message(payload, enqueued_ns)])
     }
 
     /// Publishes one batch's message until the server holds it: waiting while the stream is
@@ -504,14 +508,17 @@ impl<T: Serialize + Send + Sync + 'static> BatchSender<T> for JetStreamSender<T>
             return Ok(Sending::done());
         }
         self.station.arrive(items.len() as u64);
-        let enqueued_ns = wall_ns();
-        let payload =
-            postcard::to_allocvec(&items).map_err(|error| carrier(&self.subject, error))?;
-        if payload.len() > BATCH_PAYLOAD_MAX_BYTES && items.len() > 1 {
-            self.publish(&items, enqueued_ns)?;
+        let mut messages = self.messages(&items, wall_ns())?;
+        if messages.len() > 1 {
+            // Split: each part is held before the next is sent, so that they keep their order.
+            for (payload, headers) in &messages {
+                self.publish_message(payload, headers)?;
+            }
             return Ok(Sending::done());
         }
-        let (payload, headers) = message(payload, enqueued_ns);
+        let Some((payload, headers)) = messages.pop() else {
+            return Ok(Sending::done());
+        };
         let started = self
             .jetstream
             .runtime
@@ -539,11 +546,7 @@ impl<T: Serialize + Send + Sync + 'static> BatchSender<T> for JetStreamSender<T>
     }
 
     fn forward(&self, items: Vec<T>, receipt: Receipt) -> Result<(), QueueError> {
-        if items.is_empty() {
-            return receipt.ack();
-        }
-        self.station.arrive(items.len() as u64);
-        self.publish(&items, wall_ns())?;
+        self.start_send(items)?.wait()?;
         // The server holds the batch now (its publish was acknowledged): what it came from is
         // done with.
         receipt.ack()
@@ -611,18 +614,13 @@ impl<T: DeserializeOwned + Send + 'static> BatchReceiver<T> for CopyReceiver<T> 
                     queue: self.queue.clone(),
                 });
             }
-            let wait = match deadline {
-                None => COPY_WAIT_MAX,
-                Some(deadline) => deadline
-                    .saturating_duration_since(Instant::now())
-                    .clamp(Duration::from_millis(1), COPY_WAIT_MAX),
-            };
+            let wait = wait_within(deadline, COPY_WAIT_MAX);
             let copy = self
                 .listener
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .next(wait);
-            if let Some((_, payload)) = copy {
+            if let Some(payload) = copy {
                 match postcard::from_bytes::<Vec<T>>(&payload) {
                     Ok(items) => {
                         self.station.arrive(items.len() as u64);
@@ -762,12 +760,7 @@ impl<T: DeserializeOwned + Send + 'static> BatchReceiver<T> for JetStreamReceive
                     queue: self.queue.clone(),
                 });
             }
-            let wait = match deadline {
-                None => PULL_EXPIRES_MAX,
-                Some(deadline) => deadline
-                    .saturating_duration_since(Instant::now())
-                    .clamp(Duration::from_millis(1), PULL_EXPIRES_MAX),
-            };
+            let wait = wait_within(deadline, PULL_EXPIRES_MAX);
             let pulled = match self.pull(wait) {
                 Ok(pulled) => {
                     outage = Outage::new(&self.jetstream.stopping);

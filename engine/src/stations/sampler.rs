@@ -12,6 +12,24 @@ use crate::station::{RunClock, Station};
 /// The header of `samples.csv`.
 pub const SAMPLES_HEADER: &str = "t_ms,station,queue_len,arrivals,completions,busy_ms";
 
+/// One row of `samples.csv`: a station's cumulative counters at `t_ms`; its length is
+/// arrivals less completions.
+pub(crate) fn write_row(
+    out: &mut impl Write,
+    t_ms: f64,
+    station: &str,
+    arrivals: u64,
+    completions: u64,
+    busy_ns: u64,
+) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "{t_ms:.3},{station},{},{arrivals},{completions},{:.3}",
+        arrivals.saturating_sub(completions),
+        busy_ns as f64 / 1e6
+    )
+}
+
 fn write_samples(
     out: &mut impl Write,
     stations: &[Arc<Station>],
@@ -20,14 +38,13 @@ fn write_samples(
     let t_ms = clock.now_ns() as f64 / 1e6;
     for station in stations {
         let reading = station.read();
-        writeln!(
+        write_row(
             out,
-            "{t_ms:.3},{},{},{},{},{:.3}",
+            t_ms,
             station.name(),
-            reading.queue_len(),
             reading.arrivals,
             reading.completions,
-            reading.busy_ns as f64 / 1e6
+            reading.busy_ns,
         )?;
     }
     Ok(())
