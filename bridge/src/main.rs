@@ -19,6 +19,7 @@ use ste_bridge::soap::{self, SoapConfig};
 use ste_bridge::tcp::{self, TcpConfig};
 use ste_bridge::tls::{self, Tls, TlsFiles};
 use ste_engine::keys::KeyRing;
+use ste_engine::matcher::MatcherMemory;
 use ste_engine::pipeline::{Aging, PipelineConfig, StoreConfig};
 use ste_engine::profile::Tolerances;
 use ste_engine::refdata::RefData;
@@ -138,6 +139,15 @@ struct Cli {
     /// database down), while the other shards go on.
     #[arg(long, value_name = "MIB", default_value_t = ste_engine::pipeline::SHARD_BACKLOG_BYTES_DEFAULT >> 20)]
     shard_backlog_mib: usize,
+    /// Postgres store: message keys and closed trades a shard's matcher keeps exactly in one
+    /// generation; older ones go into its filter once committed and are read back from the
+    /// shard when a message may need them. Two generations are kept.
+    #[arg(long, value_name = "ENTRIES", default_value_t = MatcherMemory::default().generation_entries)]
+    matcher_generation: usize,
+    /// Postgres store: MiB of each shard matcher's filter over what it retired (fixed: a larger
+    /// one reads back less often from the shard).
+    #[arg(long, value_name = "MIB", default_value_t = MatcherMemory::default().filter_bytes >> 20)]
+    matcher_filter_mib: usize,
     /// Run as a node of a cluster on this NATS JetStream server (e.g. nats://127.0.0.1:4222):
     /// validators and shard owners take their work from its queues (DESIGN.md section 1a).
     #[arg(long, env = "STE_NATS_URL")]
@@ -196,6 +206,14 @@ fn database_urls(cli: &Cli) -> Vec<String> {
         .collect()
 }
 
+/// The matchers' memory from the command line.
+fn matcher_memory(cli: &Cli) -> MatcherMemory {
+    MatcherMemory {
+        generation_entries: cli.matcher_generation.max(1),
+        filter_bytes: cli.matcher_filter_mib.max(1) << 20,
+    }
+}
+
 /// When unmatched trades age out (`None`: never).
 fn aging(cli: &Cli) -> Option<Aging> {
     (cli.aging_business_days > 0).then(|| Aging {
@@ -247,6 +265,7 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
             retention_days: cli.retention_days,
             shard_backlog_bytes: cli.shard_backlog_mib.max(1) << 20,
             aging: aging(cli),
+            matcher_memory: matcher_memory(cli),
             ..PipelineConfig::default()
         },
         tolerances: Tolerances::load(cli.profile.as_deref())?,
@@ -519,6 +538,7 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
         aging: aging(cli),
         batch_max_messages: PipelineConfig::default().batch_max_messages,
         retry: Default::default(),
+        matcher_memory: matcher_memory(cli),
         // Published on ste.samples.<node> for whoever collects them (the driver of a run).
         sample_interval: Duration::from_millis(cli.sample_ms),
     };

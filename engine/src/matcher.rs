@@ -8,7 +8,9 @@
 
 use std::sync::Arc;
 
-use ahash::{AHashMap, AHashSet};
+use std::hash::Hash;
+
+use ahash::AHashMap;
 use time::Date;
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
@@ -142,6 +144,9 @@ impl Outcome {
 struct Held {
     key: HashKey,
     msg: Msg,
+    /// Named by an accepted CAN or AMD of its trade: no longer live. Kept on the message, so
+    /// that it holds once the name itself has been retired from the exact tables.
+    named: bool,
 }
 
 struct Trade {
@@ -186,6 +191,220 @@ pub struct ShardCounts {
     pub aged: u64,
 }
 
+/// How much a matcher remembers exactly, and the filter that stands for what it retired
+/// (see [`Matcher::bounded`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatcherMemory {
+    /// Entries (message keys, closed trades, names) of one generation of the exact tables.
+    pub generation_entries: usize,
+    /// Bytes of the filter over retired entries (rounded up to a power of two).
+    pub filter_bytes: usize,
+}
+
+impl Default for MatcherMemory {
+    fn default() -> Self {
+        Self {
+            generation_entries: 65_536,
+            filter_bytes: 8 * 1024 * 1024,
+        }
+    }
+}
+
+/// What a fact of the exact tables is about; each kind probes the filter with its own salt.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Seen,
+    Closed,
+    Named,
+}
+
+impl Kind {
+    fn salt(self) -> u64 {
+        match self {
+            Self::Seen => 0x9E37_79B9_7F4A_7C15,
+            Self::Closed => 0xC2B2_AE3D_27D4_EB4F,
+            Self::Named => 0x1656_67B1_9E37_79F9,
+        }
+    }
+}
+
+/// A Bloom filter of fixed size over keys that are already 128-bit hashes: probes by double
+/// hashing of the key's two halves. A false positive costs one look-up in the store; there is
+/// no false negative.
+struct Filter {
+    words: Vec<u64>,
+    mask: u64,
+}
+
+/// Probes per key: the optimum for about ten bits per key.
+const FILTER_PROBES: u64 = 7;
+
+impl Filter {
+    fn new(bytes: usize) -> Self {
+        let words = (bytes / 8).max(1).next_power_of_two();
+        Self {
+            // Zeroed pages are not resident until a bit is set in them.
+            words: vec![0; words],
+            mask: words as u64 * 64 - 1,
+        }
+    }
+
+    fn probes(key: HashKey, kind: Kind) -> impl Iterator<Item = u64> {
+        let first = key[0] ^ kind.salt();
+        let step = (key[1] ^ kind.salt().rotate_left(29)) | 1;
+        (0..FILTER_PROBES).map(move |i| first.wrapping_add(i.wrapping_mul(step)))
+    }
+
+    fn insert(&mut self, key: HashKey, kind: Kind) {
+        for probe in Self::probes(key, kind) {
+            let bit = probe & self.mask;
+            self.words[(bit >> 6) as usize] |= 1 << (bit & 63);
+        }
+    }
+
+    fn contains(&self, key: HashKey, kind: Kind) -> bool {
+        Self::probes(key, kind).all(|probe| {
+            let bit = probe & self.mask;
+            self.words[(bit >> 6) as usize] & (1 << (bit & 63)) != 0
+        })
+    }
+}
+
+/// An exact table in two generations: entries go into the current one; the older one waits
+/// until everything in it is committed, then is retired into the filter. Clearing keeps a
+/// table's capacity, so the tables stop growing once they have reached a generation's size.
+struct Remembered<K, V> {
+    current: AHashMap<K, V>,
+    older: AHashMap<K, V>,
+}
+
+impl<K: Hash + Eq + Copy, V: Copy> Remembered<K, V> {
+    fn new() -> Self {
+        Self {
+            current: AHashMap::new(),
+            older: AHashMap::new(),
+        }
+    }
+
+    fn get(&self, key: &K) -> Option<V> {
+        match self.current.get(key) {
+            Some(value) => Some(*value),
+            None if self.older.is_empty() => None,
+            None => self.older.get(key).copied(),
+        }
+    }
+
+    fn contains(&self, key: &K) -> bool {
+        self.get(key).is_some()
+    }
+
+    fn insert(&mut self, key: K, value: V) {
+        self.current.insert(key, value);
+    }
+
+    /// Inserts unless the key is there already.
+    fn insert_new(&mut self, key: K, value: V) {
+        if !self.contains(&key) {
+            self.current.insert(key, value);
+        }
+    }
+
+    fn current_len(&self) -> usize {
+        self.current.len()
+    }
+
+    /// The older generation, emptied (its capacity kept).
+    fn retire(&mut self, mut into: impl FnMut(K)) {
+        for (key, _) in self.older.drain() {
+            into(key);
+        }
+    }
+
+    /// The current generation becomes the older one (which must be empty).
+    fn rotate(&mut self) {
+        debug_assert!(self.older.is_empty());
+        std::mem::swap(&mut self.current, &mut self.older);
+    }
+
+    fn bytes(&self) -> u64 {
+        // One control byte per bucket besides the entry.
+        ((self.current.capacity() + self.older.capacity()) * (std::mem::size_of::<(K, V)>() + 1))
+            as u64
+    }
+}
+
+/// A bounded matcher's filter and where its older generation stands.
+struct Window {
+    memory: MatcherMemory,
+    filter: Filter,
+    /// Items the matcher had sent to its writer when the older generation stopped taking
+    /// entries: once the writer has committed that many, the older generation is in the store.
+    older_sent: Option<u64>,
+}
+
+/// What a bounded matcher must read back from its shard's store before it processes a batch:
+/// facts it retired to its filter that the batch's messages may need ([`Matcher::to_recall`]).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RecallQuery {
+    /// (Sender, MsgId) whose first verdict is needed.
+    pub verdicts: Vec<(String, String)>,
+    /// Trade keys that may be closed.
+    pub trades: Vec<String>,
+    /// (Sender, MsgId) that an accepted CAN or AMD may have named.
+    pub names: Vec<(String, String)>,
+}
+
+impl RecallQuery {
+    pub fn is_empty(&self) -> bool {
+        self.verdicts.is_empty() && self.trades.is_empty() && self.names.is_empty()
+    }
+}
+
+/// The first verdict on a (Sender, MsgId), read back from the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecalledVerdict {
+    pub sender: String,
+    pub msg_id: String,
+    /// The bytes of the first message under the key.
+    pub raw: Vec<u8>,
+    /// Its code, if it was rejected; `None` if it was accepted.
+    pub rejected: Option<ReasonCode>,
+}
+
+/// A closed trade read back from the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecalledTrade {
+    pub trade_key: String,
+    pub trade_date: Date,
+    pub aged: bool,
+}
+
+/// The answers to a [`RecallQuery`]: what the store holds of what was asked; what it does
+/// not hold was never there.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Recalled {
+    pub verdicts: Vec<RecalledVerdict>,
+    pub closed: Vec<RecalledTrade>,
+    /// (Sender, MsgId) named by an accepted CAN or AMD.
+    pub names: Vec<(String, String)>,
+}
+
+/// A fact of a shard's history that a bounded matcher rebuilt from its store keeps in its
+/// filter only ([`Matcher::retired`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RetiredFact {
+    /// An accepted message; `names` is the MsgId a CAN or AMD names.
+    Accepted {
+        sender: String,
+        msg_id: String,
+        names: Option<String>,
+    },
+    /// A rejection its MsgId remembers ([`crate::store::code_is_remembered`]).
+    Rejected { sender: String, msg_id: String },
+    /// A matched or aged-out trade.
+    Closed { trade_key: String, aged: bool },
+}
+
 /// The matching state machine of one shard.
 pub struct Matcher {
     refdata: Arc<RefData>,
@@ -193,30 +412,177 @@ pub struct Matcher {
     open: AHashMap<Box<str>, Trade>,
     /// Matched trades and the date their rows are stored under.
     /// (It fills the entry's padding: an aged trade costs no more than a matched one.)
-    closed: AHashMap<HashKey, Closed>,
+    closed: Remembered<HashKey, Closed>,
     /// Every message key seen after its signature checked out, with its verdict: the content
     /// hash of the first message under the key and how it was answered ([`Verdict`]).
-    seen: AHashMap<HashKey, Verdict>,
+    seen: Remembered<HashKey, Verdict>,
     /// Message keys named by an accepted CAN or AMD.
-    named: AHashSet<HashKey>,
+    named: Remembered<HashKey, ()>,
+    /// Bounded: the filter over retired entries; `None` remembers everything exactly.
+    window: Option<Window>,
     accepted: u64,
+    /// Trades closed: matched or aged out.
+    closed_total: u64,
     /// Trades aged out (they are among the closed ones).
     aged: u64,
 }
 
 impl Matcher {
-    /// A matcher with no trades.
+    /// A matcher with no trades that remembers every message key and closed trade exactly,
+    /// for as long as it runs.
     pub fn new(refdata: Arc<RefData>, tolerances: Tolerances) -> Self {
         Self {
             refdata,
             tolerances,
             open: AHashMap::new(),
-            closed: AHashMap::new(),
-            seen: AHashMap::new(),
-            named: AHashSet::new(),
+            closed: Remembered::new(),
+            seen: Remembered::new(),
+            named: Remembered::new(),
+            window: None,
             accepted: 0,
+            closed_total: 0,
             aged: 0,
         }
+    }
+
+    /// A matcher whose memory is bounded: it keeps the open trades, two generations of exact
+    /// tables and a filter of fixed size over what it retired. A generation is retired into the
+    /// filter once its writer has committed it ([`Matcher::after_batch`]); a message that the
+    /// filter may know of needs its facts read back from the store first
+    /// ([`Matcher::to_recall`], [`Matcher::recall`]).
+    pub fn bounded(refdata: Arc<RefData>, tolerances: Tolerances, memory: MatcherMemory) -> Self {
+        Self {
+            window: Some(Window {
+                memory,
+                filter: Filter::new(memory.filter_bytes),
+                older_sent: None,
+            }),
+            ..Self::new(refdata, tolerances)
+        }
+    }
+
+    /// Whether the matcher's memory is bounded ([`Matcher::bounded`]).
+    pub fn is_bounded(&self) -> bool {
+        self.window.is_some()
+    }
+
+    /// Adds to `query` what must be read back from the store before a message of `sender`
+    /// with `msg_id` (and, if it was parsed, of `trade_key`) is processed: the facts about it
+    /// that only the filter may hold. Nothing for a matcher that is not bounded.
+    pub fn to_recall(
+        &self,
+        sender: &str,
+        msg_id: &str,
+        trade_key: Option<&str>,
+        query: &mut RecallQuery,
+    ) {
+        let Some(window) = &self.window else {
+            return;
+        };
+        let key = message_key(sender, msg_id);
+        if !self.seen.contains(&key) && window.filter.contains(key, Kind::Seen) {
+            query.verdicts.push((sender.to_owned(), msg_id.to_owned()));
+        }
+        if let Some(trade_key) = trade_key {
+            let hash = hash_key(&[trade_key]);
+            if !self.open.contains_key(trade_key)
+                && !self.closed.contains(&hash)
+                && window.filter.contains(hash, Kind::Closed)
+            {
+                query.trades.push(trade_key.to_owned());
+            }
+            if !self.named.contains(&key) && window.filter.contains(key, Kind::Named) {
+                query.names.push((sender.to_owned(), msg_id.to_owned()));
+            }
+        }
+    }
+
+    /// Takes back what the store answered to a [`RecallQuery`].
+    pub fn recall(&mut self, recalled: Recalled) {
+        for verdict in recalled.verdicts {
+            self.seen.insert_new(
+                message_key(&verdict.sender, &verdict.msg_id),
+                Verdict::new(&verdict.raw, verdict.rejected),
+            );
+        }
+        for trade in recalled.closed {
+            self.closed.insert(
+                hash_key(&[&trade.trade_key]),
+                Closed {
+                    date: trade.trade_date,
+                    aged: trade.aged,
+                },
+            );
+        }
+        for (sender, msg_id) in recalled.names {
+            self.named.insert(message_key(&sender, &msg_id), ());
+        }
+    }
+
+    /// After each batch: `sent` items handed to the writer so far, `committed` of them
+    /// committed. Retires the older generation into the filter once it is committed, and
+    /// starts a new generation once the current one is full and the older one retired.
+    pub fn after_batch(&mut self, sent: u64, committed: u64) {
+        let Some(window) = &mut self.window else {
+            return;
+        };
+        if window.older_sent.is_some_and(|mark| committed >= mark) {
+            let filter = &mut window.filter;
+            self.seen.retire(|key| filter.insert(key, Kind::Seen));
+            self.closed.retire(|key| filter.insert(key, Kind::Closed));
+            self.named.retire(|key| filter.insert(key, Kind::Named));
+            window.older_sent = None;
+        }
+        let entries =
+            self.seen.current_len() + self.closed.current_len() + self.named.current_len();
+        if window.older_sent.is_none() && entries >= window.memory.generation_entries {
+            self.seen.rotate();
+            self.closed.rotate();
+            self.named.rotate();
+            window.older_sent = Some(sent);
+        }
+    }
+
+    /// Rebuilding a bounded matcher: a fact of the shard's history that goes straight into the
+    /// filter (the open trades' messages are then taken back with [`Matcher::restore`]).
+    /// Returns false for a matcher that is not bounded, which takes back every message instead.
+    pub fn retired(&mut self, fact: RetiredFact) -> bool {
+        let Some(window) = &mut self.window else {
+            return false;
+        };
+        match fact {
+            RetiredFact::Accepted {
+                sender,
+                msg_id,
+                names,
+            } => {
+                window
+                    .filter
+                    .insert(message_key(&sender, &msg_id), Kind::Seen);
+                if let Some(named) = names {
+                    window
+                        .filter
+                        .insert(message_key(&sender, &named), Kind::Named);
+                }
+            }
+            RetiredFact::Rejected { sender, msg_id } => {
+                window
+                    .filter
+                    .insert(message_key(&sender, &msg_id), Kind::Seen);
+            }
+            RetiredFact::Closed { trade_key, aged } => {
+                window.filter.insert(hash_key(&[&trade_key]), Kind::Closed);
+                self.closed_total += 1;
+                self.aged += u64::from(aged);
+            }
+        }
+        true
+    }
+
+    /// Rebuilding a bounded matcher: the shard's count of accepted messages, of which only the
+    /// open trades' were taken back.
+    pub fn set_accepted(&mut self, accepted: u64) {
+        self.accepted = accepted;
     }
 
     /// Processes one validated message. `raw` is its wire bytes (for exact-duplicate detection),
@@ -252,7 +618,7 @@ impl Matcher {
         }
         let trade_key = msg.trade_key();
         let is_named = self.named.contains(&key);
-        if let Some(&Closed { date, aged }) = self.closed.get(&hash_key(&[&trade_key])) {
+        if let Some(Closed { date, aged }) = self.closed.get(&hash_key(&[&trade_key])) {
             if !is_named {
                 return self.reject(
                     key,
@@ -305,7 +671,19 @@ impl Matcher {
             });
         trade.first_injected_ns = trade.first_injected_ns.min(injected_ns);
         trade.last_active = trade.last_active.max(received_on);
-        trade.messages.push(Held { key, msg });
+        if msg.function != Function::New {
+            if let Some(related) = &msg.related_id {
+                let named = message_key(&msg.sender, related);
+                for held in &mut trade.messages {
+                    held.named |= held.key == named;
+                }
+            }
+        }
+        trade.messages.push(Held {
+            key,
+            msg,
+            named: is_named,
+        });
         self.evaluate(trade_key, now)
     }
 
@@ -373,6 +751,7 @@ impl Matcher {
             });
             false
         });
+        self.closed_total += aged.len() as u64;
         for trade in &aged {
             self.closed.insert(
                 hash_key(&[&trade.trade_key]),
@@ -396,7 +775,7 @@ impl Matcher {
         sender: &str,
         msg_id: &str,
     ) -> Option<Disposition> {
-        let seen = *self.seen.get(&key)?;
+        let seen = self.seen.get(&key)?;
         Some(if !seen.same_content(Verdict::new(raw, None)) {
             Disposition::Rejected(Rejection::new(
                 ReasonCode::DupId,
@@ -418,8 +797,7 @@ impl Matcher {
     /// Rejects a message and remembers its verdict, so that its MsgId is never accepted later.
     fn reject(&mut self, key: HashKey, raw: &[u8], rejection: Rejection) -> Outcome {
         self.seen
-            .entry(key)
-            .or_insert_with(|| Verdict::new(raw, Some(rejection.code)));
+            .insert_new(key, Verdict::new(raw, Some(rejection.code)));
         Outcome::only(Disposition::Rejected(rejection))
     }
 
@@ -449,8 +827,7 @@ impl Matcher {
     /// the accepted messages, so that a key already accepted keeps its verdict.
     pub fn restore_rejection(&mut self, sender: &str, msg_id: &str, raw: &[u8], code: ReasonCode) {
         self.seen
-            .entry(message_key(sender, msg_id))
-            .or_insert_with(|| Verdict::new(raw, Some(code)));
+            .insert_new(message_key(sender, msg_id), Verdict::new(raw, Some(code)));
     }
 
     fn remember(&mut self, key: HashKey, raw: &[u8], msg: &Msg) {
@@ -458,13 +835,13 @@ impl Matcher {
         self.accepted += 1;
         if msg.function != Function::New {
             if let Some(related) = &msg.related_id {
-                self.named.insert(message_key(&msg.sender, related));
+                self.named.insert(message_key(&msg.sender, related), ());
             }
         }
     }
 
     fn is_live(&self, held: &Held) -> bool {
-        held.msg.function != Function::Can && !self.named.contains(&held.key)
+        held.msg.function != Function::Can && !held.named && !self.named.contains(&held.key)
     }
 
     fn evaluate(&mut self, trade_key: String, now: &str) -> Outcome {
@@ -515,6 +892,7 @@ impl Matcher {
             self.open.remove(trade_key.as_str());
             self.closed
                 .insert(hash_key(&[&trade_key]), Closed { date, aged: false });
+            self.closed_total += 1;
         } else if let Some(trade) = self.open.get_mut(trade_key.as_str()) {
             trade.status = status;
             trade.last_failed = failed;
@@ -529,26 +907,24 @@ impl Matcher {
         }
     }
 
-    /// Bytes the matcher's hash tables take, by their capacity: the memory of every message
-    /// key seen and every trade closed, which the contract keeps for a run (section 3), and of
-    /// the open trades' slots (not the messages those trades hold).
+    /// Bytes the matcher's tables take, by their capacity: the exact memory of message keys
+    /// seen and trades closed (all of them, or two generations in a bounded matcher), its
+    /// filter, and the open trades' slots (not the messages those trades hold).
     pub fn table_bytes(&self) -> u64 {
-        fn table<K, V>(capacity: usize) -> u64 {
-            // One control byte per bucket besides the entry.
-            (capacity * (std::mem::size_of::<(K, V)>() + 1)) as u64
-        }
-        table::<HashKey, Verdict>(self.seen.capacity())
-            + table::<HashKey, Closed>(self.closed.capacity())
-            + table::<HashKey, ()>(self.named.capacity())
-            + table::<Box<str>, Trade>(self.open.capacity())
+        let open = (self.open.capacity() * (std::mem::size_of::<(Box<str>, Trade)>() + 1)) as u64;
+        let filter = self
+            .window
+            .as_ref()
+            .map_or(0, |window| window.filter.words.len() as u64 * 8);
+        self.seen.bytes() + self.closed.bytes() + self.named.bytes() + open + filter
     }
 
     /// Final counts: trades by status and accepted messages.
     pub fn counts(&self) -> ShardCounts {
         let mut counts = ShardCounts {
-            trades: (self.open.len() + self.closed.len()) as u64,
+            trades: self.open.len() as u64 + self.closed_total,
             messages: self.accepted,
-            matched: self.closed.len() as u64 - self.aged,
+            matched: self.closed_total - self.aged,
             aged: self.aged,
             ..ShardCounts::default()
         };
@@ -564,7 +940,8 @@ impl Matcher {
         counts
     }
 
-    /// The status of a trade, if the shard knows it.
+    /// The status of a trade, if the shard knows it (a bounded matcher: if it has not retired
+    /// it).
     pub fn status_of(&self, trade_key: &str) -> Option<TradeStatus> {
         if let Some(closed) = self.closed.get(&hash_key(&[trade_key])) {
             return Some(if closed.aged {
@@ -796,5 +1173,74 @@ impl<'a> Group<'a> {
             matched_at: now.to_owned(),
             settlements,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_filter_has_no_false_negatives_and_few_false_positives_at_its_size() {
+        // 1 MiB over 100,000 keys: 84 bits a key.
+        let mut filter = Filter::new(1 << 20);
+        let keys: Vec<HashKey> = (0..100_000)
+            .map(|i| message_key("BROKERGB2L", &format!("M{i}")))
+            .collect();
+        for key in &keys {
+            filter.insert(*key, Kind::Seen);
+        }
+        assert!(keys.iter().all(|key| filter.contains(*key, Kind::Seen)));
+        let others = (0..100_000)
+            .filter(|i| filter.contains(message_key("BROKERGB2L", &format!("N{i}")), Kind::Seen))
+            .count();
+        assert!(others < 10, "{others} false positives in 100,000");
+        // Kinds do not answer for each other.
+        let crossed = keys
+            .iter()
+            .filter(|key| filter.contains(**key, Kind::Closed))
+            .count();
+        assert!(crossed < 10, "{crossed}");
+    }
+
+    #[test]
+    fn a_generation_is_retired_only_once_its_writer_has_committed_it() {
+        let refdata = Arc::new(RefData::embedded().expect("reference data"));
+        let memory = MatcherMemory {
+            generation_entries: 2,
+            filter_bytes: 1024,
+        };
+        let mut matcher = Matcher::bounded(refdata, Tolerances::default(), memory);
+        let rejection = || Rejection::new(ReasonCode::Field, "bad".to_owned());
+        for id in ["A", "B"] {
+            matcher.refuse("S", id, id.as_bytes(), rejection());
+        }
+        let mut query = RecallQuery::default();
+        // Full: the generation becomes the older one; not committed yet, so kept exactly.
+        matcher.after_batch(2, 0);
+        matcher.to_recall("S", "A", None, &mut query);
+        assert!(query.is_empty());
+        matcher.after_batch(2, 1);
+        matcher.to_recall("S", "A", None, &mut query);
+        assert!(query.is_empty());
+        // Committed: retired into the filter, which now asks for it.
+        matcher.after_batch(2, 2);
+        matcher.to_recall("S", "A", None, &mut query);
+        assert_eq!(query.verdicts, vec![("S".to_owned(), "A".to_owned())]);
+        // Read back, it is answered as before.
+        matcher.recall(Recalled {
+            verdicts: vec![RecalledVerdict {
+                sender: "S".to_owned(),
+                msg_id: "A".to_owned(),
+                raw: b"A".to_vec(),
+                rejected: Some(ReasonCode::Field),
+            }],
+            ..Recalled::default()
+        });
+        let again = matcher.refuse("S", "A", b"A", rejection());
+        assert!(matches!(again, Disposition::Rejected(r) if r.code == ReasonCode::Field));
+        let mut query = RecallQuery::default();
+        matcher.to_recall("S", "A", None, &mut query);
+        assert!(query.is_empty(), "known exactly again");
     }
 }

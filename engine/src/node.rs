@@ -15,7 +15,7 @@ use std::sync::Mutex;
 
 use crate::cluster_samples::{NodeSampler, StationBoard};
 use crate::lease::{DeliveryBook, LeaseKeeper, Leased, Leases};
-use crate::matcher::ShardCounts;
+use crate::matcher::{MatcherMemory, ShardCounts};
 use crate::pipeline::{
     join, restore_matcher, spawn, Ack, Aging, Delivery, Envelope, Joined, OutboundEvent,
     PipelineError, RetryPolicy, Submitter,
@@ -29,7 +29,7 @@ use crate::queue::{BatchReceiver, BatchSender, QueueError, Receipt, Rx, Tx};
 use crate::refdata::RefData;
 use crate::station::{RunClock, Station};
 use crate::stations::exceptions::run_exception_writer;
-use crate::stations::matcher::run_matcher;
+use crate::stations::matcher::{run_matcher, Recall};
 use crate::stations::validator::run_validator;
 use crate::stations::writer::{run_writer, WriterContext};
 use crate::stations::{RejectedItem, ToStore, Validated, WriterReport};
@@ -444,6 +444,8 @@ pub struct ShardOwnerConfig {
     pub aging: Option<Aging>,
     pub batch_max_messages: usize,
     pub retry: RetryPolicy,
+    /// What the shard's matcher keeps in memory ([`crate::matcher::Matcher::bounded`]).
+    pub matcher_memory: MatcherMemory,
 }
 
 /// What a node's ownership of a shard ended with.
@@ -522,8 +524,13 @@ impl ShardOwner {
         let book = Arc::new(DeliveryBook::open(jetstream).map_err(PipelineError::Queue)?);
         let mut store: Box<dyn Store> = Box::new(PgStore::open(&config.database_url)?);
         store.fence(token)?;
-        let matcher =
-            restore_matcher(store.as_mut(), shard as usize, &refdata, &config.tolerances)?;
+        let matcher = restore_matcher(
+            store.as_mut(),
+            shard as usize,
+            &refdata,
+            &config.tolerances,
+            config.matcher_memory,
+        )?;
         let redeliver = store.undelivered_cls()?;
         let receiver = jetstream
             .receiver::<Validated>(
@@ -582,6 +589,12 @@ impl ShardOwner {
             None => None,
         };
         let clock = RunClock::start();
+        let committed = Arc::new(AtomicU64::new(0));
+        let recall = Recall {
+            store: Box::new(PgStore::open(&config.database_url)?),
+            committed: committed.clone(),
+            retry: config.retry,
+        };
         let (store_tx, store_rx) =
             local::bounded::<ToStore>(format!("store.{shard}"), STORE_QUEUE_BATCHES, clock);
         stations.push(store_rx.station().clone());
@@ -595,6 +608,7 @@ impl ShardOwner {
             delivered,
             delivery_in_use: Arc::new(AtomicBool::new(true)),
             retention_days: None,
+            committed: committed.clone(),
             lease_held: Some(held),
         };
         let writer = spawn(format!("writer-{shard}"), move || {
@@ -610,6 +624,7 @@ impl ShardOwner {
                 Box::new(store_tx),
                 aging,
                 tables,
+                Some(recall),
             )
         });
         Ok(Some(Self {
@@ -748,6 +763,8 @@ pub struct NodeConfig {
     pub aging: Option<Aging>,
     pub batch_max_messages: usize,
     pub retry: RetryPolicy,
+    /// What each of its shards' matchers keeps in memory.
+    pub matcher_memory: MatcherMemory,
     /// How often the node publishes its stations' counters (at least
     /// [`crate::cluster_samples::NODE_SAMPLE_INTERVAL_MIN`]); zero: never.
     pub sample_interval: Duration,
@@ -922,6 +939,7 @@ fn supervise(
                 aging: config.aging,
                 batch_max_messages: config.batch_max_messages,
                 retry: config.retry,
+                matcher_memory: config.matcher_memory,
             };
             match ShardOwner::take_over(
                 jetstream,

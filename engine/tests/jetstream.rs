@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use common::NatsServer;
 
 use ste_engine::lease::{Leased, Leases};
+use ste_engine::matcher::MatcherMemory;
 use ste_engine::queue::jetstream::{JetStream, QueueLimits};
 use ste_engine::queue::{BatchReceiver, BatchSender, QueueError};
 use ste_engine::refdata::RefData;
@@ -492,6 +493,11 @@ fn a_shard_taken_over_after_its_owner_stopped_ends_with_one_cls_per_trade_and_no
         aging: None,
         batch_max_messages: 64,
         retry: RetryPolicy::default(),
+        // Small generations: what the shard commits is soon only in the filter and the store.
+        matcher_memory: MatcherMemory {
+            generation_entries: 16,
+            filter_bytes: 4096,
+        },
     };
     let mut cls: BTreeSet<String> = BTreeSet::new();
     let collect = |cls: &mut BTreeSet<String>| {

@@ -16,7 +16,7 @@
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use time::OffsetDateTime;
 
 use crate::lease::DeliveryBook;
-use crate::matcher::{Advice, Matcher, ShardCounts};
+use crate::matcher::{Advice, Matcher, MatcherMemory, ShardCounts};
 use crate::profile::Tolerances;
 use crate::queue::local::{self, LocalReceiver};
 use crate::queue::{QueueError, Rx, Tx};
@@ -34,7 +34,7 @@ use crate::routing::fnv1a_64;
 use crate::sign::{self, SIGNATURE_LEN};
 use crate::station::{RunClock, Station};
 use crate::stations::exceptions::run_exception_writer;
-use crate::stations::matcher::run_matcher;
+use crate::stations::matcher::{run_matcher, Recall};
 use crate::stations::sampler::run_sampler;
 use crate::stations::validator::run_validator;
 use crate::stations::writer::{run_writer, WriterContext};
@@ -200,6 +200,9 @@ pub struct PipelineConfig {
     /// database down), while the other shards go on. Once it is full, backpressure reaches the
     /// validators and the senders.
     pub shard_backlog_bytes: usize,
+    /// What a matcher on a store that answers recalls (PostgreSQL) keeps in memory
+    /// ([`Matcher::bounded`]); the other stores' matchers remember everything exactly.
+    pub matcher_memory: MatcherMemory,
 }
 
 /// Default of [`PipelineConfig::shard_backlog_bytes`]: about ten seconds of one shard's
@@ -262,6 +265,7 @@ impl Default for PipelineConfig {
             retention_days: None,
             aging: Some(Aging::default()),
             shard_backlog_bytes: SHARD_BACKLOG_BYTES_DEFAULT,
+            matcher_memory: MatcherMemory::default(),
         }
     }
 }
@@ -553,8 +557,13 @@ impl Pipeline {
                         let refdata = &refdata;
                         let tolerances = &tolerances;
                         scope.spawn(move || {
-                            let matcher =
-                                restore_matcher(store.as_mut(), shard, refdata, tolerances)?;
+                            let matcher = restore_matcher(
+                                store.as_mut(),
+                                shard,
+                                refdata,
+                                tolerances,
+                                config.matcher_memory,
+                            )?;
                             Ok((matcher, store.undelivered_cls()?))
                         })
                     })
@@ -598,7 +607,18 @@ impl Pipeline {
         let mut store_txs = Vec::new();
         let mut store_stations = Vec::new();
         let mut writers = Vec::new();
+        let mut recalls = Vec::new();
         for ((shard, store), redeliver) in stores.into_iter().enumerate().zip(undelivered) {
+            let committed = Arc::new(AtomicU64::new(0));
+            recalls.push(if restored_matchers[shard].is_bounded() {
+                Some(Recall {
+                    store: open_store(&config.store, Some(shard))?,
+                    committed: committed.clone(),
+                    retry,
+                })
+            } else {
+                None
+            });
             let (tx, rx) = local::bounded::<ToStore>(format!("store.{shard}"), capacity, clock);
             store_stations.push(tx.station().clone());
             store_txs.push(tx);
@@ -612,6 +632,7 @@ impl Pipeline {
                 delivered: delivery.through[shard].clone(),
                 delivery_in_use: delivery.in_use.clone(),
                 retention_days: config.retention_days,
+                committed,
                 lease_held: None,
             };
             writers.push(spawn(format!("writer-{shard}"), move || {
@@ -643,7 +664,11 @@ impl Pipeline {
         let mut match_txs: Vec<Tx<Validated>> = Vec::new();
         let mut match_stations = Vec::new();
         let mut matchers = Vec::new();
-        for ((shard, matcher), store_tx) in restored_matchers.into_iter().enumerate().zip(store_txs)
+        for (((shard, matcher), store_tx), recall) in restored_matchers
+            .into_iter()
+            .enumerate()
+            .zip(store_txs)
+            .zip(recalls)
         {
             let (tx, rx) = local::bounded_bytes::<Validated>(
                 format!("match.{shard}"),
@@ -662,6 +687,7 @@ impl Pipeline {
                     Box::new(store_tx),
                     aging,
                     Arc::default(),
+                    recall,
                 )
             }));
         }
@@ -824,19 +850,35 @@ impl Pipeline {
 /// How often rebuilding a matcher reports its progress.
 const RESTORE_PROGRESS_EVERY_MESSAGES: u64 = 500_000;
 
-/// Rebuilds a shard's matcher by taking back, in order, every message the shard accepted.
+/// Rebuilds a shard's matcher by taking back, in order, every message the shard accepted. On
+/// a store that can answer recalls ([`Store::can_recall`]) the matcher is bounded by `memory`:
+/// the closed trades, every message key and every remembered rejection go into its filter,
+/// and only the open trades' messages are taken back.
 pub(crate) fn restore_matcher(
     store: &mut dyn Store,
     shard: usize,
     refdata: &Arc<RefData>,
     tolerances: &Tolerances,
+    memory: MatcherMemory,
 ) -> Result<Matcher, PipelineError> {
-    let mut matcher = Matcher::new(refdata.clone(), tolerances.clone());
+    let bounded = store.can_recall();
+    let mut matcher = if bounded {
+        Matcher::bounded(refdata.clone(), tolerances.clone(), memory)
+    } else {
+        Matcher::new(refdata.clone(), tolerances.clone())
+    };
     let restart_day = OffsetDateTime::now_utc().date();
     let mut disagreements = 0_u64;
     let mut taken_back = 0_u64;
     let started = Instant::now();
-    let restored = store.for_each_accepted(&mut |stored| {
+    let accepted = if bounded {
+        Some(store.for_each_retired(&mut |fact| {
+            matcher.retired(fact);
+        })?)
+    } else {
+        None
+    };
+    let mut take_back = |stored: crate::store::StoredMessage| {
         taken_back += 1;
         if taken_back.is_multiple_of(RESTORE_PROGRESS_EVERY_MESSAGES) {
             tracing::info!(shard, messages = taken_back, "rebuilding the matcher");
@@ -858,25 +900,36 @@ pub(crate) fn restore_matcher(
         if !restored {
             disagreements += 1;
         }
-    })?;
+    };
+    let restored = if bounded {
+        store.for_each_accepted_of_open_trades(&mut take_back)?
+    } else {
+        store.for_each_accepted(&mut take_back)?
+    };
     if disagreements > 0 {
         return Err(PipelineError::Config(format!(
             "shard {shard}: {disagreements} of {restored} stored messages could not be taken back"
         )));
     }
-    // After the accepted messages: a MsgId that was accepted keeps that verdict.
-    store.for_each_remembered_rejection(&mut |rejection| {
-        matcher.restore_rejection(
-            &rejection.sender,
-            &rejection.msg_id,
-            &rejection.raw,
-            rejection.code,
-        );
-    })?;
-    if restored > 0 {
+    match accepted {
+        Some(accepted) => matcher.set_accepted(accepted),
+        // After the accepted messages: a MsgId that was accepted keeps that verdict.
+        None => {
+            store.for_each_remembered_rejection(&mut |rejection| {
+                matcher.restore_rejection(
+                    &rejection.sender,
+                    &rejection.msg_id,
+                    &rejection.raw,
+                    rejection.code,
+                );
+            })?;
+        }
+    }
+    if restored > 0 || accepted.is_some_and(|accepted| accepted > 0) {
         tracing::info!(
             shard,
-            messages = restored,
+            messages = accepted.unwrap_or(restored),
+            taken_back = restored,
             seconds = started.elapsed().as_secs_f64(),
             "matcher rebuilt from its shard"
         );

@@ -7,10 +7,20 @@ use std::time::{Duration, Instant};
 use time::format_description::well_known::Rfc3339;
 use time::{Date, OffsetDateTime};
 
-use super::{complete, queue_error, MessageMeta, Processed, ToStore, Validated};
-use crate::matcher::{Matcher, Outcome, ShardCounts};
-use crate::pipeline::{Aging, PipelineError};
+use super::{complete, queue_error, retrying, MessageMeta, Processed, ToStore, Validated};
+use crate::matcher::{Matcher, Outcome, RecallQuery, ShardCounts};
+use crate::pipeline::{Aging, PipelineError, RetryPolicy};
 use crate::queue::{QueueError, Rx, Tx};
+use crate::store::Store;
+
+/// What a bounded matcher ([`Matcher::bounded`]) needs: a connection of its own to the shard's
+/// store, to read back what it retired, and the count of items its writer has committed, to
+/// know when a generation may be retired.
+pub(crate) struct Recall {
+    pub(crate) store: Box<dyn Store>,
+    pub(crate) committed: Arc<AtomicU64>,
+    pub(crate) retry: RetryPolicy,
+}
 
 /// Formats wall-clock time for CLS `MatchedAt`, at most once per millisecond.
 struct MatchedAtClock {
@@ -40,14 +50,18 @@ impl MatchedAtClock {
 
 /// Runs a shard's matcher over its match queue; what it decided goes to the shard's writer,
 /// with the receipts of the batches it came from, acknowledged once committed. After each
-/// batch, `table_bytes` holds the size of the matcher's tables ([`Matcher::table_bytes`]).
+/// batch, `table_bytes` holds the size of the matcher's tables ([`Matcher::table_bytes`]). A
+/// bounded matcher reads back, before each batch, the facts the batch may need from what it
+/// retired, and after it retires what its writer has committed.
 pub(crate) fn run_matcher(
     rx: Rx<Validated>,
     mut matcher: Matcher,
     store_tx: Tx<ToStore>,
     aging: Option<Aging>,
     table_bytes: Arc<AtomicU64>,
+    mut recall: Option<Recall>,
 ) -> Result<ShardCounts, PipelineError> {
+    let mut sent: u64 = 0;
     let mut wall = MatchedAtClock {
         last_ms: -1,
         text: String::new(),
@@ -70,6 +84,7 @@ pub(crate) fn run_matcher(
                 let aged = matcher.age_out(today, aging.business_days);
                 if !aged.is_empty() {
                     tracing::info!(trades = aged.len(), %today, "unmatched trades aged out");
+                    sent += aged.len() as u64;
                     let items = aged.into_iter().map(ToStore::Aged).collect();
                     store_tx.send(items).map_err(queue_error)?;
                 }
@@ -81,6 +96,35 @@ pub(crate) fn run_matcher(
         let (items, enqueued_ns) = (received.items, received.enqueued_ns);
         let started = Instant::now();
         let count = items.len() as u64;
+        if let Some(recall) = &mut recall {
+            let mut query = RecallQuery::default();
+            for item in &items {
+                match &item.verdict {
+                    Ok(msg) => matcher.to_recall(
+                        &msg.sender,
+                        &msg.msg_id,
+                        Some(&msg.trade_key()),
+                        &mut query,
+                    ),
+                    Err(refused) => matcher.to_recall(
+                        &refused.identity.sender,
+                        &refused.identity.msg_id,
+                        None,
+                        &mut query,
+                    ),
+                }
+            }
+            if !query.is_empty() {
+                let (recalled, _) = retrying(
+                    recall.store.as_mut(),
+                    rx.station().name(),
+                    "recall",
+                    recall.retry,
+                    |store| store.recall(&query),
+                )?;
+                matcher.recall(recalled);
+            }
+        }
         let mut processed = Vec::with_capacity(items.len());
         for item in items {
             let (now, today) = wall.now();
@@ -121,10 +165,14 @@ pub(crate) fn run_matcher(
         }
         let busy_ns = started.elapsed().as_nanos() as u64;
         // The match batch is acknowledged once its writer has committed what it produced.
+        sent += processed.len() as u64;
         store_tx
             .forward(processed, received.receipt)
             .map_err(queue_error)?;
         complete(&rx, count, busy_ns, enqueued_ns);
+        if let Some(recall) = &recall {
+            matcher.after_batch(sent, recall.committed.load(Ordering::Acquire));
+        }
         table_bytes.store(matcher.table_bytes(), Ordering::Relaxed);
     }
     Ok(matcher.counts())

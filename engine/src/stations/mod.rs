@@ -23,7 +23,7 @@ use crate::model::Msg;
 use crate::pipeline::{PipelineError, RetryPolicy};
 use crate::queue::{receive, QueueError, Receipt, Rx};
 use crate::reason::Rejection;
-use crate::store::{Batch, RowCounts, Store};
+use crate::store::{Batch, RowCounts, Store, StoreError};
 
 /// Commits `batch`, retrying transient failures with backoff and a new connection.
 pub(crate) fn commit_retrying(
@@ -32,16 +32,29 @@ pub(crate) fn commit_retrying(
     station: &str,
     retry: RetryPolicy,
 ) -> Result<(Vec<i64>, u64), PipelineError> {
+    retrying(store, station, "commit", retry, |store| store.commit(batch))
+}
+
+/// Runs `operation` (named `what` in the log) on `store`, retrying transient failures with
+/// backoff and a new connection for at most the policy's time. Returns its result and the
+/// number of retries.
+pub(crate) fn retrying<T>(
+    store: &mut dyn Store,
+    station: &str,
+    what: &'static str,
+    retry: RetryPolicy,
+    mut operation: impl FnMut(&mut dyn Store) -> Result<T, StoreError>,
+) -> Result<(T, u64), PipelineError> {
     let started = Instant::now();
     let mut backoff = retry.backoff_first;
     let mut attempt: u32 = 1;
     loop {
-        let error = match store.commit(batch) {
-            Ok(outbox_ids) => {
+        let error = match operation(store) {
+            Ok(result) => {
                 if attempt > 1 {
-                    tracing::warn!(station, attempt, "commit succeeded after retrying");
+                    tracing::warn!(station, attempt, what, "succeeded after retrying");
                 }
-                return Ok((outbox_ids, u64::from(attempt - 1)));
+                return Ok((result, u64::from(attempt - 1)));
             }
             Err(error) => error,
         };
@@ -51,7 +64,7 @@ pub(crate) fn commit_retrying(
                 source: error,
             });
         }
-        tracing::warn!(station, attempt, error = %error, backoff_ms = backoff.as_millis() as u64, "commit failed; retrying");
+        tracing::warn!(station, attempt, what, error = %error, backoff_ms = backoff.as_millis() as u64, "failed; retrying");
         std::thread::sleep(backoff);
         backoff = (backoff * 2).min(retry.backoff_max);
         attempt += 1;

@@ -1,6 +1,6 @@
 //! The shard writer: one per shard, the only station that writes the shard's store.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,8 @@ pub(crate) struct WriterContext {
     /// for confirmations).
     pub(crate) delivery_in_use: Arc<AtomicBool>,
     pub(crate) retention_days: Option<u32>,
+    /// Items committed so far, for a bounded matcher ([`super::matcher::Recall`]).
+    pub(crate) committed: Arc<AtomicU64>,
     /// Cluster mode: whether this node still holds the shard's lease. Checked before every
     /// commit; once it is false the writer stops without writing.
     pub(crate) lease_held: Option<Arc<AtomicBool>>,
@@ -74,6 +76,7 @@ pub(crate) fn run_writer(
         delivered,
         delivery_in_use,
         retention_days,
+        committed,
         lease_held,
     } = context;
     let still_owner = || {
@@ -216,6 +219,7 @@ pub(crate) fn run_writer(
         let (outbox_ids, retries) =
             commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
         commit_retries += retries;
+        committed.fetch_add(count, Ordering::Release);
         watermark_written = watermark_written.max(confirmed);
         let mut outbox_ids = outbox_ids.into_iter();
         for event in &mut events {

@@ -22,7 +22,7 @@ pub use sqlite::SqliteStore;
 
 use time::Date;
 
-use crate::matcher::TradeStatus;
+use crate::matcher::{RecallQuery, Recalled, RetiredFact, TradeStatus};
 use crate::reason::ReasonCode;
 
 /// An accepted message, with its raw bytes.
@@ -192,6 +192,31 @@ pub trait Store: Send {
         &mut self,
         visit: &mut dyn FnMut(StoredRejection),
     ) -> Result<u64, StoreError>;
+    /// Whether the store answers a bounded matcher ([`Store::recall`],
+    /// [`Store::for_each_retired`], [`Store::for_each_accepted_of_open_trades`]).
+    fn can_recall(&self) -> bool {
+        false
+    }
+    /// Reads back what a bounded matcher asks for: the first verdict of each (Sender, MsgId)
+    /// (an accepted message before any rejection), the trades of the query that are closed,
+    /// and the (Sender, MsgId) that an accepted CAN or AMD names.
+    fn recall(&mut self, _query: &RecallQuery) -> Result<Recalled, StoreError> {
+        Err(StoreError::Unsupported("recall needs the PostgreSQL store"))
+    }
+    /// Hands a bounded matcher being rebuilt every fact of the shard's history it keeps in its
+    /// filter: every accepted message's key (and the key it names), every remembered
+    /// rejection's key and every closed trade, a bounded page at a time. Returns how many
+    /// messages were accepted.
+    fn for_each_retired(&mut self, _visit: &mut dyn FnMut(RetiredFact)) -> Result<u64, StoreError> {
+        Err(StoreError::Unsupported("recall needs the PostgreSQL store"))
+    }
+    /// As [`Store::for_each_accepted`], the messages of the trades that are not closed only.
+    fn for_each_accepted_of_open_trades(
+        &mut self,
+        _visit: &mut dyn FnMut(StoredMessage),
+    ) -> Result<u64, StoreError> {
+        Err(StoreError::Unsupported("recall needs the PostgreSQL store"))
+    }
     /// Drops what is older than `keep_days` days before `today`. The memory store refuses.
     fn purge(&mut self, _today: Date, _keep_days: u32) -> Result<PurgeReport, StoreError> {
         Err(StoreError::Unsupported(

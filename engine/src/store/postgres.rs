@@ -8,8 +8,10 @@ use super::{
     connect_and_migrate, database_error, io_runtime, outbox_ids_in_order, read_pages,
     remembered_rejections_query, stored_rejections, undelivered_rows, Batch, ClsRow, MessageRow,
     PurgeReport, RejectionRow, RowCounts, Store, StoreError, StoredMessage, StoredRejection,
-    UndeliveredCls, RECOVERY_PAGE_ROWS, UNDELIVERED_QUERY,
+    UndeliveredCls, RECOVERY_PAGE_ROWS, REMEMBERED_EXCEPTIONS_SQL, UNDELIVERED_QUERY,
 };
+use crate::matcher::{RecallQuery, Recalled, RecalledTrade, RecalledVerdict, RetiredFact};
+use crate::reason::ReasonCode;
 
 static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/postgres");
 
@@ -229,6 +231,51 @@ fn redacted(url: &str) -> String {
 
 impl PgStore {
     /// Connects and applies the migrations (checksums verified by sqlx).
+    /// One page of rows after `after_id`, by a query whose placeholders are the last id read
+    /// and the page size.
+    fn page<T>(&mut self, query: &str, after_id: i64) -> Result<Vec<T>, StoreError>
+    where
+        T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
+    {
+        let result = self.runtime.block_on(
+            sqlx::query_as(query)
+                .bind(after_id)
+                .bind(RECOVERY_PAGE_ROWS)
+                .fetch_all(&mut self.connection),
+        );
+        result.map_err(|source| database_error(&self.name, source))
+    }
+
+    /// Hands the accepted messages (as `m`) that satisfy `condition` to `visit`, in order.
+    fn read_messages(
+        &mut self,
+        condition: &str,
+        visit: &mut dyn FnMut(StoredMessage),
+    ) -> Result<u64, StoreError> {
+        let query = format!(
+            "SELECT m.id, m.raw, m.injected_ns, m.trade_date, m.received_on FROM messages m \
+             WHERE m.id > $1 AND {condition} ORDER BY m.id LIMIT $2"
+        );
+        read_pages(
+            |after_id| {
+                let rows: Vec<PgStoredRow> = self.page(&query, after_id)?;
+                Ok(rows
+                    .into_iter()
+                    .map(|(id, raw, injected_ns, trade_date, received_on)| {
+                        let message = StoredMessage {
+                            raw,
+                            injected_ns: injected_ns as u64,
+                            trade_date: Some(trade_date),
+                            received_on,
+                        };
+                        (id, message)
+                    })
+                    .collect())
+            },
+            visit,
+        )
+    }
+
     pub fn open(url: &str) -> Result<Self, StoreError> {
         let name = redacted(url);
         let runtime = io_runtime()?;
@@ -629,31 +676,92 @@ impl Store for PgStore {
         &mut self,
         visit: &mut dyn FnMut(StoredMessage),
     ) -> Result<u64, StoreError> {
-        read_pages(
+        self.read_messages("TRUE", visit)
+    }
+
+    fn can_recall(&self) -> bool {
+        true
+    }
+
+    fn recall(&mut self, query: &RecallQuery) -> Result<Recalled, StoreError> {
+        let result = self.runtime.block_on(recall(&mut self.connection, query));
+        result.map_err(|source| database_error(&self.name, source))
+    }
+
+    fn for_each_retired(&mut self, visit: &mut dyn FnMut(RetiredFact)) -> Result<u64, StoreError> {
+        let accepted = read_pages(
             |after_id| {
-                let result: Result<Vec<PgStoredRow>, _> = self.runtime.block_on(
-                    sqlx::query_as(
-                        "SELECT id, raw, injected_ns, trade_date, received_on FROM messages \
+                let rows: Vec<(i64, String, String, String, Option<String>)> = self.page(
+                    "SELECT id, sender, msg_id, function, related_id FROM messages \
                          WHERE id > $1 ORDER BY id LIMIT $2",
-                    )
-                    .bind(after_id)
-                    .bind(RECOVERY_PAGE_ROWS)
-                    .fetch_all(&mut self.connection),
-                );
-                let rows = result.map_err(|source| database_error(&self.name, source))?;
+                    after_id,
+                )?;
                 Ok(rows
                     .into_iter()
-                    .map(|(id, raw, injected_ns, trade_date, received_on)| {
-                        let message = StoredMessage {
-                            raw,
-                            injected_ns: injected_ns as u64,
-                            trade_date: Some(trade_date),
-                            received_on,
+                    .map(|(id, sender, msg_id, function, related_id)| {
+                        let names = related_id.filter(|_| function != "NEW");
+                        let fact = RetiredFact::Accepted {
+                            sender,
+                            msg_id,
+                            names,
                         };
-                        (id, message)
+                        (id, fact)
                     })
                     .collect())
             },
+            visit,
+        )?;
+        let rejections = format!(
+            "SELECT id, sender, msg_id FROM exceptions WHERE id > $1 AND {REMEMBERED_EXCEPTIONS_SQL} \
+             ORDER BY id LIMIT $2"
+        );
+        read_pages(
+            |after_id| {
+                let rows: Vec<(i64, String, String)> = self.page(&rejections, after_id)?;
+                Ok(rows
+                    .into_iter()
+                    .map(|(id, sender, msg_id)| (id, RetiredFact::Rejected { sender, msg_id }))
+                    .collect())
+            },
+            visit,
+        )?;
+        // Trades have no id: pages follow their key.
+        let mut after: Option<(String, Date)> = None;
+        loop {
+            let (key, date) = after.clone().unzip();
+            let result: Result<Vec<(String, Date, String)>, _> = self.runtime.block_on(
+                sqlx::query_as(
+                    "SELECT trade_key, trade_date, status FROM trades \
+                     WHERE ($1::text IS NULL OR (trade_key, trade_date) > ($1, $2::date)) \
+                     AND status IN ('MATCHED', 'AGED') \
+                     ORDER BY trade_key, trade_date LIMIT $3",
+                )
+                .bind(key)
+                .bind(date)
+                .bind(RECOVERY_PAGE_ROWS)
+                .fetch_all(&mut self.connection),
+            );
+            let rows = result.map_err(|source| database_error(&self.name, source))?;
+            let Some((key, date, _)) = rows.last() else {
+                return Ok(accepted);
+            };
+            after = Some((key.clone(), *date));
+            for (trade_key, _, status) in rows {
+                visit(RetiredFact::Closed {
+                    trade_key,
+                    aged: status == "AGED",
+                });
+            }
+        }
+    }
+
+    fn for_each_accepted_of_open_trades(
+        &mut self,
+        visit: &mut dyn FnMut(StoredMessage),
+    ) -> Result<u64, StoreError> {
+        self.read_messages(
+            "NOT EXISTS (SELECT 1 FROM trades t WHERE t.trade_key = m.trade_key \
+             AND t.trade_date = m.trade_date AND t.status IN ('MATCHED', 'AGED'))",
             visit,
         )
     }
@@ -721,6 +829,95 @@ impl Store for PgStore {
             exceptions: counts.3 as u64,
         })
     }
+}
+
+/// Answers a bounded matcher's [`RecallQuery`] in at most four look-ups, each by an index.
+async fn recall(
+    connection: &mut PgConnection,
+    query: &RecallQuery,
+) -> Result<Recalled, sqlx::Error> {
+    fn columns(pairs: &[(String, String)]) -> (Vec<&str>, Vec<&str>) {
+        pairs.iter().map(|(a, b)| (a.as_str(), b.as_str())).unzip()
+    }
+    let mut recalled = Recalled::default();
+    if !query.verdicts.is_empty() {
+        let (senders, msg_ids) = columns(&query.verdicts);
+        let accepted: Vec<(String, String, Vec<u8>)> = sqlx::query_as(
+            "SELECT sender, msg_id, raw FROM messages \
+             WHERE (sender, msg_id) IN (SELECT * FROM UNNEST($1::text[], $2::text[]))",
+        )
+        .bind(&senders)
+        .bind(&msg_ids)
+        .fetch_all(&mut *connection)
+        .await?;
+        let rejected: Vec<(String, String, String, Vec<u8>)> = sqlx::query_as(&format!(
+            "SELECT DISTINCT ON (sender, msg_id) sender, msg_id, code, raw FROM exceptions \
+             WHERE (sender, msg_id) IN (SELECT * FROM UNNEST($1::text[], $2::text[])) \
+             AND {REMEMBERED_EXCEPTIONS_SQL} ORDER BY sender, msg_id, id"
+        ))
+        .bind(&senders)
+        .bind(&msg_ids)
+        .fetch_all(&mut *connection)
+        .await?;
+        // An accepted message is the first verdict of its key: a rejection remembered under an
+        // accepted key came after it.
+        let accepted_keys: ahash::AHashSet<(String, String)> = accepted
+            .iter()
+            .map(|(sender, msg_id, _)| (sender.clone(), msg_id.clone()))
+            .collect();
+        for (sender, msg_id, raw) in accepted {
+            recalled.verdicts.push(RecalledVerdict {
+                sender,
+                msg_id,
+                raw,
+                rejected: None,
+            });
+        }
+        for (sender, msg_id, code, raw) in rejected {
+            let Some(code) = ReasonCode::parse(&code) else {
+                continue;
+            };
+            if !accepted_keys.contains(&(sender.clone(), msg_id.clone())) {
+                recalled.verdicts.push(RecalledVerdict {
+                    sender,
+                    msg_id,
+                    raw,
+                    rejected: Some(code),
+                });
+            }
+        }
+    }
+    if !query.trades.is_empty() {
+        let closed: Vec<(String, Date, String)> = sqlx::query_as(
+            "SELECT DISTINCT ON (trade_key) trade_key, trade_date, status FROM trades \
+             WHERE trade_key = ANY($1) AND status IN ('MATCHED', 'AGED') \
+             ORDER BY trade_key, trade_date",
+        )
+        .bind(&query.trades)
+        .fetch_all(&mut *connection)
+        .await?;
+        recalled.closed = closed
+            .into_iter()
+            .map(|(trade_key, trade_date, status)| RecalledTrade {
+                trade_key,
+                trade_date,
+                aged: status == "AGED",
+            })
+            .collect();
+    }
+    if !query.names.is_empty() {
+        let (senders, msg_ids) = columns(&query.names);
+        recalled.names = sqlx::query_as(
+            "SELECT DISTINCT sender, related_id FROM messages \
+             WHERE (sender, related_id) IN (SELECT * FROM UNNEST($1::text[], $2::text[])) \
+             AND related_id IS NOT NULL AND function <> 'NEW'",
+        )
+        .bind(&senders)
+        .bind(&msg_ids)
+        .fetch_all(&mut *connection)
+        .await?;
+    }
+    Ok(recalled)
 }
 
 #[cfg(test)]
