@@ -194,6 +194,9 @@ impl Cluster {
                 &["--max-shards", "2", "--validators", "2"][..]
             })
             .args(["--lease-ttl-ms", &LEASE_TTL_MS.to_string()])
+            // Small generations: the matchers retire what their shards committed many times a
+            // run, and a message that needs it is answered from the shard.
+            .args(["--matcher-generation", "1024"])
             .args(extra)
             .env("RUST_LOG", "info,sqlx=error")
             .stdout(stdout)

@@ -62,6 +62,8 @@ pub(crate) fn run_matcher(
     mut recall: Option<Recall>,
 ) -> Result<ShardCounts, PipelineError> {
     let mut sent: u64 = 0;
+    // Read-backs, and the keys they asked for.
+    let (mut reads, mut keys_read) = (0_u64, 0_u64);
     let mut wall = MatchedAtClock {
         last_ms: -1,
         text: String::new(),
@@ -115,6 +117,8 @@ pub(crate) fn run_matcher(
                 }
             }
             if !query.is_empty() {
+                reads += 1;
+                keys_read += (query.verdicts.len() + query.trades.len() + query.names.len()) as u64;
                 let (recalled, _) = retrying(
                     recall.store.as_mut(),
                     rx.station().name(),
@@ -174,6 +178,14 @@ pub(crate) fn run_matcher(
             matcher.after_batch(sent, recall.committed.load(Ordering::Acquire));
         }
         table_bytes.store(matcher.table_bytes(), Ordering::Relaxed);
+    }
+    if matcher.is_bounded() {
+        tracing::info!(
+            station = rx.station().name(),
+            reads,
+            keys_read,
+            "matcher stopped; what it read back from its shard"
+        );
     }
     Ok(matcher.counts())
 }

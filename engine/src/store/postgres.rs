@@ -773,13 +773,7 @@ impl Store for PgStore {
         let query = remembered_rejections_query("$1", "$2");
         read_pages(
             |after_id| {
-                let result: Result<Vec<RejectionRow>, _> = self.runtime.block_on(
-                    sqlx::query_as(&query)
-                        .bind(after_id)
-                        .bind(RECOVERY_PAGE_ROWS)
-                        .fetch_all(&mut self.connection),
-                );
-                let rows = result.map_err(|source| database_error(&self.name, source))?;
+                let rows: Vec<RejectionRow> = self.page(&query, after_id)?;
                 Ok(stored_rejections(rows))
             },
             visit,
