@@ -152,7 +152,9 @@ struct Cli {
     /// validators and shard owners take their work from its queues (DESIGN.md section 1a).
     #[arg(long, env = "STE_NATS_URL")]
     nats: Option<String>,
-    /// This node's name in the cluster (leases, logs); unique among the nodes.
+    /// This node's name in the cluster (leases, logs); unique among the nodes. Default: the
+    /// host's name (a container's, under docker compose --scale), so that nodes on one host
+    /// need a name each.
     #[arg(long, env = "STE_NODE_ID", requires = "nats")]
     node_id: Option<String>,
     /// Inbound partitions of the cluster; the same on every node.
@@ -489,7 +491,13 @@ fn serve(
 /// A node of a cluster: validators and shard owners on the JetStream queues at `url`, until
 /// SIGTERM or Ctrl-C.
 fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
-    let Some(node_id) = cli.node_id.clone() else {
+    let host_name = || {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|name| name.trim().to_owned())
+            .filter(|name| !name.is_empty())
+    };
+    let Some(node_id) = cli.node_id.clone().or_else(host_name) else {
         bail!("a node of a cluster needs a name: --node-id ID (unique among the nodes)");
     };
     match cli.store {

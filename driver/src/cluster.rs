@@ -15,6 +15,7 @@ use ste_engine::lease::Leases;
 use ste_engine::node::{ClsFeed, ClusterLayout, Ingress};
 use ste_engine::queue::jetstream::JetStream;
 use ste_engine::refdata::RefData;
+use ste_engine::routing::shard_of;
 use ste_engine::station::RunClock;
 use ste_engine::store::{PgStore, Store};
 use ste_sink::Sink;
@@ -168,8 +169,15 @@ pub fn run_cluster(
 
     let mut shards = Vec::with_capacity(config.db_urls.len());
     let (mut mismatched, mut pending, mut cancelled, mut with_messages) = (0, 0, 0, 0);
-    for url in &config.db_urls {
+    let mut misrouted = 0;
+    for (shard, url) in config.db_urls.iter().enumerate() {
         let mut store = PgStore::open(url).context("opening a shard's database")?;
+        misrouted += store
+            .trade_keys()
+            .context("reading a shard's trade keys")?
+            .iter()
+            .filter(|key| shard_of(key, config.shards) as usize != shard)
+            .count() as u64;
         let rows = store.row_counts().context("counting a shard's rows")?;
         let states = store.trade_states().context("reading a shard's trades")?;
         mismatched += states.count("MISMATCHED");
@@ -232,6 +240,7 @@ pub fn run_cluster(
         conserved: messages_in == accepted + duplicates + exceptions_total,
         expected,
         matches_expected,
+        misrouted_trades: Some(misrouted),
         run_dir: config.run_dir.display().to_string(),
     };
     write_run_files(config, &summary, &sink_report)?;

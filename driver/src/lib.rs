@@ -164,6 +164,9 @@ pub struct Summary {
     pub expected: Option<RunOutcome>,
     /// Whether the outcome equals the expectation, code by code.
     pub matches_expected: Option<bool>,
+    /// Cluster runs: trades stored on a shard other than the one the routing rule names, read
+    /// from every shard's database at the end (0 when every shard holds only its own).
+    pub misrouted_trades: Option<u64>,
     pub run_dir: String,
 }
 
@@ -614,6 +617,8 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         conserved: messages_in == accepted + duplicates + exceptions_total,
         expected: expected.clone(),
         matches_expected,
+        // In process, a trade's shard is chosen by the routing rule itself.
+        misrouted_trades: None,
         run_dir: config.run_dir.display().to_string(),
     };
     write_run_files(config, &summary, &sink_report)?;

@@ -373,6 +373,16 @@ fn print_summary(summary: &Summary) {
             }
         );
     }
+    if let Some(misrouted) = summary.misrouted_trades {
+        println!(
+            "  routing           {}",
+            if misrouted == 0 {
+                "every shard holds only the trades routed to it".to_owned()
+            } else {
+                format!("{misrouted} trades on a shard the routing rule does not name")
+            }
+        );
+    }
     println!("  run directory     {}", summary.run_dir);
 }
 

@@ -300,6 +300,15 @@ impl PgStore {
     /// with messages and no status written yet is pending), and how
     /// many distinct trades hold an accepted message: what a cluster's driver reports at the
     /// end of a run, as the matchers do in process.
+    /// The trade keys of every accepted message the shard holds, once each.
+    pub fn trade_keys(&mut self) -> Result<Vec<String>, StoreError> {
+        let result = self.runtime.block_on(
+            sqlx::query_scalar("SELECT DISTINCT trade_key FROM messages")
+                .fetch_all(&mut self.connection),
+        );
+        result.map_err(|source| database_error(&self.name, source))
+    }
+
     pub fn trade_states(&mut self) -> Result<TradeStates, StoreError> {
         let result = self.runtime.block_on(async {
             let by_status: Vec<(String, i64)> =

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The compose cluster end to end, as CI runs it: installs and starts a Docker engine if none
+# runs (Debian's docker.io, docker-compose and debootstrap), builds the images without a registry
+# (deploy/offline-images.sh), brings deploy/docker-compose.yml up with NODES nodes, runs TRADES
+# trades through it with one node killed mid-run, checks the outcome (one CLS per trade, every
+# count as the generator expected) and every shard's rows against the routing rule, and brings
+# the cluster down with its volumes.
+#
+#   deploy/compose-run.sh [TRADES] [NODES]      # default 100000 trades, 4 nodes
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PATH:/usr/sbin:/sbin"
+trades=${1:-100000}
+nodes=${2:-4}
+project=ste-compose-run
+compose=(docker-compose -p "$project" -f deploy/docker-compose.yml)
+export STE_TRADES=$trades STE_DASHBOARD_PORT=${STE_DASHBOARD_PORT:-18686}
+log=${STE_COMPOSE_LOG:-/tmp/ste-compose-run}
+mkdir -p "$log"
+
+echo "== Docker engine"
+if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null || ! command -v debootstrap >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends docker.io docker-compose debootstrap >/dev/null \
+    || { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends docker.io docker-compose debootstrap >/dev/null; }
+fi
+started_dockerd=
+if ! docker info >/dev/null 2>&1; then
+  dockerd --iptables=false >"$log/dockerd.log" 2>&1 &
+  started_dockerd=$!
+  for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+fi
+docker version --format 'docker {{.Server.Version}}'
+docker-compose version --short
+
+cleanup() {
+  "${compose[@]}" logs --no-color >"$log/cluster.log" 2>&1 || true
+  "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
+  if [ -n "$started_dockerd" ]; then kill "$started_dockerd" 2>/dev/null || true; fi
+}
+trap cleanup EXIT
+
+echo "== images (deploy/offline-images.sh)"
+deploy/offline-images.sh
+
+echo "== up: nats, 4 shards, keys, $nodes nodes, monitor"
+"${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
+"${compose[@]}" up -d --no-build --scale node="$nodes" nats shard-0 shard-1 shard-2 shard-3 keys node monitor
+"${compose[@]}" ps
+
+echo "== driver: $trades trades, one node killed mid-run"
+"${compose[@]}" run --rm --no-deps -T driver >"$log/summary.json" 2>"$log/driver.err" &
+driver=$!
+# Kill a node once a quarter of the run has been acknowledged.
+victim=$("${compose[@]}" ps -q node | sed -n 1p)
+killed=
+for _ in $(seq 1 600); do
+  if ! kill -0 "$driver" 2>/dev/null; then break; fi
+  acknowledged=$(grep -o '\] [0-9]* messages acknowledged' "$log/driver.err" | tail -n 1 | grep -o '[0-9]*' | tail -n 1 || true)
+  if [ -z "$killed" ] && [ "${acknowledged:-0}" -ge $((trades * 7 / 4)) ]; then
+    echo "killing node container ${victim:0:12} at $acknowledged messages acknowledged"
+    docker kill "$victim" >/dev/null
+    killed=yes
+  fi
+  sleep 1
+done
+status=0
+wait "$driver" || status=$?
+tail -n 5 "$log/driver.err"
+# A node killed between a commit and its answers leaves those messages to be answered again, as
+# duplicates: the driver then reports that the counts differ from the generator's. The checks
+# below are the ones that hold whatever a failure did.
+if [ "$status" -ne 0 ] && ! grep -q "differs" "$log/driver.err"; then
+  echo "the driver failed ($status)"
+  exit 1
+fi
+[ -n "$killed" ] || { echo "the run ended before a node could be killed"; exit 1; }
+
+echo "== checks"
+python3 - "$log/summary.json" "$trades" <<'PY'
+import json, sys
+summary = json.load(open(sys.argv[1]))
+trades = int(sys.argv[2])
+expected = summary["expected"]
+stored = sum(shard["stored_messages"] for shard in summary["shards"])
+answered = summary["accepted"] + summary["duplicates"]
+checks = {
+    f"one CLS per trade ({summary['cls']} for {trades})": summary["cls"] == expected["cls"] == trades,
+    "every message answered once, accepted or (after the kill) duplicate":
+        summary["conserved"] and answered == expected["accepted"] + expected["duplicates"],
+    "exceptions and trade states as the generator expected":
+        summary["exceptions"] == expected["exceptions"]
+        and all(summary[s] == expected[s] for s in ("mismatched_trades", "pending_trades", "cancelled_trades")),
+    f"every accepted message stored once ({stored} stored)": stored == expected["accepted"],
+    "every shard holds only the trades the routing rule sends there": summary.get("misrouted_trades") == 0,
+}
+for check, held in checks.items():
+    print(("ok   " if held else "FAIL ") + check)
+print(f"{summary['throughput_msg_s']:.0f} msg/s, CLS p50 {summary['latency_ms']['p50']:.0f} ms, "
+      f"p99 {summary['latency_ms']['p99']:.0f} ms; answered again as duplicates after the kill: "
+      f"{summary['duplicates'] - expected['duplicates']}; CLS emitted again and dropped by the sink: "
+      f"{summary['cls_repeats']}")
+sys.exit(0 if all(checks.values()) else 1)
+PY
+
+echo "== down (volumes too)"
