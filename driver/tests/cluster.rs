@@ -5,6 +5,7 @@
 //! The engine binary is the workspace's (`cargo test --workspace` builds it beside the
 //! driver's).
 
+mod browser;
 #[path = "../../engine/tests/common/mod.rs"]
 mod common;
 
@@ -439,6 +440,22 @@ fn summary_of(output: &Output, cluster: &Cluster) -> serde_json::Value {
     serde_json::from_slice(&output.stdout).expect("the summary in JSON")
 }
 
+/// The node holding `shard`, waiting out a hand-over (a shard given back to a node that joined
+/// is briefly held by nobody).
+fn owner_of(leases: &Leases, shard: u32) -> String {
+    let started = Instant::now();
+    loop {
+        if let Some(owner) = leases.holder(Leased::Shard(shard)).expect("lease bucket") {
+            return owner;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "nobody holds shard {shard}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Waits for a node other than `owner` to hold `shard`, within the lease's time to live and a
 /// recovery; returns it.
 fn new_owner(leases: &Leases, shard: u32, owner: &str) -> String {
@@ -496,10 +513,7 @@ fn nodes_killed_three_times_mid_run_leave_one_cls_per_trade_and_nothing_stored_t
     let driver = cluster.paced_driver(6000);
     for round in 0..3 {
         std::thread::sleep(Duration::from_secs(3));
-        let owner = leases
-            .holder(Leased::Shard(round % SHARDS))
-            .expect("lease bucket")
-            .expect("an owner");
+        let owner = owner_of(&leases, round % SHARDS);
         let killed_at = Instant::now();
         cluster.kill(&owner);
         new_owner(&leases, round % SHARDS, &owner);
@@ -535,10 +549,7 @@ fn a_stalled_owner_is_fenced_off_when_it_wakes_and_stands_down() {
     let leases = cluster.leases();
     let driver = cluster.paced_driver(4000);
     std::thread::sleep(Duration::from_secs(2));
-    let owner = leases
-        .holder(Leased::Shard(1))
-        .expect("lease bucket")
-        .expect("an owner");
+    let owner = owner_of(&leases, 1);
     cluster.signal(&owner, "STOP");
     let successor = new_owner(&leases, 1, &owner);
     // Let the successor commit, then wake the stalled owner.
@@ -753,4 +764,91 @@ fn nodes_that_join_a_running_cluster_get_shards_handed_over() {
     summary_after_failures(&output, &cluster);
     assert_routed(&cluster);
     assert_eq!(cluster.stored_twice(), 0);
+}
+
+#[test]
+fn headless_chromium_shows_every_node_and_every_jetstream_queue_of_a_running_cluster() {
+    let cluster = Cluster::of_three_nodes("cluster_dashboard");
+    let port = browser::free_port();
+    // About 17 s of load, so that the browser sees the run in progress.
+    let driver = cluster.driver(&[
+        "--trades",
+        "6000",
+        "--rate",
+        "2500",
+        "--dashboard",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let mut driver = driver;
+    let nodes = ["node-a", "node-b", "node-c"];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let page = browser::get(port, "/")
+            .map(|(_, body)| body)
+            .unwrap_or_default();
+        if nodes
+            .iter()
+            .all(|node| page.contains(&format!("<td>{node}</td>")))
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the dashboard never showed the nodes:\n{page}"
+        );
+        assert!(
+            driver.try_wait().expect("driver status").is_none(),
+            "the run ended too soon"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let shots = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cluster-dashboard");
+    std::fs::create_dir_all(&shots).expect("a folder for the screenshot");
+    let screenshot = shots.join("cluster-dashboard.png");
+    let dom =
+        browser::Chromium::find().load(&format!("http://127.0.0.1:{port}/report"), &screenshot);
+    assert!(
+        driver.try_wait().expect("driver status").is_none(),
+        "the browser saw a finished run"
+    );
+
+    // Every node, with the stations it runs, in the cluster table.
+    let table = |id: &str| -> String {
+        dom.split(&format!("id=\"{id}\""))
+            .nth(1)
+            .and_then(|rest| rest.split("</table>").next())
+            .unwrap_or_else(|| panic!("no #{id} table on the page"))
+            .to_owned()
+    };
+    let node_table = table("nodes");
+    for node in nodes {
+        let row = node_table
+            .split(&format!("<td>{node}</td>"))
+            .nth(1)
+            .and_then(|rest| rest.split("</tr>").next())
+            .unwrap_or_else(|| panic!("no row for {node}: {node_table}"));
+        assert!(
+            row.contains("in.") || row.contains("match."),
+            "{node} runs no station: {row}"
+        );
+    }
+    // Every shard's match queue and every inbound partition, as JetStream holds them.
+    let queues = table("jetstream");
+    for shard in 0..SHARDS {
+        assert!(
+            queues.contains(&format!("<td>jetstream/match.{shard}</td>")),
+            "{queues}"
+        );
+    }
+    for partition in 0..4 {
+        assert!(
+            queues.contains(&format!("<td>jetstream/in.{partition}</td>")),
+            "{queues}"
+        );
+    }
+    assert!(dom.contains("Run in progress"));
+    browser::assert_rendered(&screenshot);
+    let output = driver.wait_with_output().expect("the driver ends");
+    summary_of(&output, &cluster);
 }

@@ -3,52 +3,13 @@
 //! the run's stations and their charts. The screenshot stays in the run directory, under
 //! Cargo's target folder (`dashboard-run/dashboard.png`).
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+mod browser;
+
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn chromium() -> PathBuf {
-    if let Some(path) = std::env::var_os("STE_CHROMIUM") {
-        return PathBuf::from(path);
-    }
-    for candidate in [
-        "/usr/bin/chromium",
-        "/usr/bin/chromium-browser",
-        "/usr/bin/google-chrome",
-    ] {
-        if Path::new(candidate).exists() {
-            return PathBuf::from(candidate);
-        }
-    }
-    panic!(
-        "no Chromium found: install Debian's chromium package (.ci/run does) or set STE_CHROMIUM"
-    );
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|address| address.port())
-        .expect("a free port")
-}
-
-fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .ok()?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut text = String::new();
-    stream.read_to_string(&mut text).ok()?;
-    let status = text.split_whitespace().nth(1)?.parse().ok()?;
-    Some((status, text.split_once("\r\n\r\n")?.1.to_owned()))
-}
+use browser::{free_port, get, Chromium};
 
 /// Kills the driver if the test fails before it ends.
 struct Running(std::process::Child);
@@ -100,36 +61,7 @@ fn headless_chromium_shows_the_live_dashboard_of_a_run() {
     std::thread::sleep(Duration::from_secs(2));
     let screenshot = run_dir.join("dashboard.png");
     let url = format!("http://127.0.0.1:{port}/report");
-    let browser_args = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--hide-scrollbars",
-    ];
-    let shot = Command::new(chromium())
-        .args(browser_args)
-        .arg("--window-size=1280,2400")
-        .arg(format!("--screenshot={}", screenshot.display()))
-        .arg(&url)
-        .output()
-        .expect("chromium runs");
-    assert!(
-        shot.status.success(),
-        "chromium: {}",
-        String::from_utf8_lossy(&shot.stderr)
-    );
-    let dom = Command::new(chromium())
-        .args(browser_args)
-        .arg("--dump-dom")
-        .arg(&url)
-        .output()
-        .expect("chromium runs");
-    assert!(
-        dom.status.success(),
-        "chromium: {}",
-        String::from_utf8_lossy(&dom.stderr)
-    );
-    let dom = String::from_utf8_lossy(&dom.stdout);
+    let dom = Chromium::find().load(&url, &screenshot);
     assert!(
         driver.0.try_wait().expect("driver status").is_none(),
         "the browser saw a finished run"
@@ -184,10 +116,7 @@ fn headless_chromium_shows_the_live_dashboard_of_a_run() {
     assert!(dom.contains("Run in progress"));
 
     // The screenshot is a real rendering, kept with the run.
-    let png = std::fs::read(&screenshot).expect("the screenshot was written");
-    assert!(png.starts_with(b"\x89PNG"), "not a PNG");
-    assert!(png.len() > 20_000, "an empty page: {} bytes", png.len());
-    eprintln!("dashboard screenshot: {}", screenshot.display());
+    browser::assert_rendered(&screenshot);
 
     let status = driver.0.wait().expect("the driver ends");
     assert!(status.success());

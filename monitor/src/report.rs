@@ -88,6 +88,7 @@ pub fn render(dir: &Path, refresh_s: Option<u32>) -> Result<String, ReportError>
             path: samples_path.display().to_string(),
             source,
         })?;
+        cluster_section(dir, &samples, &mut html);
         stations_section(&samples, &mut html)?;
     }
     if has_sweep {
@@ -213,6 +214,77 @@ fn stations_section(samples: &[crate::Sample], html: &mut String) -> Result<(), 
         );
     }
     Ok(())
+}
+
+/// The cluster at a glance, for a run through nodes (station names `node/station`, queues
+/// `jetstream/queue`): every node with its stations, busiest station and memory (`nodes.csv`),
+/// and every JetStream queue with its length in batches. Nothing for an in-process run.
+fn cluster_section(dir: &Path, samples: &[crate::Sample], html: &mut String) {
+    let metrics = analyze(samples);
+    let mut nodes: std::collections::BTreeMap<&str, Vec<&crate::StationMetrics>> =
+        std::collections::BTreeMap::new();
+    let mut queues = Vec::new();
+    for m in &metrics {
+        match m.station.split_once('/') {
+            Some(("jetstream", _)) => queues.push(m),
+            Some((node, _)) => nodes.entry(node).or_default().push(m),
+            None => {}
+        }
+    }
+    if nodes.is_empty() && queues.is_empty() {
+        return;
+    }
+    // The latest memory reading of each node.
+    let mut memory: std::collections::BTreeMap<String, (String, String)> = Default::default();
+    if let Ok(text) = std::fs::read_to_string(dir.join("nodes.csv")) {
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split(',').collect();
+            if let [_, node, rss, tables] = fields[..] {
+                memory.insert(node.to_owned(), (rss.to_owned(), tables.to_owned()));
+            }
+        }
+    }
+    let _ = write!(
+        html,
+        "<h2>Cluster: {} nodes, {} JetStream queues</h2>\
+         <table id=\"nodes\"><tr><th>node</th><th>stations</th><th>busiest</th><th>U</th>\
+         <th>RSS (MiB)</th><th>matcher tables (MiB)</th></tr>",
+        nodes.len(),
+        queues.len()
+    );
+    for (node, stations) in &nodes {
+        let names: Vec<String> = stations
+            .iter()
+            .map(|m| escape(m.station.split_once('/').map_or("", |(_, name)| name)))
+            .collect();
+        let busiest = stations.iter().max_by(|a, b| a.U.total_cmp(&b.U));
+        let (rss, tables) = memory.get(*node).cloned().unwrap_or_default();
+        let _ = write!(
+            html,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td></tr>",
+            escape(node),
+            names.join(" "),
+            busiest.map_or(String::new(), |m| escape(&m.station)),
+            busiest.map_or(0.0, |m| m.U),
+            escape(&rss),
+            escape(&tables)
+        );
+    }
+    html.push_str(
+        "</table><table id=\"jetstream\"><tr><th>queue</th><th>mean length (batches)</th>\
+         <th>batches stored</th><th>stored (/s)</th></tr>",
+    );
+    for m in &queues {
+        let _ = write!(
+            html,
+            "<tr><td>{}</td><td>{:.2}</td><td>{}</td><td>{:.1}</td></tr>",
+            escape(&m.station),
+            m.N,
+            m.A,
+            m.lambda
+        );
+    }
+    html.push_str("</table>");
 }
 
 fn sweep_section(dir: &Path, html: &mut String) -> Result<(), ReportError> {
