@@ -359,6 +359,61 @@ mod tests {
     }
 
     #[test]
+    fn a_cluster_run_shows_each_node_with_its_stations_and_memory_and_each_queue() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        std::fs::write(
+            dir.path().join("samples.csv"),
+            "t_ms,station,queue_len,arrivals,completions,busy_ms\n\
+             0,node-1/match.0,0,0,0,0\n0,node-2/store.1,0,0,0,0\n0,jetstream/match.0,0,0,0,0\n\
+             100,node-1/match.0,1,50,49,10\n100,node-2/store.1,0,40,40,80\n\
+             100,jetstream/match.0,3,7,4,0\n",
+        )
+        .expect("writes");
+        std::fs::write(
+            dir.path().join("nodes.csv"),
+            "t_ms,node,rss_mib,matcher_tables_mib\n50,node-1,40.0,14.0\n100,node-1,41.5,14.0\n",
+        )
+        .expect("writes");
+        let html = render(dir.path(), None).expect("renders");
+        let nodes = html
+            .split("id=\"nodes\"")
+            .nth(1)
+            .and_then(|rest| rest.split("</table>").next())
+            .expect("a nodes table");
+        assert!(
+            nodes.contains("<td>node-1</td><td>match.0</td><td>node-1/match.0</td>"),
+            "{nodes}"
+        );
+        // node-2's store was busy 80 of 100 ms.
+        assert!(
+            nodes.contains("<td>node-2/store.1</td><td>0.800</td>"),
+            "{nodes}"
+        );
+        // The latest memory reading.
+        assert!(nodes.contains("<td>41.5</td><td>14.0</td>"), "{nodes}");
+        let queues = html
+            .split("id=\"jetstream\"")
+            .nth(1)
+            .and_then(|rest| rest.split("</table>").next())
+            .expect("a queue table");
+        assert!(queues.contains("<td>jetstream/match.0</td>"), "{queues}");
+        assert!(!queues.contains("node-1"));
+        assert!(html.contains("Cluster: 2 nodes, 1 JetStream queues"));
+    }
+
+    #[test]
+    fn an_in_process_run_has_no_cluster_section() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        std::fs::write(
+            dir.path().join("samples.csv"),
+            "t_ms,station,queue_len,arrivals,completions,busy_ms\n0,store.0,0,0,0,0\n",
+        )
+        .expect("writes");
+        let html = render(dir.path(), None).expect("renders");
+        assert!(!html.contains("id=\"nodes\"") && !html.contains("Cluster:"));
+    }
+
+    #[test]
     fn a_run_in_progress_is_drawn_from_its_samples() {
         let dir = tempfile::tempdir().expect("temporary folder");
         // The sampler is mid-line: the torn last row is left out.
