@@ -102,6 +102,21 @@ fn a_batch_not_acknowledged_comes_back_in_order_to_a_fresh_consumer() {
         let first = next(&owner);
         assert_eq!(first.items, vec![0]);
         first.receipt.ack().expect("acks");
+        // The acknowledgement is on its way; the server removes the batch once it has it (a
+        // consumer re-created before that would see the batch again, which owners allow for).
+        let started = Instant::now();
+        while jetstream
+            .queue_state("match.1")
+            .expect("stream state")
+            .batches
+            > 2
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "the acknowledgement never arrived"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
         // Taken but never acknowledged: the owner dies with it.
         let lost = next(&owner);
         assert_eq!(lost.items, vec![1]);
