@@ -312,15 +312,9 @@ impl Cluster {
             .urls()
             .iter()
             .map(|url| {
-                block_on(async {
-                    let mut connection = PgConnection::connect(url).await.expect("connects");
-                    let keys: Vec<(String,)> =
-                        sqlx::query_as("SELECT DISTINCT trade_key FROM messages")
-                            .fetch_all(&mut connection)
-                            .await
-                            .expect("keys");
-                    keys.into_iter().map(|(key,)| key).collect()
-                })
+                ste_engine::store::PgStore::open(url)
+                    .and_then(|mut store| store.trade_keys())
+                    .expect("the shard's trade keys")
             })
             .collect()
     }

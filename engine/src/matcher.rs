@@ -545,10 +545,10 @@ impl Matcher {
 
     /// Rebuilding a bounded matcher: a fact of the shard's history that goes straight into the
     /// filter (the open trades' messages are then taken back with [`Matcher::restore`]).
-    /// Returns false for a matcher that is not bounded, which takes back every message instead.
-    pub fn retired(&mut self, fact: RetiredFact) -> bool {
+    /// A matcher that is not bounded takes back every message instead, and ignores this.
+    pub fn retired(&mut self, fact: RetiredFact) {
         let Some(window) = &mut self.window else {
-            return false;
+            return;
         };
         match fact {
             RetiredFact::Accepted {
@@ -576,7 +576,6 @@ impl Matcher {
                 self.aged += u64::from(aged);
             }
         }
-        true
     }
 
     /// Rebuilding a bounded matcher: the shard's count of accepted messages, of which only the

@@ -1,6 +1,8 @@
 //! The queue network with real stores: what is acknowledged has been committed, and a store
 //! failure stops the pipeline with its cause.
 
+mod common;
+
 use std::sync::Arc;
 
 use ste_engine::generator::{Generator, GeneratorConfig};
@@ -121,14 +123,7 @@ fn run_lines(
     let pipeline = Pipeline::start(config, refdata.clone(), Tolerances::default()).expect("starts");
     let acks = pipeline.acks();
     let outbound = pipeline.outbound();
-    let mut submitter = pipeline.submitter();
-    for (index, line) in lines.iter().enumerate() {
-        submitter
-            .submit_line(refdata, line.clone(), index as u64)
-            .expect("submits");
-    }
-    submitter.flush().expect("flushes");
-    drop(submitter);
+    common::submit_all(&pipeline, refdata, lines.iter().cloned());
     pipeline.finish().expect("finishes");
     let results = drain(&acks)
         .expect("drains")

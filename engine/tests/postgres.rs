@@ -6,7 +6,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{block_on, TempDatabases};
+use common::{block_on, submit_all, TempDatabases};
 use sqlx::{Connection, PgConnection};
 use ste_engine::generator::RunOutcome;
 use ste_engine::generator::{Generator, GeneratorConfig};
@@ -19,13 +19,9 @@ use ste_engine::routing::shard_of;
 use ste_engine::store::{Batch, ClsRow, MessageRow, Month, PgStore, Store, StoreError, TradeRow};
 
 fn trade_keys(url: &str) -> Vec<String> {
-    block_on(async {
-        let mut connection = PgConnection::connect(url).await.expect("connects");
-        sqlx::query_scalar("SELECT DISTINCT trade_key FROM messages")
-            .fetch_all(&mut connection)
-            .await
-            .expect("query")
-    })
+    PgStore::open(url)
+        .and_then(|mut store| store.trade_keys())
+        .expect("the shard's trade keys")
 }
 
 /// Runs `trades` clean trades through a pipeline on the postgres shards `urls`.
@@ -48,14 +44,11 @@ fn run_clean(
     let pipeline =
         Pipeline::start(&config, refdata.clone(), Tolerances::default()).expect("starts");
     let acks = pipeline.acks();
-    let mut submitter = pipeline.submitter();
-    for (index, line) in Generator::new(&refdata, GeneratorConfig::clean(trades)).enumerate() {
-        submitter
-            .submit_line(&refdata, line, index as u64)
-            .expect("submits");
-    }
-    submitter.flush().expect("flushes");
-    drop(submitter);
+    submit_all(
+        &pipeline,
+        &refdata,
+        Generator::new(&refdata, GeneratorConfig::clean(trades)),
+    );
     let report = pipeline.finish().expect("finishes");
     let results = drain(&acks)
         .expect("drains")
@@ -84,14 +77,7 @@ fn run_lines(
     let pipeline =
         Pipeline::start(&config, refdata.clone(), Tolerances::default()).expect("starts");
     let acks = pipeline.acks();
-    let mut submitter = pipeline.submitter();
-    for (index, line) in lines.iter().enumerate() {
-        submitter
-            .submit_line(refdata, line.clone(), index as u64)
-            .expect("submits");
-    }
-    submitter.flush().expect("flushes");
-    drop(submitter);
+    submit_all(&pipeline, refdata, lines.iter().cloned());
     let report = pipeline.finish().expect("finishes");
     let mut outcome = RunOutcome::default();
     for ack in drain(&acks).expect("drains") {

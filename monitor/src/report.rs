@@ -88,8 +88,9 @@ pub fn render(dir: &Path, refresh_s: Option<u32>) -> Result<String, ReportError>
             path: samples_path.display().to_string(),
             source,
         })?;
-        cluster_section(dir, &samples, &mut html);
-        stations_section(&samples, &mut html)?;
+        let metrics = analyze(&samples);
+        cluster_section(dir, &metrics, &mut html);
+        stations_section(&samples, &metrics, &mut html)?;
     }
     if has_sweep {
         sweep_section(dir, &mut html)?;
@@ -172,10 +173,13 @@ fn summary_section(dir: &Path, html: &mut String) -> Result<(), ReportError> {
     Ok(())
 }
 
-fn stations_section(samples: &[crate::Sample], html: &mut String) -> Result<(), ReportError> {
-    let metrics = analyze(samples);
+fn stations_section(
+    samples: &[crate::Sample],
+    metrics: &[crate::StationMetrics],
+    html: &mut String,
+) -> Result<(), ReportError> {
     html.push_str("<h2>Stations (operational analysis of samples.csv)</h2>");
-    if let Some(worst) = bottleneck(&metrics) {
+    if let Some(worst) = bottleneck(metrics) {
         let _ = write!(
             html,
             "<p id=\"bottleneck\">Bottleneck (largest demand): <b>{}</b>, U = {:.3}</p>",
@@ -187,7 +191,7 @@ fn stations_section(samples: &[crate::Sample], html: &mut String) -> Result<(), 
         "<table id=\"stations\"><tr><th>station</th><th>T (s)</th><th>A</th><th>C</th>\
          <th>λ (/s)</th><th>X (/s)</th><th>U</th><th>S (ms)</th><th>N</th><th>R (ms)</th></tr>",
     );
-    for m in &metrics {
+    for m in metrics {
         let _ = write!(
             html,
             "<tr><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{:.1}</td><td>{:.1}</td>\
@@ -219,12 +223,11 @@ fn stations_section(samples: &[crate::Sample], html: &mut String) -> Result<(), 
 /// The cluster at a glance, for a run through nodes (station names `node/station`, queues
 /// `jetstream/queue`): every node with its stations, busiest station and memory (`nodes.csv`),
 /// and every JetStream queue with its length in batches. Nothing for an in-process run.
-fn cluster_section(dir: &Path, samples: &[crate::Sample], html: &mut String) {
-    let metrics = analyze(samples);
+fn cluster_section(dir: &Path, metrics: &[crate::StationMetrics], html: &mut String) {
     let mut nodes: std::collections::BTreeMap<&str, Vec<&crate::StationMetrics>> =
         std::collections::BTreeMap::new();
     let mut queues = Vec::new();
-    for m in &metrics {
+    for m in metrics {
         match m.station.split_once('/') {
             Some(("jetstream", _)) => queues.push(m),
             Some((node, _)) => nodes.entry(node).or_default().push(m),
@@ -375,11 +378,13 @@ mod tests {
         )
         .expect("writes");
         let html = render(dir.path(), None).expect("renders");
-        let nodes = html
-            .split("id=\"nodes\"")
-            .nth(1)
-            .and_then(|rest| rest.split("</table>").next())
-            .expect("a nodes table");
+        let table = |id: &str| {
+            html.split(&format!("id=\"{id}\""))
+                .nth(1)
+                .and_then(|rest| rest.split("</table>").next())
+                .unwrap_or_else(|| panic!("no #{id} table"))
+        };
+        let nodes = table("nodes");
         assert!(
             nodes.contains("<td>node-1</td><td>match.0</td><td>node-1/match.0</td>"),
             "{nodes}"
@@ -391,11 +396,7 @@ mod tests {
         );
         // The latest memory reading.
         assert!(nodes.contains("<td>41.5</td><td>14.0</td>"), "{nodes}");
-        let queues = html
-            .split("id=\"jetstream\"")
-            .nth(1)
-            .and_then(|rest| rest.split("</table>").next())
-            .expect("a queue table");
+        let queues = table("jetstream");
         assert!(queues.contains("<td>jetstream/match.0</td>"), "{queues}");
         assert!(!queues.contains("node-1"));
         assert!(html.contains("Cluster: 2 nodes, 1 JetStream queues"));

@@ -179,3 +179,18 @@ pub fn commit_rate(samples_csv: &str, store_stations: &[String], from_ms: f64, t
     let committed = completed_at(to_ms).saturating_sub(completed_at(from_ms));
     committed as f64 / ((to_ms - from_ms) / 1e3).max(1e-9)
 }
+
+/// Submits `lines` to `pipeline`, numbered in order, and flushes what is buffered.
+pub fn submit_all(
+    pipeline: &ste_engine::pipeline::Pipeline,
+    refdata: &ste_engine::refdata::RefData,
+    lines: impl IntoIterator<Item = Vec<u8>>,
+) {
+    let mut submitter = pipeline.submitter();
+    for (index, line) in lines.into_iter().enumerate() {
+        submitter
+            .submit_line(refdata, line, index as u64)
+            .expect("submits");
+    }
+    submitter.flush().expect("flushes");
+}
