@@ -7,11 +7,26 @@
 # the cluster down with its volumes.
 #
 #   deploy/compose-run.sh [TRADES] [NODES]      # default 100000 trades, 4 nodes
+#
+# With `sweep`, the same Docker engine and images serve the scale-out experiment on the compose
+# cluster instead: `driver sweep --nodes LEVELS --db-counts 1,4 --compose deploy/docker-compose.yml`
+# (the driver binary from STE_BIN, default target/release), its series in runs/compose-sweep.
+#
+#   deploy/compose-run.sh sweep [LEVELS] [TRADES]   # default 1,2,4,8 and 100000 trades
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/sbin:/sbin"
-trades=${1:-100000}
-nodes=${2:-4}
+mode=run
+if [ "${1:-}" = sweep ]; then
+  mode=sweep
+  shift
+  levels=${1:-1,2,4,8}
+  trades=${2:-100000}
+  nodes=0
+else
+  trades=${1:-100000}
+  nodes=${2:-4}
+fi
 project=ste-compose-run
 compose=(docker-compose -p "$project" -f deploy/docker-compose.yml)
 export STE_TRADES=$trades STE_DASHBOARD_PORT=${STE_DASHBOARD_PORT:-18686}
@@ -41,6 +56,13 @@ trap cleanup EXIT
 
 echo "== images (deploy/offline-images.sh)"
 deploy/offline-images.sh
+
+if [ "$mode" = sweep ]; then
+  echo "== sweep: $levels nodes on 1 and 4 shards, $trades trades a level"
+  "${STE_BIN:-target/release}/driver" sweep --nodes "$levels" --db-counts 1,4 --trades "$trades" \
+    --compose deploy/docker-compose.yml --out runs/compose-sweep --quiet
+  exit 0
+fi
 
 echo "== up: nats, 4 shards, keys, $nodes nodes, monitor"
 "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true

@@ -20,6 +20,7 @@ use ste_engine::station::RunClock;
 use ste_engine::store::{PgStore, Store};
 use ste_sink::Sink;
 
+use super::scale::CpuReading;
 use super::{
     inject_source, peak_rss_mb, run_seconds, station_summaries, tally_answers, write_run_files,
     Progress, RunConfig, ShardSummary, Source, Summary, Tally,
@@ -36,6 +37,47 @@ pub struct ClusterTarget {
     pub lease_ttl: Duration,
     /// Longest the driver waits without a new answer before it gives up on the run.
     pub stall_timeout: Duration,
+    /// Before injecting, wait up to this long until every partition and shard has an owner, so
+    /// that the run measures the cluster at work and not its nodes starting (a sweep's levels).
+    pub wait_for_owners: Option<Duration>,
+}
+
+/// Waits until every inbound partition and every shard of `layout` is held by a node; returns
+/// how many distinct nodes hold them.
+pub fn wait_until_owned(
+    leases: &Leases,
+    layout: &ClusterLayout,
+    timeout: Duration,
+) -> anyhow::Result<usize> {
+    use ste_engine::lease::Leased;
+    let started = Instant::now();
+    loop {
+        let wanted = (0..layout.partitions)
+            .map(Leased::Partition)
+            .chain((0..layout.shards).map(Leased::Shard));
+        let mut owners = std::collections::BTreeSet::new();
+        let mut all = true;
+        for what in wanted {
+            match leases.holder(what).context("reading the leases")? {
+                Some(owner) => {
+                    owners.insert(owner);
+                }
+                None => all = false,
+            }
+        }
+        if all {
+            return Ok(owners.len());
+        }
+        if started.elapsed() > timeout {
+            bail!(
+                "after {} s, not every one of {} partitions and {} shards has an owner: are the nodes running?",
+                timeout.as_secs(),
+                layout.partitions,
+                layout.shards
+            );
+        }
+        std::thread::sleep(DRAIN_POLL);
+    }
 }
 
 /// How often the driver looks whether the CLS queue is drained at the end of a run.
@@ -70,6 +112,13 @@ pub fn run_cluster(
         .context("making the cluster's queues")?;
     let leases =
         Arc::new(Leases::open(&jetstream, target.lease_ttl).context("opening the leases")?);
+    if let Some(timeout) = target.wait_for_owners {
+        let owners = wait_until_owned(&leases, &layout, timeout)?;
+        eprintln!(
+            "{} partitions and {} shards owned by {owners} nodes",
+            layout.partitions, layout.shards
+        );
+    }
     let node_id = format!("driver-{}", std::process::id());
     let mut ingress =
         Ingress::open(&jetstream, &layout, leases, &node_id).context("taking a gateway number")?;
@@ -109,6 +158,7 @@ pub fn run_cluster(
     };
 
     let progress = Progress::start(&tally, &config.source, config.progress);
+    let cpu_before = CpuReading::now();
     let mut submitter = ingress.submitter(clock);
     let (injected, expected) = inject_source(
         &mut submitter,
@@ -140,6 +190,7 @@ pub fn run_cluster(
         }
     }
     let elapsed_s = run_seconds(&tally, started);
+    let cpu = cpu_before.until(&CpuReading::now());
     while jetstream
         .queue_len(ClusterLayout::CLS_QUEUE)
         .context("reading the CLS queue")?
@@ -241,6 +292,7 @@ pub fn run_cluster(
         expected,
         matches_expected,
         misrouted_trades: Some(misrouted),
+        cpu: Some(cpu),
         run_dir: config.run_dir.display().to_string(),
     };
     write_run_files(config, &summary, &sink_report)?;

@@ -23,6 +23,7 @@ use ste_sink::Sink;
 
 pub mod cluster;
 pub mod remote;
+pub mod scale;
 
 /// The first line of a message-set file.
 pub const MESSAGE_SET_OPEN: &str = "<MessageSet xmlns=\"urn:ste:trade:1\">";
@@ -88,7 +89,7 @@ pub struct RunConfig {
 }
 
 /// Latency percentiles in milliseconds.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct LatencySummary {
     pub p50: f64,
     pub p99: f64,
@@ -98,7 +99,7 @@ pub struct LatencySummary {
 }
 
 /// One station's operational metrics, in the summary's units.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 #[allow(non_snake_case)]
 pub struct StationSummary {
     pub name: String,
@@ -116,7 +117,7 @@ pub struct StationSummary {
 }
 
 /// One shard's share of the run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct ShardSummary {
     /// Distinct trades with an accepted message on this shard.
     pub trades: u64,
@@ -131,7 +132,7 @@ pub struct ShardSummary {
 }
 
 /// The summary of a run; `--json` prints it as one object.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Summary {
     /// trades, messages_in, accepted, duplicates, exceptions, cls and final trade states.
     #[serde(flatten)]
@@ -167,6 +168,10 @@ pub struct Summary {
     /// Cluster runs: trades stored on a shard other than the one the routing rule names, read
     /// from every shard's database at the end (0 when every shard holds only its own).
     pub misrouted_trades: Option<u64>,
+    /// Cluster runs: the CPU this machine spent from the first injection to the last answer,
+    /// by program (every process on the machine's kernel that the driver can see).
+    #[serde(default)]
+    pub cpu: Option<scale::CpuUse>,
     pub run_dir: String,
 }
 
@@ -619,6 +624,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         matches_expected,
         // In process, a trade's shard is chosen by the routing rule itself.
         misrouted_trades: None,
+        cpu: None,
         run_dir: config.run_dir.display().to_string(),
     };
     write_run_files(config, &summary, &sink_report)?;

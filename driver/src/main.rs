@@ -21,6 +21,8 @@ use ste_engine::keys::KeyRing;
 use ste_engine::profile::Tolerances;
 use ste_engine::refdata::RefData;
 
+mod node_sweep;
+
 // The pipeline allocates many small strings per message across threads; mimalloc's per-thread
 // heaps make that markedly cheaper than the system allocator. Transparent huge pages are off
 // (feature no_thp): re-faulting 2 MiB pages that the allocator had returned cost a quarter of
@@ -84,6 +86,21 @@ enum Command {
         /// Validator counts, comma-separated.
         #[arg(long, value_delimiter = ',', group = "levels")]
         validator_counts: Vec<u32>,
+        /// Engine-node counts of a cluster, comma-separated, e.g. 1,2,4,8: each level a fresh
+        /// cluster (its own nats-server, fresh databases `ste_sweep_<k>` on the --db servers,
+        /// K `engine` processes from beside the driver) or, with --compose, the compose file's
+        /// cluster with `--scale node=K`; a closed loop of --window messages (default 4096).
+        #[arg(long, value_delimiter = ',', group = "levels")]
+        nodes: Vec<u32>,
+        /// With --nodes: the numbers of PostgreSQL databases (shards) to sweep the node counts
+        /// on, comma-separated, e.g. 1,4 (default: every --db given; with --compose, 4). The
+        /// first N --db URLs name the servers of N shards.
+        #[arg(long, value_delimiter = ',', requires = "nodes")]
+        db_counts: Vec<u32>,
+        /// With --nodes: run each level on this docker-compose file's cluster
+        /// (deploy/docker-compose.yml) through `docker compose` instead of local processes.
+        #[arg(long, value_name = "FILE", requires = "nodes")]
+        compose: Option<PathBuf>,
         /// Folder of the series (one run directory per level); default runs/sweep-<time>.
         #[arg(long)]
         out: Option<PathBuf>,
@@ -120,7 +137,7 @@ enum StoreArg {
     Postgres,
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 struct RunArgs {
     #[command(flatten)]
     generation: GenerationArgs,
@@ -215,8 +232,12 @@ struct RunArgs {
     #[arg(long, value_name = "URL", conflicts_with = "target")]
     nats: Option<String>,
     /// Inbound partitions of the --nats cluster (as its nodes were started with).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, env = "STE_PARTITIONS", default_value_t = 4)]
     partitions: u32,
+    /// Before injecting into the --nats cluster, wait up to this many seconds until every
+    /// partition and shard has an owner.
+    #[arg(long, value_name = "SECONDS", requires = "nats")]
+    wait_for_owners_s: Option<u64>,
     /// Seconds a --nats run waits without any new answer before it gives up.
     #[arg(long, default_value_t = 120)]
     stall_timeout_s: u64,
@@ -458,8 +479,14 @@ fn run_cli() -> anyhow::Result<()> {
             rates,
             shard_counts,
             validator_counts,
+            nodes,
+            db_counts,
+            compose,
             out,
         }) => {
+            if !nodes.is_empty() {
+                return node_sweep::sweep_nodes(*run, &nodes, &db_counts, compose, out);
+            }
             // Exactly one of the four is given (clap's "levels" group).
             let level = Level::default();
             let levels: Vec<Level> = windows
@@ -502,6 +529,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             partitions: args.partitions.max(1),
             lease_ttl: Duration::from_secs(3),
             stall_timeout: Duration::from_secs(args.stall_timeout_s.max(1)),
+            wait_for_owners: args
+                .wait_for_owners_s
+                .map(|s| Duration::from_secs(s.max(1))),
         });
     let config = run_config(args)?;
     let _dashboard = match dashboard_address {
@@ -655,7 +685,7 @@ struct SweepPoint {
 
 impl SweepPoint {
     /// The columns of `sweep.csv` and of the printed table.
-    const COLUMNS: [&'static str; 14] = [
+    const COLUMNS: &'static [&'static str] = &[
         "level",
         "window",
         "rate_msg_s",
@@ -860,8 +890,28 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
         }
     }
     ste_monitor::chart::write_svg(&curve, &chart)?;
-    let header: Vec<&str> = SweepPoint::COLUMNS.to_vec();
-    let rows: Vec<Vec<String>> = points.iter().map(SweepPoint::cells).collect();
+    write_series(
+        &out,
+        SweepPoint::COLUMNS,
+        points.iter().map(SweepPoint::cells).collect(),
+        &points,
+    )?;
+    eprintln!(
+        "series written to {} (sweep.csv, sweep.json, {})",
+        out.display(),
+        chart.display()
+    );
+    Ok(())
+}
+
+/// Writes a sweep's points to `sweep.csv` (`header`, `rows`) and `sweep.json` (`points`) in
+/// `out`, and prints the rows as a table.
+fn write_series(
+    out: &std::path::Path,
+    header: &[&str],
+    rows: Vec<Vec<String>>,
+    points: &impl serde::Serialize,
+) -> anyhow::Result<()> {
     let mut csv = header.join(",") + "\n";
     for row in &rows {
         csv.push_str(&row.join(","));
@@ -870,7 +920,7 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
     std::fs::write(out.join("sweep.csv"), &csv).context("writing sweep.csv")?;
     std::fs::write(
         out.join("sweep.json"),
-        serde_json::to_string_pretty(&points)?,
+        serde_json::to_string_pretty(points)?,
     )
     .context("writing sweep.json")?;
     // The same cells as a table, each column as wide as its widest cell.
@@ -892,11 +942,6 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
             .collect();
         println!("{}", cells.join(" "));
     }
-    eprintln!(
-        "series written to {} (sweep.csv, sweep.json, {})",
-        out.display(),
-        chart.display()
-    );
     Ok(())
 }
 

@@ -846,3 +846,89 @@ fn headless_chromium_shows_every_node_and_every_jetstream_queue_of_a_running_clu
     let output = driver.wait_with_output().expect("the driver ends");
     summary_of(&output, &cluster);
 }
+
+#[test]
+fn a_node_sweep_starts_a_cluster_per_level_and_draws_the_per_node_rate_beside_the_model() {
+    let _one = one_cluster();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = dir.path().join("sweep");
+    // Two shards on the shared server: the sweep makes ste_sweep_0 and ste_sweep_1 there.
+    let server = common::admin_url();
+    let output = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .args(["sweep", "--nodes", "1,2", "--db-counts", "1,2"])
+        .args(["--trades", "400", "--window", "256", "--quiet"])
+        .args(["--db", &server, "--db", &server, "--out"])
+        .arg(&out)
+        .output()
+        .expect("the driver runs");
+    assert!(
+        output.status.success(),
+        "sweep failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let points: Vec<serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(out.join("sweep.json")).expect("sweep.json"))
+            .expect("JSON");
+    let levels: Vec<(u64, u64)> = points
+        .iter()
+        .map(|p| {
+            (
+                p["databases"].as_u64().expect("a count"),
+                p["nodes"].as_u64().expect("a count"),
+            )
+        })
+        .collect();
+    assert_eq!(levels, [(1, 1), (1, 2), (2, 1), (2, 2)]);
+    for point in &points {
+        let x = point["X"].as_f64().expect("X");
+        let nodes = point["nodes"].as_f64().expect("nodes");
+        assert!(x > 0.0, "{point}");
+        assert!((point["X_per_node"].as_f64().expect("a number") - x / nodes).abs() < 1e-6 * x);
+        assert!((point["R_ms"].as_f64().expect("a number") - 256e3 / x).abs() < 1e-6 * 256e3 / x);
+        assert!(point["cpu"]["busy_s"].as_f64().expect("a number") > 0.0, "{point}");
+        assert!(
+            point["cpu"]["by_program_s"]["engine"].as_f64().expect("a number") > 0.0,
+            "{point}"
+        );
+        assert!(point["X_mva"].as_f64().expect("a number") > 0.0, "{point}");
+        assert!(point["X_own"].as_f64().expect("a number") > 0.0, "{point}");
+        // Every level's run held its shards' rows where the routing rule puts them.
+        let run = std::path::Path::new(point["run_dir"].as_str().expect("run_dir"));
+        let summary: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(run.join("summary.json")).expect("summary"))
+                .expect("JSON");
+        assert_eq!(summary["matches_expected"], true, "{summary}");
+        assert_eq!(summary["misrouted_trades"], 0, "{summary}");
+        assert_eq!(summary["cls"], 400);
+    }
+    // The model: the cores a station of the CPU per message measured at the first level of
+    // each database count (256 in flight keep its servers busy: X = cores / D); the nodes on
+    // machines of their own can only be faster.
+    for (reference, levels) in [(&points[0], &points[0..2]), (&points[2], &points[2..4])] {
+        let cpu = &reference["cpu"];
+        let demand = cpu["busy_s"].as_f64().expect("a number") / 2800.0;
+        let bound = cpu["cores"].as_f64().expect("a number") / demand;
+        for point in levels {
+            let model = point["X_mva"].as_f64().expect("a number");
+            assert!(
+                (model - bound).abs() < 0.01 * bound,
+                "{model} vs {bound}: {point}"
+            );
+            assert!(point["X_own"].as_f64().expect("a number") >= model * 0.999, "{point}");
+        }
+    }
+    let csv = std::fs::read_to_string(out.join("sweep.csv")).expect("sweep.csv");
+    assert_eq!(csv.lines().count(), 5, "{csv}");
+    assert!(csv.starts_with("level,databases,nodes,window,X,X_per_node"));
+    let svg = std::fs::read_to_string(out.join("nodes.svg")).expect("nodes.svg");
+    assert!(svg.contains("Per-node rate") && svg.contains("2 DB measured"));
+    // The levels' databases are gone.
+    let left: i64 = block_on(async {
+        let mut admin = PgConnection::connect(&server).await.expect("connects");
+        sqlx::query_scalar("SELECT COUNT(*) FROM pg_database WHERE datname LIKE 'ste_sweep_%'")
+            .fetch_one(&mut admin)
+            .await
+            .expect("counts")
+    });
+    assert_eq!(left, 0);
+}

@@ -265,3 +265,105 @@ fn panel(
         .map_err(|e| e.to_string())?;
     Ok(())
 }
+
+/// A line of an [`XyPanel`]: measured series are drawn with markers, modelled ones dashed-free
+/// thinner lines of the same colour.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Series {
+    pub label: String,
+    pub points: Vec<(f64, f64)>,
+    pub measured: bool,
+    /// Series of one colour belong together (e.g. a measurement and its model).
+    pub color: usize,
+}
+
+/// One panel of an [`xy_svg`] chart.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct XyPanel {
+    pub caption: String,
+    pub x_desc: String,
+    pub y_desc: String,
+    pub series: Vec<Series>,
+}
+
+/// Panels side by side, each of lines over a linear x axis from zero: the charts of a node
+/// sweep (per-node rate against node count, R against X).
+pub fn xy_svg(title: &str, panels: &[XyPanel]) -> Result<String, String> {
+    let mut svg = String::new();
+    {
+        let width = 600 * panels.len().max(1) as u32;
+        let root = SVGBackend::with_string(&mut svg, (width, 520)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let root = root
+            .titled(title, ("sans-serif", 22))
+            .map_err(|e| e.to_string())?;
+        let areas = root.split_evenly((1, panels.len().max(1)));
+        for (panel, area) in panels.iter().zip(&areas) {
+            xy_panel(area, panel)?;
+        }
+        root.present().map_err(|e| e.to_string())?;
+    }
+    Ok(svg)
+}
+
+fn xy_panel(area: &DrawingArea<SVGBackend<'_>, Shift>, panel: &XyPanel) -> Result<(), String> {
+    let all = panel.series.iter().flat_map(|s| s.points.iter());
+    let (x_top, y_top) = all.fold((0.0_f64, 0.0_f64), |(x, y), p| (x.max(p.0), y.max(p.1)));
+    let (x_top, y_top) = ((x_top * 1.08).max(1.0), (y_top * 1.15).max(1e-3));
+    let mut chart = ChartBuilder::on(area)
+        .caption(&panel.caption, ("sans-serif", 18))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(80)
+        .build_cartesian_2d(0.0..x_top, 0.0..y_top)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc(panel.x_desc.as_str())
+        .y_desc(panel.y_desc.as_str())
+        .draw()
+        .map_err(|e| e.to_string())?;
+    for series in &panel.series {
+        let color = Palette99::pick(series.color).to_rgba();
+        let width = if series.measured { 2 } else { 1 };
+        let drawn = chart
+            .draw_series(LineSeries::new(
+                series.points.clone(),
+                color.stroke_width(width),
+            ))
+            .map_err(|e| e.to_string())?;
+        if series.measured {
+            drawn
+                .label(series.label.as_str())
+                .legend(move |(x, y)| Circle::new((x + 10, y), 4, color.filled()));
+            chart
+                .draw_series(
+                    series
+                        .points
+                        .iter()
+                        .map(|&point| Circle::new(point, 4, color.filled())),
+                )
+                .map_err(|e| e.to_string())?;
+        } else {
+            drawn.label(series.label.as_str()).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(1))
+            });
+            chart
+                .draw_series(
+                    series
+                        .points
+                        .iter()
+                        .map(|&point| Cross::new(point, 4, color.stroke_width(1))),
+                )
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}

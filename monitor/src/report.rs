@@ -294,6 +294,10 @@ fn sweep_section(dir: &Path, html: &mut String) -> Result<(), ReportError> {
     let Some(serde_json::Value::Array(points)) = read_json(&dir.join("sweep.json"))? else {
         return Ok(());
     };
+    if points.iter().any(|p| p.get("nodes").is_some()) {
+        node_sweep_section(dir, &points, html);
+        return Ok(());
+    }
     html.push_str(
         "<h2>Little's law over the sweep</h2><table id=\"sweep\"><tr><th>level</th>\
          <th>window</th><th>rate (msg/s)</th><th>X (msg/s)</th><th>N</th><th>R = N/X (ms)</th>\
@@ -338,6 +342,52 @@ fn sweep_section(dir: &Path, html: &mut String) -> Result<(), ReportError> {
         );
     }
     Ok(())
+}
+
+/// A node sweep (`driver sweep --nodes`): per level X, X per node, R, the CPU and the model's
+/// predictions, and its charts (per-node rate against nodes; R against X).
+fn node_sweep_section(dir: &Path, points: &[serde_json::Value], html: &mut String) {
+    html.push_str(
+        "<h2>Scale-out over node counts</h2><table id=\"node-sweep\"><tr><th>databases</th>\
+         <th>nodes</th><th>X (msg/s)</th><th>X per node</th><th>R = N/X (ms)</th>\
+         <th>CLS p99 (ms)</th><th>busy cores</th><th>CPU µs/msg</th><th>MVA X, this machine</th>\
+         <th>MVA X, level's CPU</th><th>MVA X, own machines</th><th>bottleneck</th></tr>",
+    );
+    let cell = |point: &serde_json::Value, key: &str, decimals: usize| {
+        point
+            .get(key)
+            .and_then(serde_json::Value::as_f64)
+            .map(|v| format!("{v:.decimals$}"))
+            .unwrap_or_default()
+    };
+    for point in points {
+        let _ = write!(html, "<tr>");
+        for (key, decimals) in [
+            ("databases", 0),
+            ("nodes", 0),
+            ("X", 0),
+            ("X_per_node", 0),
+            ("R_ms", 1),
+            ("cls_p99_ms", 1),
+            ("cpu_busy_cores", 2),
+            ("cpu_us_per_msg", 1),
+            ("X_mva", 0),
+            ("X_mva_level", 0),
+            ("X_own", 0),
+        ] {
+            let _ = write!(html, "<td>{}</td>", cell(point, key, decimals));
+        }
+        let bottleneck = point.get("bottleneck").and_then(serde_json::Value::as_str);
+        let _ = write!(html, "<td>{}</td></tr>", escape(bottleneck.unwrap_or("")));
+    }
+    html.push_str("</table>");
+    if let Ok(svg) = std::fs::read_to_string(dir.join("nodes.svg")) {
+        let _ = write!(
+            html,
+            "<div class=\"figure\" id=\"node-sweep-charts\">{}</div>",
+            inline_svg(&svg)
+        );
+    }
 }
 
 #[cfg(test)]
@@ -432,5 +482,39 @@ mod tests {
         assert!(html.contains("<td>900.0</td>"), "{html}");
         assert!(html.contains("<svg"));
         assert!(!html.contains("<?xml"));
+    }
+
+    #[test]
+    fn a_node_sweep_shows_its_levels_and_charts() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let point = |databases: u32, nodes: u32, x: f64| {
+            serde_json::json!({"level": 0, "databases": databases, "nodes": nodes, "X": x,
+                "X_per_node": x / f64::from(nodes), "R_ms": 4096e3 / x, "X_mva": 40000.0,
+                "X_own": 80000.0, "bottleneck": "node-1/store.0"})
+        };
+        let points = vec![
+            point(1, 1, 43000.0),
+            point(1, 2, 41000.0),
+            point(4, 8, 25000.0),
+        ];
+        std::fs::write(
+            dir.path().join("sweep.json"),
+            serde_json::to_string(&points).expect("JSON"),
+        )
+        .expect("sweep.json");
+        std::fs::write(
+            dir.path().join("nodes.svg"),
+            "<svg><text>Per-node rate</text></svg>",
+        )
+        .expect("nodes.svg");
+        let html = render(dir.path(), None).expect("renders");
+        assert!(html.contains("id=\"node-sweep\""));
+        assert_eq!(html.matches("<td>node-1/store.0</td>").count(), 3);
+        assert!(
+            html.contains("<td>20500</td>"),
+            "the per-node rate of 2 nodes"
+        );
+        assert!(html.contains("id=\"node-sweep-charts\"><svg><text>Per-node rate"));
+        assert!(!html.contains("id=\"sweep\""));
     }
 }

@@ -276,6 +276,45 @@ impl PgStore {
         )
     }
 
+    /// The URL of database `name` on the server of `url` (same user, host, port and options).
+    pub fn url_of_database(url: &str, name: &str) -> String {
+        let authority = url.find("://").map_or(0, |scheme| scheme + 3);
+        let path = url[authority..].find('/').map(|slash| authority + slash);
+        let query = url[authority..].find('?').map(|q| authority + q);
+        let end_of_server = path.or(query).unwrap_or(url.len());
+        let options = query.map_or("", |q| &url[q..]);
+        format!("{}/{name}{options}", &url[..end_of_server])
+    }
+
+    /// Drops database `name` on the server of `url` if it is there (closing its connections)
+    /// and, with `create`, makes it again, empty: the fresh shards of one sweep level. Returns
+    /// the database's URL.
+    pub fn recreate_database(url: &str, name: &str, create: bool) -> Result<String, StoreError> {
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err(StoreError::Unsupported(
+                "a database name of letters, digits and _ only",
+            ));
+        }
+        let admin = Self::url_of_database(url, "postgres");
+        let runtime = io_runtime()?;
+        let server = redacted(&admin);
+        runtime
+            .block_on(async {
+                let mut connection = PgConnection::connect(&admin).await?;
+                sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                    .execute(&mut connection)
+                    .await?;
+                if create {
+                    sqlx::query(&format!("CREATE DATABASE {name}"))
+                        .execute(&mut connection)
+                        .await?;
+                }
+                connection.close().await
+            })
+            .map_err(|source| database_error(&server, source))?;
+        Ok(Self::url_of_database(url, name))
+    }
+
     pub fn open(url: &str) -> Result<Self, StoreError> {
         let name = redacted(url);
         let runtime = io_runtime()?;

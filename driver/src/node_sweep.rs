@@ -1,0 +1,598 @@
+//! `driver sweep --nodes 1,2,4,8 [--db-counts 1,4] [--compose FILE]`: the STE's scale-out
+//! experiment. Each level is a fresh cluster of K engine nodes on D shard databases, loaded in a
+//! closed loop of W messages in flight; per level the sweep records X, the per-node rate X/K,
+//! N = W and R = N/X (Little's law), the CLS latency, the bottleneck station and the CPU the
+//! level cost this machine by program; and beside each the MVA prediction of a model whose
+//! stations are the machines' cores (see [`NodeModel`]).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use serde::Serialize;
+use ste_driver::scale::{
+    local_programs, Compose, CpuReading, CpuUse, LocalCluster, LocalSpec, Share,
+};
+use ste_driver::Summary;
+use ste_engine::keys::KeyRing;
+use ste_monitor::chart::{Series, XyPanel};
+use ste_monitor::mva::{self, Kind, Station};
+
+use super::{
+    check_summary, default_run_dir, load_refdata, run_config, write_series, RunArgs, StoreArg,
+};
+
+/// Messages in flight of a node sweep's closed loop unless --window says otherwise.
+pub const NODE_SWEEP_WINDOW: u64 = 4096;
+
+/// How long a level waits for its nodes to own every partition and shard.
+const OWNERS_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The compose file's shards.
+const COMPOSE_SHARDS: u32 = 4;
+
+/// One level of a node sweep.
+#[derive(Serialize)]
+#[allow(non_snake_case)]
+struct NodePoint {
+    level: usize,
+    databases: u32,
+    nodes: u32,
+    partitions: u32,
+    window: u64,
+    /// System throughput, messages per second.
+    X: f64,
+    /// X per node.
+    X_per_node: f64,
+    /// Messages in the system: the closed loop's window.
+    N: f64,
+    /// N / X, ms.
+    R_ms: f64,
+    cls_p50_ms: f64,
+    cls_p99_ms: f64,
+    bottleneck: Option<String>,
+    /// Mean busy cores of the machine during the run.
+    cpu_busy_cores: f64,
+    /// The machine's busy CPU per message, µs.
+    cpu_us_per_msg: f64,
+    /// The engine nodes' CPU per message, µs.
+    node_cpu_us_per_msg: f64,
+    /// The model on this machine: every process shares its cores.
+    X_mva: Option<f64>,
+    R_mva_ms: Option<f64>,
+    /// The same model with this level's own measured CPU per message: what the cores allow
+    /// once what more nodes cost is known.
+    X_mva_level: Option<f64>,
+    /// The model with each node on a machine of its own (as many cores as this one).
+    X_own: Option<f64>,
+    R_own_ms: Option<f64>,
+    cpu: CpuUse,
+    run_dir: String,
+}
+
+impl NodePoint {
+    const COLUMNS: &'static [&'static str] = &[
+        "level",
+        "databases",
+        "nodes",
+        "window",
+        "X",
+        "X_per_node",
+        "N",
+        "R_ms",
+        "cls_p50_ms",
+        "cls_p99_ms",
+        "bottleneck",
+        "cpu_busy_cores",
+        "cpu_us_per_msg",
+        "node_cpu_us_per_msg",
+        "X_mva",
+        "R_mva_ms",
+        "X_mva_level",
+        "X_own",
+        "R_own_ms",
+    ];
+
+    fn cells(&self) -> Vec<String> {
+        let optional = |value: Option<f64>, places: usize| {
+            value.map(|v| format!("{v:.places$}")).unwrap_or_default()
+        };
+        vec![
+            self.level.to_string(),
+            self.databases.to_string(),
+            self.nodes.to_string(),
+            self.window.to_string(),
+            format!("{:.1}", self.X),
+            format!("{:.1}", self.X_per_node),
+            format!("{:.0}", self.N),
+            format!("{:.2}", self.R_ms),
+            format!("{:.2}", self.cls_p50_ms),
+            format!("{:.2}", self.cls_p99_ms),
+            self.bottleneck.clone().unwrap_or_default(),
+            format!("{:.2}", self.cpu_busy_cores),
+            format!("{:.1}", self.cpu_us_per_msg),
+            format!("{:.1}", self.node_cpu_us_per_msg),
+            optional(self.X_mva, 1),
+            optional(self.R_mva_ms, 2),
+            optional(self.X_mva_level, 1),
+            optional(self.X_own, 1),
+            optional(self.R_own_ms, 2),
+        ]
+    }
+}
+
+/// The model of a node sweep, from the demands measured at the sweep's first level of a database
+/// count (its reference): a closed network of the loop's W messages.
+///
+/// - On this machine, one station of `c` servers (its cores) with the machine's busy CPU per
+///   message as demand: every process (nodes, NATS, PostgreSQL, driver) shares it. More nodes
+///   add no cores, so the model predicts the reference's X at every node count; what it misses
+///   is what more nodes cost in CPU per message, which the same model at each level's own
+///   measured demand (`X_mva_level`) takes in. There is no delay station: at W in flight the
+///   loop keeps the cores busy, and the CPU time a run leaves idle (threads waiting for batches
+///   and for each other) is what the measurement falls short of the model.
+/// - With nodes on machines of their own (as many cores each as this one): the nodes' CPU per
+///   message moves to K stations of `c` servers, the validation share spread over
+///   min(K, partitions) of them and the shard owners' share over min(K, shards) (split as the
+///   busy times of the `in.*` and `match.*` stations), while NATS, PostgreSQL, the driver and
+///   the rest stay on one shared machine.
+#[derive(Clone, Copy)]
+struct NodeModel {
+    cores: u32,
+    window: u32,
+    total_s: f64,
+    nodes_s: f64,
+    validation_fraction: f64,
+}
+
+impl NodeModel {
+    fn of(summary: &Summary, cpu: &CpuUse, window: u64) -> Option<Self> {
+        let messages = summary.outcome.messages_in as f64;
+        if messages <= 0.0 || cpu.busy_s <= 0.0 {
+            return None;
+        }
+        let busy = |part: &str| -> f64 {
+            summary
+                .stations
+                .iter()
+                .filter(|s| s.name.contains(part))
+                .map(|s| s.B_s)
+                .sum()
+        };
+        let (validation, matching) = (busy("/in."), busy("/match."));
+        Some(Self {
+            cores: cpu.cores.max(1) as u32,
+            window: u32::try_from(window.max(1)).unwrap_or(u32::MAX),
+            total_s: cpu.busy_s / messages,
+            nodes_s: (cpu.program_s("engine") / messages).min(cpu.busy_s / messages),
+            validation_fraction: if validation + matching > 0.0 {
+                validation / (validation + matching)
+            } else {
+                0.5
+            },
+        })
+    }
+
+    fn cores(&self, name: String, demand: f64) -> Station {
+        Station {
+            name,
+            kind: Kind::MultiServer(self.cores),
+            service: demand,
+            visits: 1.0,
+        }
+    }
+
+    /// This machine at any node count.
+    fn here(&self) -> Vec<Station> {
+        vec![self.cores("cores".to_owned(), self.total_s)]
+    }
+
+    /// K nodes on machines of their own.
+    fn own(&self, share: Share) -> Vec<Station> {
+        let validating = share.nodes.min(share.partitions).max(1);
+        let owning = share.nodes.min(share.shards).max(1);
+        let mut stations = vec![self.cores(
+            "shared machine".to_owned(),
+            (self.total_s - self.nodes_s).max(0.0),
+        )];
+        for node in 0..share.nodes {
+            let mut demand = 0.0;
+            if node < validating {
+                demand += self.nodes_s * self.validation_fraction / f64::from(validating);
+            }
+            if node < owning {
+                demand += self.nodes_s * (1.0 - self.validation_fraction) / f64::from(owning);
+            }
+            if demand > 0.0 {
+                stations.push(self.cores(format!("node {node}"), demand));
+            }
+        }
+        stations
+    }
+
+    /// X and R (s) of `stations` at the window's population.
+    fn solve(&self, stations: &[Station]) -> Option<(f64, f64)> {
+        let points = mva::closed(stations, 0.0, self.window).ok()?;
+        points.last().map(|p| (p.X, p.R))
+    }
+}
+
+/// What the sweep runs each level on.
+enum Platform {
+    Local {
+        servers: Vec<String>,
+        keys: PathBuf,
+        engine: PathBuf,
+        nats_server: PathBuf,
+    },
+    Compose(Compose),
+}
+
+pub fn sweep_nodes(
+    mut args: RunArgs,
+    nodes: &[u32],
+    db_counts: &[u32],
+    compose: Option<PathBuf>,
+    out: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    if args.run_dir.is_some() || args.resume || args.nats.is_some() || args.target.is_some() {
+        bail!("a node sweep starts a cluster per level under --out; --run-dir, --resume, --nats and --target do not apply");
+    }
+    if args.input.is_some() {
+        bail!("a node sweep generates its load (--trades, --seed, --fault-rate, --shuffle)");
+    }
+    if nodes.contains(&0) || db_counts.contains(&0) {
+        bail!("--nodes and --db-counts must be at least 1");
+    }
+    let out = out.unwrap_or_else(|| {
+        let mut dir = default_run_dir();
+        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned());
+        dir.set_file_name(format!("sweep-nodes-{}", name.unwrap_or_default()));
+        dir
+    });
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let window = args.window.unwrap_or(NODE_SWEEP_WINDOW).max(1);
+    args.window = Some(window);
+    let most_nodes = nodes.iter().copied().max().unwrap_or(1);
+    let partitions = args.partitions.max(most_nodes);
+    let platform = match &compose {
+        Some(file) => Platform::Compose(Compose::find(file)?),
+        None => {
+            let (engine, nats_server) = local_programs()?;
+            args.store = StoreArg::Postgres;
+            let servers = run_config_urls(&args)?;
+            let keys = match &args.keys {
+                Some(keys) => keys.clone(),
+                None => {
+                    let keys = out.join("keys.csv");
+                    KeyRing::generate_for(&load_refdata(args.refdata.as_ref())?)
+                        .write(&keys)
+                        .with_context(|| format!("writing {}", keys.display()))?;
+                    keys
+                }
+            };
+            Platform::Local {
+                servers,
+                keys,
+                engine,
+                nats_server,
+            }
+        }
+    };
+    let db_counts: Vec<u32> = match (&platform, db_counts.is_empty()) {
+        (_, false) => db_counts.to_vec(),
+        (Platform::Local { servers, .. }, true) => vec![servers.len() as u32],
+        (Platform::Compose(_), true) => vec![COMPOSE_SHARDS],
+    };
+    let most_databases = db_counts.iter().copied().max().unwrap_or(1);
+    match &platform {
+        Platform::Local { servers, .. } if (servers.len() as u32) < most_databases => bail!(
+            "{most_databases} databases need as many --db URLs (one per shard's server); {} given",
+            servers.len()
+        ),
+        Platform::Compose(_) if most_databases > COMPOSE_SHARDS => {
+            bail!("the compose file has {COMPOSE_SHARDS} shards")
+        }
+        _ => {}
+    }
+
+    let mut points: Vec<NodePoint> = Vec::new();
+    for &databases in &db_counts {
+        let mut model: Option<NodeModel> = None;
+        for &k in nodes {
+            let level = points.len();
+            let share = Share {
+                nodes: k,
+                partitions,
+                shards: databases,
+            };
+            let name = format!("level-{level}-dbs-{databases}-nodes-{k}");
+            let dir = out.join(&name);
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            eprintln!(
+                "sweep level {level}: {k} nodes on {databases} databases ({partitions} partitions, {window} messages in flight)"
+            );
+            let (summary, cpu) = match &platform {
+                Platform::Local {
+                    servers,
+                    keys,
+                    engine,
+                    nats_server,
+                } => run_local(
+                    &args,
+                    &LocalSpec {
+                        dir: &dir,
+                        share,
+                        servers: &servers[..databases as usize],
+                        keys,
+                        engine,
+                        nats_server,
+                        node_args: &[],
+                    },
+                )?,
+                Platform::Compose(compose) => {
+                    let driver_args = compose_driver_args(&args, partitions, window, &name);
+                    compose.level(share, &driver_args)?
+                }
+            };
+            check_summary(&summary)?;
+            std::fs::write(dir.join("cpu.json"), serde_json::to_string_pretty(&cpu)?)
+                .context("writing cpu.json")?;
+            let messages = summary.outcome.messages_in.max(1) as f64;
+            if model.is_none() {
+                model = NodeModel::of(&summary, &cpu, window);
+            }
+            let x = summary.throughput_msg_s;
+            let here = model.as_ref().and_then(|m| m.solve(&m.here()));
+            let own = model.as_ref().and_then(|m| m.solve(&m.own(share)));
+            let at_level = model.as_ref().and_then(|m| {
+                let level = NodeModel {
+                    total_s: cpu.busy_s / messages,
+                    ..*m
+                };
+                level.solve(&level.here())
+            });
+            let point = NodePoint {
+                level,
+                databases,
+                nodes: k,
+                partitions,
+                window,
+                X: x,
+                X_per_node: x / f64::from(k),
+                N: window as f64,
+                R_ms: if x > 0.0 {
+                    1e3 * window as f64 / x
+                } else {
+                    0.0
+                },
+                cls_p50_ms: summary.latency_ms.p50,
+                cls_p99_ms: summary.latency_ms.p99,
+                bottleneck: summary.bottleneck.clone(),
+                cpu_busy_cores: cpu.busy_cores(),
+                cpu_us_per_msg: 1e6 * cpu.busy_s / messages,
+                node_cpu_us_per_msg: 1e6 * cpu.program_s("engine") / messages,
+                X_mva: here.map(|(x, _)| x),
+                R_mva_ms: here.map(|(_, r)| r * 1e3),
+                X_mva_level: at_level.map(|(x, _)| x),
+                X_own: own.map(|(x, _)| x),
+                R_own_ms: own.map(|(_, r)| r * 1e3),
+                cpu,
+                run_dir: match &platform {
+                    Platform::Local { .. } => dir.join("run").display().to_string(),
+                    Platform::Compose(_) => summary.run_dir.clone(),
+                },
+            };
+            eprintln!(
+                "  {k} nodes, {databases} databases: X {x:.0} msg/s ({:.0} per node), R {:.1} ms, {:.2} cores busy{}",
+                point.X_per_node,
+                point.R_ms,
+                point.cpu_busy_cores,
+                point
+                    .X_mva
+                    .map(|m| format!(", model here {m:.0} msg/s"))
+                    .unwrap_or_default()
+            );
+            points.push(point);
+        }
+    }
+    if let Platform::Compose(compose) = &platform {
+        compose.down()?;
+    }
+
+    let chart = out.join("nodes.svg");
+    std::fs::write(&chart, node_charts(&points, compose.is_some())?)
+        .with_context(|| format!("writing {}", chart.display()))?;
+    write_series(
+        &out,
+        NodePoint::COLUMNS,
+        points.iter().map(NodePoint::cells).collect(),
+        &points,
+    )?;
+    eprintln!(
+        "series written to {} (sweep.csv, sweep.json, {})",
+        out.display(),
+        chart.display()
+    );
+    Ok(())
+}
+
+/// The shard servers' URLs of a local sweep, from --db or STE_DATABASE_URLS.
+fn run_config_urls(args: &RunArgs) -> anyhow::Result<Vec<String>> {
+    let config = run_config(args.clone())?;
+    Ok(config.db_urls)
+}
+
+/// One level on local processes.
+fn run_local(args: &RunArgs, spec: &LocalSpec<'_>) -> anyhow::Result<(Summary, CpuUse)> {
+    let refdata = {
+        let ring = KeyRing::load(spec.keys)
+            .with_context(|| format!("loading keys from {}", spec.keys.display()))?;
+        Arc::new(
+            load_refdata(args.refdata.as_ref())?
+                .with_keys(&ring)
+                .context("installing the signing keys")?,
+        )
+    };
+    let cluster = LocalCluster::start(spec)?;
+    let outcome = (|| {
+        let mut level_args = args.clone();
+        level_args.db = cluster.db_urls.clone();
+        level_args.shards = Some(spec.share.shards);
+        level_args.run_dir = Some(spec.dir.join("run"));
+        let config = run_config(level_args)?;
+        let target = ste_driver::cluster::ClusterTarget {
+            url: cluster.nats_url.clone(),
+            partitions: spec.share.partitions,
+            lease_ttl: Duration::from_secs(3),
+            stall_timeout: Duration::from_secs(args.stall_timeout_s.max(1)),
+            wait_for_owners: None,
+        };
+        // The run's CPU is measured from when every partition and shard is owned.
+        let leases_ready = {
+            let jetstream = ste_engine::queue::jetstream::JetStream::connect(&cluster.nats_url)
+                .context("connecting to the level's NATS")?;
+            let layout = ste_engine::node::ClusterLayout {
+                partitions: spec.share.partitions,
+                shards: spec.share.shards,
+                ..Default::default()
+            };
+            layout
+                .ensure(&jetstream)
+                .context("making the cluster's queues")?;
+            let leases = ste_engine::lease::Leases::open(&jetstream, target.lease_ttl)
+                .context("opening the leases")?;
+            ste_driver::cluster::wait_until_owned(&leases, &layout, OWNERS_TIMEOUT)?
+        };
+        eprintln!("  {leases_ready} nodes own the partitions and shards");
+        let before = CpuReading::now();
+        let summary = ste_driver::cluster::run_cluster(&config, &target, refdata)?;
+        // The load's own span where the run measured it, else the whole run's.
+        let cpu = summary
+            .cpu
+            .clone()
+            .unwrap_or_else(|| before.until(&CpuReading::now()));
+        Ok::<_, anyhow::Error>((summary, cpu))
+    })();
+    let stopped = cluster.stop();
+    let result = outcome?;
+    stopped?;
+    Ok(result)
+}
+
+/// The compose file driver's arguments for one level.
+fn compose_driver_args(args: &RunArgs, partitions: u32, window: u64, name: &str) -> Vec<String> {
+    let g = &args.generation;
+    let mut list = vec![
+        "--trades".to_owned(),
+        g.trades.to_string(),
+        "--seed".to_owned(),
+        g.seed.to_string(),
+        "--fault-rate".to_owned(),
+        g.fault_rate.to_string(),
+        "--window".to_owned(),
+        window.to_string(),
+        "--nats".to_owned(),
+        "nats://nats:4222".to_owned(),
+        "--partitions".to_owned(),
+        partitions.to_string(),
+        "--wait-for-owners-s".to_owned(),
+        OWNERS_TIMEOUT.as_secs().to_string(),
+        "--run-dir".to_owned(),
+        format!("/runs/{name}"),
+        "--json".to_owned(),
+        "--quiet".to_owned(),
+    ];
+    if g.shuffle {
+        list.push("--shuffle".to_owned());
+    }
+    list
+}
+
+/// The sweep's charts: per-node rate against node count, and R against X, one colour per
+/// database count, measured points beside the model's.
+fn node_charts(points: &[NodePoint], compose: bool) -> anyhow::Result<String> {
+    let mut counts: Vec<u32> = points.iter().map(|p| p.databases).collect();
+    counts.dedup();
+    let mut per_node = XyPanel {
+        caption: "Per-node rate".to_owned(),
+        x_desc: "engine nodes".to_owned(),
+        y_desc: "X per node (messages/s)".to_owned(),
+        series: Vec::new(),
+    };
+    let mut little = XyPanel {
+        caption: "Little's law over node counts".to_owned(),
+        x_desc: "X (messages/s)".to_owned(),
+        y_desc: "R (ms)".to_owned(),
+        series: Vec::new(),
+    };
+    for (index, &databases) in counts.iter().enumerate() {
+        let of: Vec<&NodePoint> = points.iter().filter(|p| p.databases == databases).collect();
+        let label = |what: &str| format!("{databases} DB {what}");
+        let series = |label: String, measured, color, points: Vec<(f64, f64)>| Series {
+            label,
+            points,
+            measured,
+            color,
+        };
+        let color = index * 3;
+        per_node.series.push(series(
+            label("measured"),
+            true,
+            color,
+            of.iter()
+                .map(|p| (f64::from(p.nodes), p.X_per_node))
+                .collect(),
+        ));
+        little.series.push(series(
+            label("measured"),
+            true,
+            color,
+            of.iter().map(|p| (p.X, p.R_ms)).collect(),
+        ));
+        let model = |x: fn(&NodePoint) -> Option<(f64, f64)>| -> Vec<(f64, f64)> {
+            of.iter().filter_map(|p| x(p)).collect()
+        };
+        per_node.series.push(series(
+            label("model, this machine"),
+            false,
+            color + 1,
+            model(|p| {
+                p.X_mva
+                    .map(|x| (f64::from(p.nodes), x / f64::from(p.nodes)))
+            }),
+        ));
+        per_node.series.push(series(
+            label("model, own machines"),
+            false,
+            color + 2,
+            model(|p| {
+                p.X_own
+                    .map(|x| (f64::from(p.nodes), x / f64::from(p.nodes)))
+            }),
+        ));
+        little.series.push(series(
+            label("model, this machine"),
+            false,
+            color + 1,
+            model(|p| p.X_mva.zip(p.R_mva_ms)),
+        ));
+        little.series.push(series(
+            label("model, own machines"),
+            false,
+            color + 2,
+            model(|p| p.X_own.zip(p.R_own_ms)),
+        ));
+    }
+    let title = format!(
+        "Scale-out: engine nodes {}, {} messages in flight",
+        if compose {
+            "in docker-compose containers"
+        } else {
+            "as processes of one machine"
+        },
+        points.first().map_or(0, |p| p.window)
+    );
+    ste_monitor::chart::xy_svg(&title, &[per_node, little]).map_err(|e| anyhow::anyhow!(e))
+}

@@ -1,0 +1,490 @@
+//! The clusters of a node sweep (`driver sweep --nodes 1,2,4,8`): for each level, K engine
+//! nodes on a fresh NATS JetStream server and fresh shard databases, started here as processes
+//! ([`LocalCluster`]) or as the services of the docker-compose file ([`Compose`]); and the CPU
+//! the level cost this machine, by program ([`CpuReading`]), which the sweep's model needs: the
+//! machine's cores are a station every process shares.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+use ste_engine::store::PgStore;
+
+use super::Summary;
+
+/// Clock ticks per second of `/proc/stat` and `/proc/<pid>/stat` (Linux's USER_HZ, 100 on
+/// every architecture it runs on).
+const USER_HZ: f64 = 100.0;
+
+/// The programs a level's CPU is told apart by (a process's `comm`); the rest of the machine's
+/// busy time is "other".
+pub const PROGRAMS: [&str; 4] = ["engine", "nats-server", "postgres", "driver"];
+
+/// The machine's busy CPU time and every process's, at one instant.
+#[derive(Debug, Clone, Default)]
+pub struct CpuReading {
+    at: Option<Instant>,
+    busy_s: f64,
+    /// pid → (program, CPU seconds so far).
+    processes: BTreeMap<u32, (String, f64)>,
+}
+
+/// The CPU a stretch of time cost: the machine's, and each program's of [`PROGRAMS`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CpuUse {
+    /// Wall time between the readings.
+    pub seconds: f64,
+    /// Cores of the machine.
+    pub cores: usize,
+    /// Busy CPU seconds of the whole machine (user, system, interrupts, steal).
+    pub busy_s: f64,
+    /// CPU seconds by program; `other` is the machine's rest (this host's other tenants too).
+    pub by_program_s: BTreeMap<String, f64>,
+}
+
+impl CpuUse {
+    /// Mean busy cores over the stretch.
+    pub fn busy_cores(&self) -> f64 {
+        self.busy_s / self.seconds.max(1e-9)
+    }
+
+    pub fn program_s(&self, program: &str) -> f64 {
+        self.by_program_s.get(program).copied().unwrap_or(0.0)
+    }
+}
+
+impl CpuReading {
+    /// Reads `/proc/stat` and every process's `/proc/<pid>/stat` (processes in containers
+    /// too: they run on this kernel). Where `/proc` is missing, the reading is empty.
+    pub fn now() -> Self {
+        let busy_s = std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|stat| {
+                let fields: Vec<f64> = stat
+                    .lines()
+                    .next()?
+                    .split_whitespace()
+                    .skip(1)
+                    .filter_map(|f| f.parse().ok())
+                    .collect();
+                // user nice system idle iowait irq softirq steal (guest time is in user).
+                let busy = [0, 1, 2, 5, 6, 7]
+                    .iter()
+                    .filter_map(|&k| fields.get(k))
+                    .sum::<f64>();
+                Some(busy / USER_HZ)
+            })
+            .unwrap_or(0.0);
+        let mut processes = BTreeMap::new();
+        if let Ok(entries) = std::fs::read_dir("/proc") {
+            for entry in entries.flatten() {
+                let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+                    continue;
+                };
+                if let Some(process) = process_cpu(pid) {
+                    processes.insert(pid, process);
+                }
+            }
+        }
+        Self {
+            at: Some(Instant::now()),
+            busy_s,
+            processes,
+        }
+    }
+
+    /// What happened between this reading and `later`. A process that ended in between
+    /// takes its time with it; one that started counts from zero.
+    pub fn until(&self, later: &CpuReading) -> CpuUse {
+        let mut by_program_s: BTreeMap<String, f64> = PROGRAMS
+            .iter()
+            .map(|program| (program.to_string(), 0.0))
+            .collect();
+        for (pid, (program, seconds)) in &later.processes {
+            let Some(total) = by_program_s.get_mut(program) else {
+                continue;
+            };
+            let before = self
+                .processes
+                .get(pid)
+                .filter(|(was, _)| was == program)
+                .map_or(0.0, |(_, s)| *s);
+            *total += (seconds - before).max(0.0);
+        }
+        let busy_s = (later.busy_s - self.busy_s).max(0.0);
+        let known: f64 = by_program_s.values().sum();
+        by_program_s.insert("other".to_owned(), (busy_s - known).max(0.0));
+        CpuUse {
+            seconds: match (self.at, later.at) {
+                (Some(from), Some(to)) => to.duration_since(from).as_secs_f64(),
+                _ => 0.0,
+            },
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            busy_s,
+            by_program_s,
+        }
+    }
+}
+
+/// A process's program name and CPU seconds (user + system, every thread).
+fn process_cpu(pid: u32) -> Option<(String, f64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+    let program = stat.get(open + 1..close)?.to_owned();
+    let fields: Vec<&str> = stat.get(close + 1..)?.split_whitespace().collect();
+    // After the name: state is field 3 of the line, utime 14 and stime 15.
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some((program, ticks / USER_HZ))
+}
+
+/// How a level's nodes split the cluster's work: each takes at most its share of the inbound
+/// partitions and of the shards, so that once all are owned every node has its part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Share {
+    pub nodes: u32,
+    pub partitions: u32,
+    pub shards: u32,
+}
+
+impl Share {
+    pub fn max_validators(self) -> u32 {
+        self.partitions.div_ceil(self.nodes.max(1))
+    }
+
+    pub fn max_shards(self) -> u32 {
+        self.shards.div_ceil(self.nodes.max(1))
+    }
+}
+
+/// The name of shard `index`'s database in a level of a sweep.
+fn sweep_database(index: usize) -> String {
+    format!("ste_sweep_{index}")
+}
+
+/// A level's cluster as processes of this machine: its own `nats-server` (fresh streams and
+/// leases in `dir`), K `engine` nodes, and fresh databases `ste_sweep_<k>` on the servers of
+/// the given URLs (dropped again by [`LocalCluster::stop`]).
+pub struct LocalCluster {
+    nats: Child,
+    nodes: Vec<(String, Child)>,
+    pub nats_url: String,
+    pub db_urls: Vec<String>,
+}
+
+/// What a [`LocalCluster`] is made of.
+pub struct LocalSpec<'a> {
+    pub dir: &'a Path,
+    pub share: Share,
+    /// One per shard: the server a shard's database is made on.
+    pub servers: &'a [String],
+    pub keys: &'a Path,
+    pub engine: &'a Path,
+    pub nats_server: &'a Path,
+    /// More arguments for every node.
+    pub node_args: &'a [String],
+}
+
+/// Where the programs a local cluster runs are: `engine` beside this executable, and
+/// `nats-server` on the PATH or in the system's sbin.
+pub fn local_programs() -> anyhow::Result<(PathBuf, PathBuf)> {
+    let engine = std::env::current_exe()
+        .context("locating the driver's executable")?
+        .with_file_name("engine");
+    if !engine.exists() {
+        bail!(
+            "{} is missing: build it beside the driver (cargo build --release --bin engine)",
+            engine.display()
+        );
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let nats = std::env::split_paths(&path)
+        .chain(["/usr/sbin".into(), "/usr/local/sbin".into()])
+        .map(|dir| dir.join("nats-server"))
+        .find(|candidate| candidate.exists())
+        .context("nats-server is not installed (Debian: apt-get install nats-server)")?;
+    Ok((engine, nats))
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+impl LocalCluster {
+    pub fn start(spec: &LocalSpec<'_>) -> anyhow::Result<Self> {
+        let mut db_urls = Vec::with_capacity(spec.servers.len());
+        for (index, server) in spec.servers.iter().enumerate() {
+            db_urls.push(
+                PgStore::recreate_database(server, &sweep_database(index), true)
+                    .with_context(|| format!("making shard {index}'s database"))?,
+            );
+        }
+        let port = free_port()?;
+        let data = spec.dir.join("nats");
+        std::fs::create_dir_all(&data).with_context(|| format!("creating {}", data.display()))?;
+        let log = std::fs::File::create(spec.dir.join("nats.log")).context("nats.log")?;
+        let nats = Command::new(spec.nats_server)
+            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(&data)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", spec.nats_server.display()))?;
+        let nats_url = format!("nats://127.0.0.1:{port}");
+        let mut cluster = Self {
+            nats,
+            nodes: Vec::new(),
+            nats_url,
+            db_urls,
+        };
+        let started = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if started.elapsed() > Duration::from_secs(20) {
+                cluster.stop()?;
+                bail!("nats-server did not listen on port {port} within 20 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        for node in 1..=spec.share.nodes {
+            let id = format!("node-{node}");
+            let log = std::fs::File::create(spec.dir.join(format!("{id}.log")))
+                .with_context(|| format!("{id}.log"))?;
+            let child = Command::new(spec.engine)
+                .args(["--nats", &cluster.nats_url, "--node-id", &id])
+                .arg("--keys")
+                .arg(spec.keys)
+                .args(
+                    cluster
+                        .db_urls
+                        .iter()
+                        .flat_map(|url| ["--db", url.as_str()]),
+                )
+                .args(["--partitions", &spec.share.partitions.to_string()])
+                .args(["--max-shards", &spec.share.max_shards().to_string()])
+                .args(["--validators", &spec.share.max_validators().to_string()])
+                .args(spec.node_args)
+                .env(
+                    "RUST_LOG",
+                    std::env::var("RUST_LOG").unwrap_or_else(|_| "info,sqlx=error".into()),
+                )
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .with_context(|| format!("starting {}", spec.engine.display()));
+            match child {
+                Ok(child) => cluster.nodes.push((id, child)),
+                Err(error) => {
+                    cluster.stop()?;
+                    return Err(error);
+                }
+            }
+        }
+        Ok(cluster)
+    }
+
+    /// Stops the nodes (SIGTERM, then SIGKILL after 15 s), then NATS, and drops the level's
+    /// databases.
+    pub fn stop(mut self) -> anyhow::Result<()> {
+        for (_, child) in &self.nodes {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+        }
+        for (id, child) in &mut self.nodes {
+            let started = Instant::now();
+            while child.try_wait()?.is_none() {
+                if started.elapsed() > Duration::from_secs(15) {
+                    eprintln!("{id} did not stop within 15 s of SIGTERM: killed");
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        let _ = self.nats.kill();
+        let _ = self.nats.wait();
+        for (index, url) in self.db_urls.iter().enumerate() {
+            PgStore::recreate_database(url, &sweep_database(index), false)
+                .with_context(|| format!("dropping shard {index}'s database"))?;
+        }
+        Ok(())
+    }
+}
+
+/// The docker-compose cluster of `deploy/docker-compose.yml`, driven through the compose
+/// command line (`docker compose`, or the older `docker-compose`).
+pub struct Compose {
+    program: Vec<String>,
+    file: PathBuf,
+}
+
+/// The compose project of a sweep's clusters (its containers and volumes are named after it).
+const COMPOSE_PROJECT: &str = "ste-sweep";
+
+/// The shard URLs inside the compose network.
+fn compose_shard_url(shard: u32) -> String {
+    format!("postgres://postgres@shard-{shard}:5432/ste")
+}
+
+impl Compose {
+    /// Finds a compose command that answers.
+    pub fn find(file: &Path) -> anyhow::Result<Self> {
+        if !file.exists() {
+            bail!("{} does not exist", file.display());
+        }
+        for program in [&["docker", "compose"][..], &["docker-compose"][..]] {
+            let answers = Command::new(program[0])
+                .args(&program[1..])
+                .arg("version")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|status| status.success());
+            if answers {
+                return Ok(Self {
+                    program: program.iter().map(|p| p.to_string()).collect(),
+                    file: file.to_owned(),
+                });
+            }
+        }
+        bail!("neither `docker compose` nor `docker-compose` answers: install Docker with compose (deploy/compose-run.sh does)")
+    }
+
+    fn command(&self, share: Share) -> Command {
+        let mut command = Command::new(&self.program[0]);
+        command
+            .args(&self.program[1..])
+            .args(["-p", COMPOSE_PROJECT, "-f"])
+            .arg(&self.file)
+            .env(
+                "STE_COMPOSE_SHARD_URLS",
+                (0..share.shards)
+                    .map(compose_shard_url)
+                    .collect::<Vec<_>>()
+                    .join(","),
+            )
+            .env("STE_COMPOSE_PARTITIONS", share.partitions.to_string())
+            .env("STE_COMPOSE_MAX_SHARDS", share.max_shards().to_string())
+            .env(
+                "STE_COMPOSE_MAX_VALIDATORS",
+                share.max_validators().to_string(),
+            );
+        command
+    }
+
+    fn run(&self, share: Share, args: &[&str]) -> anyhow::Result<()> {
+        let status = self
+            .command(share)
+            .args(args)
+            .stdout(Stdio::null())
+            .status()
+            .with_context(|| format!("running {} {}", self.program.join(" "), args.join(" ")))?;
+        if !status.success() {
+            bail!(
+                "{} {} failed ({status})",
+                self.program.join(" "),
+                args.join(" ")
+            );
+        }
+        Ok(())
+    }
+
+    /// Removes the cluster with its volumes: what each level starts from and the sweep ends
+    /// with.
+    pub fn down(&self) -> anyhow::Result<()> {
+        let share = Share {
+            nodes: 1,
+            partitions: 1,
+            shards: 1,
+        };
+        self.run(share, &["down", "-v", "--remove-orphans"])
+    }
+
+    /// One level: a fresh cluster of `share.nodes` nodes on `share.shards` shards, then the
+    /// compose file's driver with `driver_args` (the load, `--json`), whose summary it
+    /// returns with the CPU the run cost this machine.
+    pub fn level(&self, share: Share, driver_args: &[String]) -> anyhow::Result<(Summary, CpuUse)> {
+        self.down()?;
+        let scale = format!("node={}", share.nodes);
+        self.run(
+            share,
+            &["up", "-d", "--no-build", "--scale", &scale, "node"],
+        )?;
+        let before = CpuReading::now();
+        let output = self
+            .command(share)
+            .args(["run", "--rm", "--no-deps", "-T", "driver"])
+            .args(driver_args)
+            .stderr(Stdio::inherit())
+            .output()
+            .context("running the compose file's driver")?;
+        let cpu = before.until(&CpuReading::now());
+        if !output.status.success() {
+            bail!("the compose file's driver failed ({})", output.status);
+        }
+        let summary: Summary = serde_json::from_slice(&output.stdout)
+            .context("reading the summary the compose file's driver printed")?;
+        Ok((summary, cpu))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_share_spreads_partitions_and_shards_over_the_nodes() {
+        let share = |nodes, shards| Share {
+            nodes,
+            partitions: 8,
+            shards,
+        };
+        assert_eq!(
+            (share(1, 4).max_validators(), share(1, 4).max_shards()),
+            (8, 4)
+        );
+        assert_eq!(
+            (share(3, 4).max_validators(), share(3, 4).max_shards()),
+            (3, 2)
+        );
+        assert_eq!(
+            (share(8, 1).max_validators(), share(8, 1).max_shards()),
+            (1, 1)
+        );
+    }
+
+    #[test]
+    fn this_process_is_read_and_its_cpu_counted() {
+        let before = CpuReading::now();
+        let me = std::process::id();
+        assert!(before.processes.contains_key(&me), "no /proc/{me}/stat");
+        // Burn CPU in this process until /proc says it has spent 0.2 s more.
+        let mut x = 0u64;
+        let started = Instant::now();
+        while process_cpu(me).expect("/proc/self").1 - before.processes[&me].1 < 0.2 {
+            for _ in 0..100_000 {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "no CPU time counted"
+            );
+        }
+        std::hint::black_box(x);
+        let after = CpuReading::now();
+        let mine = after.processes[&me].1 - before.processes[&me].1;
+        assert!(mine >= 0.2, "{mine} CPU seconds");
+        let used = before.until(&after);
+        // The machine was busy at least while this process was, and the rest is accounted.
+        assert!(used.busy_s >= mine - 0.02, "{used:?}");
+        let programs: f64 = used.by_program_s.values().sum();
+        assert!(
+            (programs - used.busy_s).abs() < 1e-6 || programs > used.busy_s,
+            "{used:?}"
+        );
+    }
+}
