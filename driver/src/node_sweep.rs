@@ -29,6 +29,9 @@ pub const NODE_SWEEP_WINDOW: u64 = 4096;
 /// How long a level waits for its nodes to own every partition and shard.
 const OWNERS_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// The share of the machine's cores busy from which the cores are the level's bottleneck.
+const CORES_SATURATED: f64 = 0.9;
+
 /// The compose file's shards.
 const COMPOSE_SHARDS: u32 = 4;
 
@@ -51,7 +54,10 @@ struct NodePoint {
     R_ms: f64,
     cls_p50_ms: f64,
     cls_p99_ms: f64,
+    /// `cores` when the machine's cores were at least 90% busy, else the busiest station.
     bottleneck: Option<String>,
+    /// The station of the highest utilisation.
+    busiest_station: Option<String>,
     /// Mean busy cores of the machine during the run.
     cpu_busy_cores: f64,
     /// The machine's busy CPU per message, µs.
@@ -67,6 +73,9 @@ struct NodePoint {
     /// The model with each node on a machine of its own (as many cores as this one).
     X_own: Option<f64>,
     R_own_ms: Option<f64>,
+    /// The model with every program on machines of its own: nodes, each database, NATS and
+    /// the driver.
+    X_spread: Option<f64>,
     cpu: CpuUse,
     run_dir: String,
 }
@@ -84,6 +93,7 @@ impl NodePoint {
         "cls_p50_ms",
         "cls_p99_ms",
         "bottleneck",
+        "busiest_station",
         "cpu_busy_cores",
         "cpu_us_per_msg",
         "node_cpu_us_per_msg",
@@ -92,6 +102,7 @@ impl NodePoint {
         "X_mva_level",
         "X_own",
         "R_own_ms",
+        "X_spread",
     ];
 
     fn cells(&self) -> Vec<String> {
@@ -110,6 +121,7 @@ impl NodePoint {
             format!("{:.2}", self.cls_p50_ms),
             format!("{:.2}", self.cls_p99_ms),
             self.bottleneck.clone().unwrap_or_default(),
+            self.busiest_station.clone().unwrap_or_default(),
             format!("{:.2}", self.cpu_busy_cores),
             format!("{:.1}", self.cpu_us_per_msg),
             format!("{:.1}", self.node_cpu_us_per_msg),
@@ -118,6 +130,7 @@ impl NodePoint {
             optional(self.X_mva_level, 1),
             optional(self.X_own, 1),
             optional(self.R_own_ms, 2),
+            optional(self.X_spread, 1),
         ]
     }
 }
@@ -137,12 +150,16 @@ impl NodePoint {
 ///   min(K, partitions) of them and the shard owners' share over min(K, shards) (split as the
 ///   busy times of the `in.*` and `match.*` stations), while NATS, PostgreSQL, the driver and
 ///   the rest stay on one shared machine.
+/// - With every program on machines of its own: the nodes as above, each of the D databases
+///   with PostgreSQL's CPU / D, NATS, and the driver with the rest of this machine's time.
 #[derive(Clone, Copy)]
 struct NodeModel {
     cores: u32,
     window: u32,
     total_s: f64,
     nodes_s: f64,
+    nats_s: f64,
+    postgres_s: f64,
     validation_fraction: f64,
 }
 
@@ -166,6 +183,8 @@ impl NodeModel {
             window: u32::try_from(window.max(1)).unwrap_or(u32::MAX),
             total_s: cpu.busy_s / messages,
             nodes_s: (cpu.program_s("engine") / messages).min(cpu.busy_s / messages),
+            nats_s: cpu.program_s("nats-server") / messages,
+            postgres_s: cpu.program_s("postgres") / messages,
             validation_fraction: if validation + matching > 0.0 {
                 validation / (validation + matching)
             } else {
@@ -188,14 +207,39 @@ impl NodeModel {
         vec![self.cores("cores".to_owned(), self.total_s)]
     }
 
-    /// K nodes on machines of their own.
+    /// K nodes on machines of their own; the rest on one shared machine.
     fn own(&self, share: Share) -> Vec<Station> {
-        let validating = share.nodes.min(share.partitions).max(1);
-        let owning = share.nodes.min(share.shards).max(1);
         let mut stations = vec![self.cores(
             "shared machine".to_owned(),
             (self.total_s - self.nodes_s).max(0.0),
         )];
+        stations.extend(self.node_stations(share));
+        stations
+    }
+
+    /// Every program on machines of its own: K nodes, each of the D databases, NATS, and the
+    /// driver (with the rest of this machine's busy time, to err on the slow side).
+    fn spread(&self, share: Share) -> Vec<Station> {
+        let databases = share.shards.max(1);
+        let mut stations = self.node_stations(share);
+        stations.extend((0..databases).map(|k| {
+            self.cores(
+                format!("database {k}"),
+                self.postgres_s / f64::from(databases),
+            )
+        }));
+        stations.push(self.cores("nats".to_owned(), self.nats_s));
+        let rest = self.total_s - self.nodes_s - self.postgres_s - self.nats_s;
+        stations.push(self.cores("driver".to_owned(), rest.max(0.0)));
+        stations
+    }
+
+    /// The nodes' stations: validation spread over min(K, partitions) of them, shard ownership
+    /// over min(K, shards).
+    fn node_stations(&self, share: Share) -> Vec<Station> {
+        let validating = share.nodes.min(share.partitions).max(1);
+        let owning = share.nodes.min(share.shards).max(1);
+        let mut stations = Vec::new();
         for node in 0..share.nodes {
             let mut demand = 0.0;
             if node < validating {
@@ -346,6 +390,7 @@ pub fn sweep_nodes(
             let x = summary.throughput_msg_s;
             let here = model.as_ref().and_then(|m| m.solve(&m.here()));
             let own = model.as_ref().and_then(|m| m.solve(&m.own(share)));
+            let spread = model.as_ref().and_then(|m| m.solve(&m.spread(share)));
             let at_level = model.as_ref().and_then(|m| {
                 let level = NodeModel {
                     total_s: cpu.busy_s / messages,
@@ -369,7 +414,12 @@ pub fn sweep_nodes(
                 },
                 cls_p50_ms: summary.latency_ms.p50,
                 cls_p99_ms: summary.latency_ms.p99,
-                bottleneck: summary.bottleneck.clone(),
+                bottleneck: if cpu.busy_cores() >= CORES_SATURATED * cpu.cores as f64 {
+                    Some("cores".to_owned())
+                } else {
+                    summary.bottleneck.clone()
+                },
+                busiest_station: summary.bottleneck.clone(),
                 cpu_busy_cores: cpu.busy_cores(),
                 cpu_us_per_msg: 1e6 * cpu.busy_s / messages,
                 node_cpu_us_per_msg: 1e6 * cpu.program_s("engine") / messages,
@@ -378,6 +428,7 @@ pub fn sweep_nodes(
                 X_mva_level: at_level.map(|(x, _)| x),
                 X_own: own.map(|(x, _)| x),
                 R_own_ms: own.map(|(_, r)| r * 1e3),
+                X_spread: spread.map(|(x, _)| x),
                 cpu,
                 run_dir: match &platform {
                     Platform::Local { .. } => dir.join("run").display().to_string(),
@@ -536,7 +587,7 @@ fn node_charts(points: &[NodePoint], compose: bool) -> anyhow::Result<String> {
             measured,
             color,
         };
-        let color = index * 3;
+        let color = index * 4;
         per_node.series.push(series(
             label("measured"),
             true,
@@ -579,7 +630,7 @@ fn node_charts(points: &[NodePoint], compose: bool) -> anyhow::Result<String> {
             model(|p| p.X_mva.zip(p.R_mva_ms)),
         ));
         little.series.push(series(
-            label("model, own machines"),
+            label("model, nodes on own machines"),
             false,
             color + 2,
             model(|p| p.X_own.zip(p.R_own_ms)),

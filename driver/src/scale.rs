@@ -428,6 +428,25 @@ impl Compose {
         }
         let summary: Summary = serde_json::from_slice(&output.stdout)
             .context("reading the summary the compose file's driver printed")?;
+        // Inside its container the driver sees the whole machine's /proc/stat but only its
+        // own processes: its reading gives the load's span and busy time, this one (wider: the
+        // container's start and the final reads too) the split by program, scaled to it.
+        let cpu = match &summary.cpu {
+            Some(load) if cpu.busy_s > 0.0 => {
+                let scale = load.busy_s / cpu.busy_s;
+                CpuUse {
+                    seconds: load.seconds,
+                    cores: load.cores,
+                    busy_s: load.busy_s,
+                    by_program_s: cpu
+                        .by_program_s
+                        .iter()
+                        .map(|(program, seconds)| (program.clone(), seconds * scale))
+                        .collect(),
+                }
+            }
+            _ => cpu,
+        };
         Ok((summary, cpu))
     }
 }

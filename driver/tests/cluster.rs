@@ -885,9 +885,15 @@ fn a_node_sweep_starts_a_cluster_per_level_and_draws_the_per_node_rate_beside_th
         assert!(x > 0.0, "{point}");
         assert!((point["X_per_node"].as_f64().expect("a number") - x / nodes).abs() < 1e-6 * x);
         assert!((point["R_ms"].as_f64().expect("a number") - 256e3 / x).abs() < 1e-6 * 256e3 / x);
-        assert!(point["cpu"]["busy_s"].as_f64().expect("a number") > 0.0, "{point}");
         assert!(
-            point["cpu"]["by_program_s"]["engine"].as_f64().expect("a number") > 0.0,
+            point["cpu"]["busy_s"].as_f64().expect("a number") > 0.0,
+            "{point}"
+        );
+        assert!(
+            point["cpu"]["by_program_s"]["engine"]
+                .as_f64()
+                .expect("a number")
+                > 0.0,
             "{point}"
         );
         assert!(point["X_mva"].as_f64().expect("a number") > 0.0, "{point}");
@@ -914,7 +920,10 @@ fn a_node_sweep_starts_a_cluster_per_level_and_draws_the_per_node_rate_beside_th
                 (model - bound).abs() < 0.01 * bound,
                 "{model} vs {bound}: {point}"
             );
-            assert!(point["X_own"].as_f64().expect("a number") >= model * 0.999, "{point}");
+            let own = point["X_own"].as_f64().expect("a number");
+            assert!(own >= model * 0.999, "{point}");
+            let spread = point["X_spread"].as_f64().expect("a number");
+            assert!(spread >= own * 0.999, "{point}");
         }
     }
     let csv = std::fs::read_to_string(out.join("sweep.csv")).expect("sweep.csv");

@@ -605,3 +605,32 @@ fn a_shard_taken_over_after_its_owner_stopped_ends_with_one_cls_per_trade_and_no
     );
     assert_eq!(rows.cls, trades, "one outbox row per trade");
 }
+
+#[test]
+fn nodes_that_make_the_same_queues_at_once_all_succeed() {
+    let nats = NatsServer::start();
+    // Eight nodes starting together each make the cluster's queues, as `engine` does: connected
+    // first, then let go at once on each of many fresh queues.
+    const NODES: usize = 8;
+    let start = std::sync::Arc::new(std::sync::Barrier::new(NODES));
+    let makers: Vec<_> = (0..NODES)
+        .map(|_| {
+            let jetstream = JetStream::connect(&nats.url).expect("connects");
+            let start = start.clone();
+            std::thread::spawn(move || {
+                // Every round, whatever the one before gave: a node that stopped early would
+                // leave the others waiting at the barrier.
+                let results: Vec<_> = (0..200)
+                    .map(|round| {
+                        start.wait();
+                        jetstream.ensure_queue(&format!("race.{round}"), ROOMY)
+                    })
+                    .collect();
+                results.into_iter().collect::<Result<Vec<()>, _>>()
+            })
+        })
+        .collect();
+    for maker in makers {
+        maker.join().expect("no panic").expect("the queues exist");
+    }
+}

@@ -351,7 +351,9 @@ fn node_sweep_section(dir: &Path, points: &[serde_json::Value], html: &mut Strin
         "<h2>Scale-out over node counts</h2><table id=\"node-sweep\"><tr><th>databases</th>\
          <th>nodes</th><th>X (msg/s)</th><th>X per node</th><th>R = N/X (ms)</th>\
          <th>CLS p99 (ms)</th><th>busy cores</th><th>CPU µs/msg</th><th>MVA X, this machine</th>\
-         <th>MVA X, level's CPU</th><th>MVA X, own machines</th><th>bottleneck</th></tr>",
+         <th>MVA X, level's CPU</th><th>MVA X, nodes on own machines</th>\
+         <th>MVA X, every program on own machines</th><th>bottleneck</th>\
+         <th>busiest station</th></tr>",
     );
     let cell = |point: &serde_json::Value, key: &str, decimals: usize| {
         point
@@ -374,11 +376,15 @@ fn node_sweep_section(dir: &Path, points: &[serde_json::Value], html: &mut Strin
             ("X_mva", 0),
             ("X_mva_level", 0),
             ("X_own", 0),
+            ("X_spread", 0),
         ] {
             let _ = write!(html, "<td>{}</td>", cell(point, key, decimals));
         }
-        let bottleneck = point.get("bottleneck").and_then(serde_json::Value::as_str);
-        let _ = write!(html, "<td>{}</td></tr>", escape(bottleneck.unwrap_or("")));
+        for key in ["bottleneck", "busiest_station"] {
+            let name = point.get(key).and_then(serde_json::Value::as_str);
+            let _ = write!(html, "<td>{}</td>", escape(name.unwrap_or("")));
+        }
+        html.push_str("</tr>");
     }
     html.push_str("</table>");
     if let Ok(svg) = std::fs::read_to_string(dir.join("nodes.svg")) {

@@ -209,10 +209,19 @@ impl JetStream {
             duplicate_window: DUPLICATE_WINDOW,
             ..Default::default()
         };
-        self.runtime
-            .block_on(self.context.get_or_create_stream(config))
-            .map(|_| ())
-            .map_err(|error| carrier(queue, error))
+        let name = config.name.clone();
+        self.runtime.block_on(async {
+            match self.context.get_or_create_stream(config).await {
+                Ok(_) => Ok(()),
+                // Nodes starting together race for it: the one whose create comes second is
+                // told the subjects overlap (or the name is taken) by the stream the first
+                // made, which is all it wanted.
+                Err(error) => match self.context.get_stream(&name).await {
+                    Ok(_) => Ok(()),
+                    Err(_) => Err(carrier(queue, error)),
+                },
+            }
+        })
     }
 
     /// Drops every batch the stream of `queue` holds (a gateway taking a number whose ACK
