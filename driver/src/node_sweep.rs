@@ -16,7 +16,6 @@ use ste_driver::scale::{
 };
 use ste_driver::Summary;
 use ste_engine::keys::KeyRing;
-use ste_monitor::chart::{Series, XyPanel};
 use ste_monitor::mva::{self, Kind, Station};
 
 use super::{
@@ -40,6 +39,8 @@ const COMPOSE_SHARDS: u32 = 4;
 #[allow(non_snake_case)]
 struct NodePoint {
     level: usize,
+    /// `processes` (a cluster of this machine's processes) or `compose`.
+    platform: &'static str,
     databases: u32,
     nodes: u32,
     partitions: u32,
@@ -400,6 +401,10 @@ pub fn sweep_nodes(
             });
             let point = NodePoint {
                 level,
+                platform: match &platform {
+                    Platform::Local { .. } => "processes",
+                    Platform::Compose(_) => "compose",
+                },
                 databases,
                 nodes: k,
                 partitions,
@@ -453,8 +458,9 @@ pub fn sweep_nodes(
     }
 
     let chart = out.join("nodes.svg");
-    std::fs::write(&chart, node_charts(&points, compose.is_some())?)
-        .with_context(|| format!("writing {}", chart.display()))?;
+    let svg = ste_monitor::chart::node_sweep_svg(&serde_json::to_value(&points)?)
+        .map_err(|reason| anyhow::anyhow!("drawing {}: {reason}", chart.display()))?;
+    std::fs::write(&chart, svg).with_context(|| format!("writing {}", chart.display()))?;
     write_series(
         &out,
         NodePoint::COLUMNS,
@@ -559,91 +565,4 @@ fn compose_driver_args(args: &RunArgs, partitions: u32, window: u64, name: &str)
         list.push("--shuffle".to_owned());
     }
     list
-}
-
-/// The sweep's charts: per-node rate against node count, and R against X, one colour per
-/// database count, measured points beside the model's.
-fn node_charts(points: &[NodePoint], compose: bool) -> anyhow::Result<String> {
-    let mut counts: Vec<u32> = points.iter().map(|p| p.databases).collect();
-    counts.dedup();
-    let mut per_node = XyPanel {
-        caption: "Per-node rate".to_owned(),
-        x_desc: "engine nodes".to_owned(),
-        y_desc: "X per node (messages/s)".to_owned(),
-        series: Vec::new(),
-    };
-    let mut little = XyPanel {
-        caption: "Little's law over node counts".to_owned(),
-        x_desc: "X (messages/s)".to_owned(),
-        y_desc: "R (ms)".to_owned(),
-        series: Vec::new(),
-    };
-    for (index, &databases) in counts.iter().enumerate() {
-        let of: Vec<&NodePoint> = points.iter().filter(|p| p.databases == databases).collect();
-        let label = |what: &str| format!("{databases} DB {what}");
-        let series = |label: String, measured, color, points: Vec<(f64, f64)>| Series {
-            label,
-            points,
-            measured,
-            color,
-        };
-        let color = index * 4;
-        per_node.series.push(series(
-            label("measured"),
-            true,
-            color,
-            of.iter()
-                .map(|p| (f64::from(p.nodes), p.X_per_node))
-                .collect(),
-        ));
-        little.series.push(series(
-            label("measured"),
-            true,
-            color,
-            of.iter().map(|p| (p.X, p.R_ms)).collect(),
-        ));
-        let model = |x: fn(&NodePoint) -> Option<(f64, f64)>| -> Vec<(f64, f64)> {
-            of.iter().filter_map(|p| x(p)).collect()
-        };
-        per_node.series.push(series(
-            label("model, this machine"),
-            false,
-            color + 1,
-            model(|p| {
-                p.X_mva
-                    .map(|x| (f64::from(p.nodes), x / f64::from(p.nodes)))
-            }),
-        ));
-        per_node.series.push(series(
-            label("model, own machines"),
-            false,
-            color + 2,
-            model(|p| {
-                p.X_own
-                    .map(|x| (f64::from(p.nodes), x / f64::from(p.nodes)))
-            }),
-        ));
-        little.series.push(series(
-            label("model, this machine"),
-            false,
-            color + 1,
-            model(|p| p.X_mva.zip(p.R_mva_ms)),
-        ));
-        little.series.push(series(
-            label("model, nodes on own machines"),
-            false,
-            color + 2,
-            model(|p| p.X_own.zip(p.R_own_ms)),
-        ));
-    }
-    let title = format!(
-        "Scale-out: engine nodes {}, {} messages in flight",
-        if compose {
-            "in docker-compose containers"
-        } else {
-            "as processes of one machine"
-        },
-        points.first().map_or(0, |p| p.window)
-    );
-    ste_monitor::chart::xy_svg(&title, &[per_node, little]).map_err(|e| anyhow::anyhow!(e))
 }

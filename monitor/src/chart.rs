@@ -321,6 +321,8 @@ fn xy_panel(area: &DrawingArea<SVGBackend<'_>, Shift>, panel: &XyPanel) -> Resul
         .configure_mesh()
         .x_desc(panel.x_desc.as_str())
         .y_desc(panel.y_desc.as_str())
+        .x_label_formatter(&|v| format!("{v:.0}"))
+        .y_label_formatter(&|v| format!("{v:.0}"))
         .draw()
         .map_err(|e| e.to_string())?;
     for series in &panel.series {
@@ -360,10 +362,92 @@ fn xy_panel(area: &DrawingArea<SVGBackend<'_>, Shift>, panel: &XyPanel) -> Resul
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(SeriesLabelPosition::UpperRight)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
         .map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// The charts of a node sweep (`driver sweep --nodes`) from its `sweep.json`: the per-node rate
+/// against the node count, and R against X, one colour family per database count, the
+/// measured points beside the MVA model on this machine and on machines of their own.
+pub fn node_sweep_svg(points: &serde_json::Value) -> Result<String, String> {
+    let points = points
+        .as_array()
+        .ok_or("sweep.json is not a list of levels")?;
+    let number = |point: &serde_json::Value, key: &str| point.get(key).and_then(|v| v.as_f64());
+    let mut counts: Vec<f64> = points
+        .iter()
+        .filter_map(|p| number(p, "databases"))
+        .collect();
+    counts.dedup();
+    let mut per_node = XyPanel {
+        caption: "Per-node rate".to_owned(),
+        x_desc: "engine nodes".to_owned(),
+        y_desc: "X per node (messages/s)".to_owned(),
+        series: Vec::new(),
+    };
+    let mut little = XyPanel {
+        caption: "Little's law over node counts".to_owned(),
+        x_desc: "X (messages/s)".to_owned(),
+        y_desc: "R (ms)".to_owned(),
+        series: Vec::new(),
+    };
+    // (label, the X field, the R field) of the measurement and of each model.
+    let lines: [(&str, &str, Option<&str>); 4] = [
+        ("measured", "X", Some("R_ms")),
+        ("model, this machine", "X_mva", Some("R_mva_ms")),
+        ("model, nodes on own machines", "X_own", Some("R_own_ms")),
+        ("model, every program on own machines", "X_spread", None),
+    ];
+    for (index, &databases) in counts.iter().enumerate() {
+        let of: Vec<&serde_json::Value> = points
+            .iter()
+            .filter(|p| number(p, "databases") == Some(databases))
+            .collect();
+        for (offset, (what, x_key, r_key)) in lines.iter().enumerate() {
+            let label = format!("{databases} DB {what}");
+            let (measured, color) = (offset == 0, index * lines.len() + offset);
+            let rate: Vec<(f64, f64)> = of
+                .iter()
+                .filter_map(|p| Some((number(p, "nodes")?, number(p, x_key)?)))
+                .map(|(nodes, x)| (nodes, x / nodes.max(1.0)))
+                .collect();
+            per_node.series.push(Series {
+                label: label.clone(),
+                points: rate,
+                measured,
+                color,
+            });
+            if let Some(r_key) = r_key {
+                let curve: Vec<(f64, f64)> = of
+                    .iter()
+                    .filter_map(|p| Some((number(p, x_key)?, number(p, r_key)?)))
+                    .collect();
+                little.series.push(Series {
+                    label,
+                    points: curve,
+                    measured,
+                    color,
+                });
+            }
+        }
+    }
+    let first = points.first();
+    let compose = first
+        .and_then(|p| p.get("platform"))
+        .and_then(|v| v.as_str())
+        == Some("compose");
+    let title = format!(
+        "Scale-out: engine nodes {}, {} messages in flight",
+        if compose {
+            "in docker-compose containers"
+        } else {
+            "as processes of one machine"
+        },
+        first.and_then(|p| number(p, "window")).unwrap_or(0.0)
+    );
+    xy_svg(&title, &[per_node, little])
 }

@@ -51,6 +51,11 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1:8686")]
         addr: String,
     },
+    /// Draw a node sweep's charts (DIR/nodes.svg) again from its DIR/sweep.json.
+    Redraw {
+        /// The directory of a `driver sweep --nodes`.
+        dir: PathBuf,
+    },
     /// Write a run (or sweep) directory's page as one self-contained HTML file.
     Report {
         /// The run or sweep directory.
@@ -65,11 +70,18 @@ enum Command {
 struct MvaArgs {
     /// A queueing station: NAME=S (service time per visit, seconds) or NAME=S:V (V visits per
     /// job). Repeat for every station.
-    #[arg(long = "station", value_name = "NAME=S[:V]", required = true)]
+    #[arg(
+        long = "station",
+        value_name = "NAME=S[:V]",
+        required_unless_present = "multi"
+    )]
     stations: Vec<String>,
     /// A delay station (no queueing): NAME=D[:V].
     #[arg(long = "delay", value_name = "NAME=D[:V]")]
     delays: Vec<String>,
+    /// A station of C identical servers (a machine's cores): NAME=S[:V]@C.
+    #[arg(long = "servers", value_name = "NAME=S[:V]@C")]
+    multi: Vec<String>,
     /// Think time Z in seconds (closed network).
     #[arg(long, default_value_t = 0.0, conflicts_with = "open")]
     think: f64,
@@ -110,6 +122,18 @@ fn run_cli() -> anyhow::Result<()> {
                 dashboard.address()
             );
             dashboard.wait();
+        }
+        Command::Redraw { dir } => {
+            let json = dir.join("sweep.json");
+            let points: serde_json::Value = serde_json::from_slice(
+                &std::fs::read(&json).with_context(|| format!("reading {}", json.display()))?,
+            )
+            .with_context(|| format!("reading {}", json.display()))?;
+            let svg = ste_monitor::chart::node_sweep_svg(&points)
+                .map_err(|reason| anyhow::anyhow!("drawing the charts: {reason}"))?;
+            let out = dir.join("nodes.svg");
+            std::fs::write(&out, svg).with_context(|| format!("writing {}", out.display()))?;
+            eprintln!("charts written to {}", out.display());
         }
         Command::Report { dir, out } => {
             let html = ste_monitor::report::render(&dir, None)?;
@@ -160,6 +184,14 @@ fn mva(args: &MvaArgs) -> anyhow::Result<()> {
     }
     for text in &args.delays {
         stations.push(Station::parse(text, Kind::Delay)?);
+    }
+    for text in &args.multi {
+        let (station, servers) = text
+            .rsplit_once('@')
+            .and_then(|(station, c)| Some((station, c.trim().parse::<u32>().ok()?)))
+            .filter(|(_, c)| *c > 0)
+            .with_context(|| format!("--servers {text:?}: expected NAME=S[:V]@C with C ≥ 1"))?;
+        stations.push(Station::parse(station, Kind::MultiServer(servers))?);
     }
     if args.open {
         let rate = args.arrival_rate.unwrap_or_default();

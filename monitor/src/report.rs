@@ -295,7 +295,7 @@ fn sweep_section(dir: &Path, html: &mut String) -> Result<(), ReportError> {
         return Ok(());
     };
     if points.iter().any(|p| p.get("nodes").is_some()) {
-        node_sweep_section(dir, &points, html);
+        node_sweep_section(&points, html);
         return Ok(());
     }
     html.push_str(
@@ -346,7 +346,7 @@ fn sweep_section(dir: &Path, html: &mut String) -> Result<(), ReportError> {
 
 /// A node sweep (`driver sweep --nodes`): per level X, X per node, R, the CPU and the model's
 /// predictions, and its charts (per-node rate against nodes; R against X).
-fn node_sweep_section(dir: &Path, points: &[serde_json::Value], html: &mut String) {
+fn node_sweep_section(points: &[serde_json::Value], html: &mut String) {
     html.push_str(
         "<h2>Scale-out over node counts</h2><table id=\"node-sweep\"><tr><th>databases</th>\
          <th>nodes</th><th>X (msg/s)</th><th>X per node</th><th>R = N/X (ms)</th>\
@@ -387,12 +387,22 @@ fn node_sweep_section(dir: &Path, points: &[serde_json::Value], html: &mut Strin
         html.push_str("</tr>");
     }
     html.push_str("</table>");
-    if let Ok(svg) = std::fs::read_to_string(dir.join("nodes.svg")) {
-        let _ = write!(
-            html,
-            "<div class=\"figure\" id=\"node-sweep-charts\">{}</div>",
-            inline_svg(&svg)
-        );
+    // Drawn afresh from the levels, as the station charts are from the samples.
+    match crate::chart::node_sweep_svg(&serde_json::Value::Array(points.to_vec())) {
+        Ok(svg) => {
+            let _ = write!(
+                html,
+                "<div class=\"figure\" id=\"node-sweep-charts\">{}</div>",
+                inline_svg(&svg)
+            );
+        }
+        Err(reason) => {
+            let _ = write!(
+                html,
+                "<p>The charts could not be drawn: {}</p>",
+                escape(&reason)
+            );
+        }
     }
 }
 
@@ -508,11 +518,6 @@ mod tests {
             serde_json::to_string(&points).expect("JSON"),
         )
         .expect("sweep.json");
-        std::fs::write(
-            dir.path().join("nodes.svg"),
-            "<svg><text>Per-node rate</text></svg>",
-        )
-        .expect("nodes.svg");
         let html = render(dir.path(), None).expect("renders");
         assert!(html.contains("id=\"node-sweep\""));
         assert_eq!(html.matches("<td>node-1/store.0</td>").count(), 3);
@@ -520,7 +525,8 @@ mod tests {
             html.contains("<td>20500</td>"),
             "the per-node rate of 2 nodes"
         );
-        assert!(html.contains("id=\"node-sweep-charts\"><svg><text>Per-node rate"));
+        assert!(html.contains("id=\"node-sweep-charts\"><svg"));
+        assert!(html.contains("Per-node rate") && html.contains("4 DB measured"));
         assert!(!html.contains("id=\"sweep\""));
     }
 }
