@@ -1,0 +1,57 @@
+//! FIX 4.4 over TCP: the session layer and the mapping of STE messages to FIX application
+//! messages.
+//!
+//! # Session
+//! - Logon (`35=A`) first, with `49` SenderCompID = the participant's BIC, `56` TargetCompID =
+//!   `STE`, `108` HeartBtInt, `52` SendingTime within two minutes of the engine's clock, and `554`
+//!   Password = hex HMAC-SHA256 under the participant's key of `STE-FIX-LOGON\0` ‖ SendingTime ‖
+//!   BIC. A bad password gets a Logout with `58=E_SIG …`, an unknown participant `58=E_AUTH …`.
+//!   Sequence numbers start at 1 on both sides at every logon.
+//! - Heartbeat (`0`) after HeartBtInt seconds of silence from the engine; TestRequest (`1`)
+//!   after HeartBtInt + 20% of silence from the participant, answered by a Heartbeat with its
+//!   `112`; a participant that stays silent another HeartBtInt is logged out (`58=E_TIMEOUT`).
+//! - A MsgSeqNum above the expected one is a gap: the engine sends a ResendRequest (`2`,
+//!   `7`=expected, `16=0`) and sets aside later messages until the gap is filled (messages
+//!   resent with `43=Y`, or a SequenceReset). A MsgSeqNum below the expected one without
+//!   `43=Y` is fatal: Logout `58=MsgSeqNum too low`. A ResendRequest from the participant is
+//!   answered with a SequenceReset-GapFill (`4`, `123=Y`): answers are idempotent, so a
+//!   participant re-sends an application message to hear its answer again (a duplicate ACK).
+//! - A garbled message (bad BodyLength or CheckSum) is ignored, as FIX prescribes; the gap it
+//!   leaves is recovered by the ResendRequest.
+//! - Logout (`5`) is answered with a Logout once the answers in flight are sent.
+//!
+//! # Application messages
+//! Each carries `93`/`89` (SignatureLength, Signature): the hex HMAC-SHA256, under the key of
+//! the sender (`49`), of the message's bytes from `35=` up to `93=`. Every byte with meaning
+//! must be covered ([`signed_part`]): `35` comes right after `9`, `93` and `89` are the last
+//! fields before `10`, and no tag appears twice outside the Parties group (`453`), whose
+//! entries are well formed and name each role once. A message that breaks this gets a session
+//! Reject (`35=3` with `373` SessionRejectReason and `371` RefTagID) and is stored as an
+//! exception (E_SIG for bytes outside the signed part, E_PARSE for a repeated tag); it is never
+//! mapped. One that keeps it has its signature checked, is converted to the canonical XML and
+//! signed for the validator.
+//!
+//! | STE | FIX message | ACK / NAK |
+//! |---|---|---|
+//! | NOE | TradeCaptureReport `AE` | TradeCaptureReportAck `AR`: `939` TrdRptStatus 0 / 1 |
+//! | ALC | AllocationInstruction `J` with `626` AllocType=2 (preliminary) | AllocationInstructionAck `P`: `87` AllocStatus 0 / 1 |
+//! | NPR | AllocationInstruction `J` with `626` AllocType=1 (calculated) | AllocationInstructionAck `P` |
+//! | SET | SettlementInstructions `T` | ConfirmationAck `AU`: `940` AffirmStatus 3 (affirmed) / 2 (rejected) |
+//!
+//! The NAK's `58` Text is the reason code; an ACK of a duplicate says `58=DUPLICATE`. CLS and
+//! status advices are pushed as XML messages (`35=n`, `212`/`213` XmlDataLen/XmlData).
+//! Field by field, see [`TAGS`].
+
+mod codec;
+mod mapping;
+mod session;
+
+pub use codec::{
+    checksum, encode, parse, signed_part, utc_timestamp, FixError, FixMessage, StructureError,
+    BEGIN_STRING, BODY_MAX_BYTES, SOH,
+};
+pub use mapping::{from_fix, to_fix, TAGS};
+pub use session::{
+    logon_password, serve, FixConfig, ENGINE_COMP_ID, HELD_BYTES_MAX, HELD_MESSAGES_MAX,
+    SEQ_NUM_MAX,
+};

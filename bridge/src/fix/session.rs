@@ -1,0 +1,747 @@
+//! FIX sessions: logon, sequence numbers, gaps and resends, heartbeats, and the answers to
+//! application messages.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use ste_engine::pipeline::{AckResult, Envelope};
+use ste_engine::reason::{ReasonCode, Rejection};
+use ste_engine::sign::{self, KeyedMac};
+use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch, Semaphore};
+use tracing::{debug, warn};
+
+use super::codec::{
+    encode, parse, parse_utc_timestamp, read_message, signed_part, utc_timestamp, FixMessage,
+};
+use super::mapping::from_fix;
+use crate::frame::PushClass;
+use crate::gateway::{GatewayHandle, Pushed, Reply, Subscriber};
+use crate::listener::accept_loop;
+
+/// The engine's CompID.
+pub const ENGINE_COMP_ID: &str = "STE";
+/// What the logon password covers before SendingTime and the BIC.
+const LOGON_CONTEXT: &[u8] = b"STE-FIX-LOGON\0";
+/// Bytes of messages a session may hold behind a sequence gap before it is logged out.
+pub const HELD_BYTES_MAX: usize = 1024 * 1024;
+/// Messages a session may hold behind a sequence gap before it is logged out.
+pub const HELD_MESSAGES_MAX: usize = 1024;
+/// Largest MsgSeqNum or NewSeqNo accepted (FIX's SeqNum is a 32-bit field in practice).
+pub const SEQ_NUM_MAX: u64 = u32::MAX as u64;
+/// How far a logon's SendingTime may be from the engine's clock.
+const LOGON_CLOCK_SKEW: Duration = Duration::from_secs(120);
+
+/// The logon password: hex HMAC over the context, SendingTime and the BIC.
+pub fn logon_password(key: &KeyedMac, sending_time: &str, participant: &str) -> String {
+    let mut covered = LOGON_CONTEXT.to_vec();
+    covered.extend_from_slice(sending_time.as_bytes());
+    covered.extend_from_slice(participant.as_bytes());
+    hex::encode(sign::sign_keyed(key, &covered))
+}
+
+/// Limits and timers of the FIX listener.
+#[derive(Debug, Clone)]
+pub struct FixConfig {
+    pub max_connections: usize,
+    /// Connections served at once from one source address.
+    pub max_connections_per_source: usize,
+    /// TLS for every connection, when set.
+    pub tls: Option<crate::tls::Tls>,
+    /// Application messages one session may have in flight.
+    pub window: usize,
+    /// Time allowed from a message's first byte to its last.
+    pub message_timeout: Duration,
+    /// Time allowed for the Logon after connecting.
+    pub logon_timeout: Duration,
+    /// Pushes that may wait for a subscriber before it is logged out as too slow.
+    pub push_capacity: usize,
+}
+
+impl FixConfig {
+    fn accepting(&self) -> crate::listener::Accepting {
+        crate::listener::Accepting {
+            tls: self.tls.as_ref().map(|tls| tls.0.clone()),
+            handshake_timeout: self.message_timeout,
+            ..crate::listener::Accepting::plain(crate::listener::ConnectionLimits {
+                total: self.max_connections,
+                per_source: self.max_connections_per_source,
+            })
+        }
+    }
+}
+
+impl Default for FixConfig {
+    fn default() -> Self {
+        Self {
+            max_connections: 1024,
+            max_connections_per_source: 64,
+            tls: None,
+            window: 4096,
+            message_timeout: Duration::from_secs(10),
+            logon_timeout: Duration::from_secs(10),
+            push_capacity: 65_536,
+        }
+    }
+}
+
+/// What an answer must name: the inbound message type and its id.
+#[derive(Debug, Clone)]
+struct Pending {
+    msg_type: String,
+    id: String,
+    detail: Option<String>,
+    /// Already answered by a session Reject: the engine's verdict is not sent again.
+    rejected_by_session: bool,
+}
+
+/// The engine's side of one session: outbound sequence numbers and header.
+struct Outbound {
+    output: BufWriter<tokio::io::WriteHalf<crate::listener::Connection>>,
+    participant: String,
+    next_seq: u64,
+}
+
+impl Outbound {
+    async fn send(&mut self, mut body: Vec<(u32, String)>) -> std::io::Result<()> {
+        let msg_type = body.remove(0);
+        let mut fields = vec![
+            msg_type,
+            (49, ENGINE_COMP_ID.to_owned()),
+            (56, self.participant.clone()),
+            (34, self.next_seq.to_string()),
+            (52, utc_timestamp()),
+        ];
+        fields.extend(body);
+        self.next_seq += 1;
+        self.write(&encode(&fields)).await
+    }
+
+    /// Sends what is buffered, within the same time limit as a write.
+    async fn flush(&mut self) -> std::io::Result<()> {
+        match tokio::time::timeout(crate::tcp::WRITE_TIMEOUT, self.output.flush()).await {
+            Ok(result) => result,
+            Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
+        }
+    }
+
+    /// A write that a participant who stops reading cannot hold up for ever.
+    async fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        match tokio::time::timeout(crate::tcp::WRITE_TIMEOUT, self.output.write_all(bytes)).await {
+            Ok(result) => result,
+            Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
+        }
+    }
+
+    /// A SequenceReset-GapFill over `begin..next_seq`: sent with MsgSeqNum `begin` and
+    /// PossDupFlag, it does not take a number of its own.
+    async fn send_gap_fill(&mut self, begin: u64) -> std::io::Result<()> {
+        let now = utc_timestamp();
+        let fields = vec![
+            (35, "4".to_owned()),
+            (49, ENGINE_COMP_ID.to_owned()),
+            (56, self.participant.clone()),
+            (34, begin.min(self.next_seq).to_string()),
+            (43, "Y".to_owned()),
+            (52, now.clone()),
+            (122, now),
+            (123, "Y".to_owned()),
+            (36, self.next_seq.to_string()),
+        ];
+        self.write(&encode(&fields)).await
+    }
+}
+
+fn answer(pending: &Pending, result: AckResult) -> Vec<(u32, String)> {
+    let (accepted, text) = match result {
+        AckResult::Accepted => (true, None),
+        AckResult::Duplicate => (true, Some("DUPLICATE".to_owned())),
+        AckResult::Rejected(code) => (
+            false,
+            Some(match &pending.detail {
+                Some(detail) => format!("{code} {detail}"),
+                None => code.as_str().to_owned(),
+            }),
+        ),
+    };
+    let mut out = match pending.msg_type.as_str() {
+        "AE" => vec![
+            (35, "AR".to_owned()),
+            (571, pending.id.clone()),
+            (939, if accepted { "0" } else { "1" }.to_owned()),
+        ],
+        "J" => vec![
+            (35, "P".to_owned()),
+            (70, pending.id.clone()),
+            (87, if accepted { "0" } else { "1" }.to_owned()),
+        ],
+        _ => vec![
+            (35, "AU".to_owned()),
+            (664, pending.id.clone()),
+            (940, if accepted { "3" } else { "2" }.to_owned()),
+        ],
+    };
+    if !accepted {
+        out.push(match pending.msg_type.as_str() {
+            "AE" => (751, "99".to_owned()),
+            "J" => (88, "7".to_owned()),
+            _ => (774, "99".to_owned()),
+        });
+    }
+    if let Some(text) = text {
+        out.push((58, text));
+    }
+    out
+}
+
+/// Serves FIX sessions until `shutdown` turns true, then logs every session out once it has
+/// answered what it read.
+pub async fn serve(
+    listener: TcpListener,
+    gateway: GatewayHandle,
+    config: FixConfig,
+    shutdown: watch::Receiver<bool>,
+) {
+    let accepting = config.accepting();
+    let refusal = |why: &str| {
+        encode(&[
+            (35, "5".into()),
+            (49, ENGINE_COMP_ID.into()),
+            (34, "1".into()),
+            (52, utc_timestamp()),
+            (58, format!("E_BUSY {why}")),
+        ])
+    };
+    let stop = shutdown.clone();
+    accept_loop(
+        listener,
+        "FIX",
+        accepting,
+        shutdown,
+        refusal,
+        move |stream| session(stream, gateway.clone(), config.clone(), stop.clone()),
+    )
+    .await;
+}
+
+/// Why a session ends from the engine's side: the Logout's Text.
+type Ending = Option<String>;
+
+async fn session(
+    stream: crate::listener::Connection,
+    gateway: GatewayHandle,
+    config: FixConfig,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let (read, write) = tokio::io::split(stream);
+    let mut input = BufReader::with_capacity(64 * 1024, read);
+    let mut outbound = Outbound {
+        output: BufWriter::with_capacity(64 * 1024, write),
+        participant: String::new(),
+        next_seq: 1,
+    };
+
+    // Logon.
+    let logon = match read_message(&mut input, config.message_timeout, config.logon_timeout).await {
+        Ok(Some(raw)) => raw,
+        Ok(None) => return,
+        Err((code, detail)) => {
+            debug!(code, detail, "no logon");
+            return;
+        }
+    };
+    let logon = match parse(&logon) {
+        Ok(message) if message.msg_type() == "A" => message,
+        Ok(_) | Err(_) => return,
+    };
+    let participant = logon.get(49).unwrap_or("").to_owned();
+    outbound.participant = participant.clone();
+    let heartbeat = logon
+        .get(108)
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|s| (1..=3600).contains(s))
+        .map_or(Duration::from_secs(30), Duration::from_secs);
+    let connection = gateway.connection_id();
+    let claimed = check_logon(&gateway, &logon, &participant).and_then(|()| {
+        gateway.claim_fix_session(
+            &participant,
+            logon.get(52).unwrap_or(""),
+            connection,
+            LOGON_CLOCK_SKEW,
+        )
+    });
+    if let Err(text) = claimed {
+        // The CompID comes from an unauthenticated peer: Debug-escaped, it cannot forge lines.
+        warn!(participant = ?participant, text = ?text, "FIX logon refused");
+        let _ = outbound.send(vec![(35, "5".into()), (58, text)]).await;
+        let _ = outbound.flush().await;
+        return;
+    }
+    let _ = outbound
+        .send(vec![
+            (35, "A".into()),
+            (98, "0".into()),
+            (108, heartbeat.as_secs().to_string()),
+        ])
+        .await;
+    let _ = outbound.flush().await;
+
+    // The reader runs on its own, so that a message is never cut by the session's other work;
+    // it hands over whole messages (or why it stopped).
+    let (raw_tx, mut raw_rx) = mpsc::channel::<Result<Vec<u8>, (&'static str, String)>>(64);
+    let message_timeout = config.message_timeout;
+    let reader = tokio::spawn(async move {
+        loop {
+            // Silence is the session's business (TestRequest, then Logout): no idle limit here.
+            let next = read_message(&mut input, message_timeout, Duration::from_secs(86_400)).await;
+            let stop = !matches!(next, Ok(Some(_)));
+            let item = match next {
+                Ok(Some(raw)) => Ok(raw),
+                Ok(None) => break,
+                Err(error) => Err(error),
+            };
+            if raw_tx.send(item).await.is_err() || stop {
+                break;
+            }
+        }
+    });
+
+    let (reply_tx, mut replies) = mpsc::channel::<Reply>(config.window + 1);
+    let (push_tx, mut pushes) = mpsc::channel::<Pushed>(config.push_capacity.max(1));
+    let (kick_tx, mut kicked) = watch::channel(false);
+    let window = Arc::new(Semaphore::new(config.window.max(1)));
+    let pending: Arc<Mutex<BTreeMap<u64, Pending>>> = Arc::default();
+    gateway.subscribe(
+        &participant,
+        Subscriber {
+            connection,
+            push: push_tx,
+            kick: kick_tx,
+        },
+    );
+    let idle = heartbeat + heartbeat / 5;
+    let mut expected_in: u64 = 2;
+    let mut reading = true;
+    let mut ending: Ending = None;
+    let mut test_request_sent = false;
+    let mut last_out = tokio::time::Instant::now();
+    let mut last_in = tokio::time::Instant::now();
+    // Messages set aside while a gap is being filled (and in-order ones waiting for the
+    // window), by sequence number.
+    // Kept raw (parsed again when released): a parsed message costs several times its bytes.
+    let mut held: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    let mut held_bytes: usize = 0;
+    let mut resend_requested = false;
+
+    'session: loop {
+        tokio::select! {
+            biased;
+            Ok(()) = kicked.changed() => {
+                ending = Some("E_SLOW the subscriber did not read its pushes".into());
+                break;
+            }
+            _ = shutdown.changed(), if reading => {
+                ending = Some("E_SHUTDOWN the engine is shutting down".into());
+                reading = false;
+            }
+            reply = replies.recv() => {
+                let Some(reply) = reply else { break };
+                window.add_permits(1);
+                let item = pending.lock().unwrap_or_else(PoisonError::into_inner).remove(&reply.seq);
+                if let Some(item) = item.filter(|item| !item.rejected_by_session) {
+                    if outbound.send(answer(&item, reply.result)).await.is_err() { break; }
+                    last_out = tokio::time::Instant::now();
+                }
+            }
+            Some(pushed) = pushes.recv() => {
+                let xml = String::from_utf8_lossy(&pushed.xml).into_owned();
+                let class = match pushed.class { PushClass::Cls => "CLS", PushClass::Advice => "ADVICE" };
+                let body = vec![(35, "n".into()), (212, xml.len().to_string()), (213, xml), (58, class.into())];
+                if outbound.send(body).await.is_err() { break; }
+                last_out = tokio::time::Instant::now();
+            }
+            // Only while the window has room: a full window stops reading (TCP backpressure).
+            raw = raw_rx.recv(), if reading && window.available_permits() > 0 => { 'raw: {
+                let raw = match raw {
+                    Some(Ok(raw)) => raw,
+                    None => { reading = false; break 'raw; }
+                    Some(Err((code, detail))) => {
+                        ending = Some(format!("{code} {detail}"));
+                        reading = false;
+                        break 'raw;
+                    }
+                };
+                last_in = tokio::time::Instant::now();
+                test_request_sent = false;
+                let message = match parse(&raw) {
+                    Ok(message) => message,
+                    Err(error) => {
+                        warn!(%participant, error = ?error.to_string(), "garbled FIX message ignored");
+                        break 'raw;
+                    }
+                };
+                let seq: u64 = message.get(34).and_then(|s| s.parse().ok()).unwrap_or(0);
+                let poss_dup = message.get(43) == Some("Y");
+                if seq > SEQ_NUM_MAX {
+                    ending = Some(format!("MsgSeqNum {seq} is larger than {SEQ_NUM_MAX}"));
+                    reading = false;
+                    break 'raw;
+                }
+                if message.msg_type() == "4" {
+                    // SequenceReset (GapFill or Reset) moves the expected number forward, never
+                    // back and never past the largest number.
+                    let new_seq = message.get(36).and_then(|s| s.parse::<u64>().ok());
+                    match new_seq {
+                        Some(new_seq) if new_seq <= SEQ_NUM_MAX => {
+                            expected_in = expected_in.max(new_seq);
+                        }
+                        _ => {
+                            // A rejected message still takes its sequence number.
+                            if seq == expected_in {
+                                expected_in += 1;
+                            }
+                            let reject = vec![
+                                (35, "3".into()),
+                                (45, seq.to_string()),
+                                (371, "36".into()),
+                                (372, "4".into()),
+                                (373, "5".into()),
+                                (58, format!("NewSeqNo must be a number up to {SEQ_NUM_MAX}")),
+                            ];
+                            if outbound.send(reject).await.is_err() { break 'session; }
+                            last_out = tokio::time::Instant::now();
+                        }
+                    }
+                } else if seq > expected_in && !held.contains_key(&expected_in) {
+                    held_bytes += raw.len();
+                    if let Some(old) = held.insert(seq, raw) {
+                        held_bytes -= old.len();
+                    }
+                    if held_bytes > HELD_BYTES_MAX || held.len() > HELD_MESSAGES_MAX {
+                        ending = Some(format!(
+                            "E_SIZE more than {HELD_BYTES_MAX} bytes or {HELD_MESSAGES_MAX} messages held behind a sequence gap"
+                        ));
+                        reading = false;
+                        break 'raw;
+                    }
+                    if !resend_requested {
+                        resend_requested = true;
+                        let request = vec![(35, "2".into()), (7, expected_in.to_string()), (16, "0".into())];
+                        if outbound.send(request).await.is_err() { break 'session; }
+                        last_out = tokio::time::Instant::now();
+                    }
+                } else if seq < expected_in {
+                    if !poss_dup {
+                        ending = Some(format!("MsgSeqNum too low, expecting {expected_in} but received {seq}"));
+                        reading = false;
+                    }
+                } else {
+                    held_bytes += raw.len();
+                    if let Some(old) = held.insert(seq, raw) {
+                        held_bytes -= old.len();
+                    }
+                }
+            }}
+            _ = tokio::time::sleep_until(last_in + idle), if reading => {
+                if test_request_sent {
+                    ending = Some("E_TIMEOUT no answer to a TestRequest".into());
+                    reading = false;
+                } else {
+                    test_request_sent = true;
+                    last_in = tokio::time::Instant::now();
+                    let request = vec![(35, "1".into()), (112, format!("TEST-{}", outbound.next_seq))];
+                    if outbound.send(request).await.is_err() { break; }
+                    last_out = tokio::time::Instant::now();
+                }
+            }
+            _ = tokio::time::sleep_until(last_out + heartbeat) => {
+                if outbound.send(vec![(35, "0".into())]).await.is_err() { break; }
+                last_out = tokio::time::Instant::now();
+            }
+        }
+        // What is now in order, as far as the window allows.
+        while reading && window.available_permits() > 0 {
+            let Some(entry) = held.first_entry() else {
+                break;
+            };
+            if *entry.key() > expected_in {
+                break;
+            }
+            let (seq, raw) = entry.remove_entry();
+            held_bytes -= raw.len();
+            if seq < expected_in {
+                continue;
+            }
+            expected_in += 1;
+            let Ok(message) = parse(&raw) else {
+                continue;
+            };
+            match handle(
+                &gateway,
+                &participant,
+                &message,
+                &raw,
+                &window,
+                &pending,
+                &reply_tx,
+                &mut outbound,
+            )
+            .await
+            {
+                Ok(Some(end)) => {
+                    ending = Some(end);
+                    reading = false;
+                }
+                Ok(None) => {}
+                Err(()) => break,
+            }
+            last_out = tokio::time::Instant::now();
+        }
+        if held.keys().next().is_none_or(|first| *first <= expected_in) {
+            resend_requested = false;
+        }
+        if !reading
+            && pending
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_empty()
+        {
+            break;
+        }
+        if replies.is_empty() && pushes.is_empty() && outbound.flush().await.is_err() {
+            break;
+        }
+    }
+    reader.abort();
+    gateway.unsubscribe(connection);
+    gateway.release_fix_session(&participant, connection);
+    let mut logout = vec![(35, "5".to_owned())];
+    if let Some(text) = ending.filter(|text| !text.is_empty()) {
+        if !text.starts_with("E_SHUTDOWN") {
+            warn!(%participant, text = ?text, "FIX session ended by the engine");
+        }
+        logout.push((58, text));
+    }
+    let _ = outbound.send(logout).await;
+    let _ = outbound.flush().await;
+    let _ = outbound.output.shutdown().await;
+}
+
+fn check_logon(
+    gateway: &GatewayHandle,
+    logon: &FixMessage,
+    participant: &str,
+) -> Result<(), String> {
+    if logon.get(56) != Some(ENGINE_COMP_ID) {
+        return Err(format!("E_AUTH TargetCompID must be {ENGINE_COMP_ID}"));
+    }
+    if gateway.refdata().participant(participant).is_none() {
+        return Err(format!("E_AUTH {participant} is not a participant"));
+    }
+    let sending_time = logon.get(52).unwrap_or("");
+    let fresh = parse_utc_timestamp(sending_time).is_some_and(|sent| {
+        let skew = (time::OffsetDateTime::now_utc() - sent).abs();
+        skew <= LOGON_CLOCK_SKEW
+    });
+    if !fresh {
+        return Err(format!(
+            "E_AUTH SendingTime {sending_time:?} is not within {}s of the engine's clock",
+            LOGON_CLOCK_SKEW.as_secs()
+        ));
+    }
+    let given = logon.get(554).unwrap_or("");
+    let mut covered = LOGON_CONTEXT.to_vec();
+    covered.extend_from_slice(sending_time.as_bytes());
+    covered.extend_from_slice(participant.as_bytes());
+    let given_bytes = hex::decode(given).unwrap_or_default();
+    if gateway.signed_by(participant, &covered, &given_bytes) {
+        Ok(())
+    } else {
+        Err(format!(
+            "E_SIG the logon password of {participant} is not signed with its key"
+        ))
+    }
+}
+
+/// Handles one in-order message; `Ok(Some(text))` ends the session with a Logout, `Err` means
+/// the connection failed.
+#[allow(clippy::too_many_arguments)]
+async fn handle(
+    gateway: &GatewayHandle,
+    participant: &str,
+    message: &FixMessage,
+    raw: &[u8],
+    window: &Arc<Semaphore>,
+    pending: &Arc<Mutex<BTreeMap<u64, Pending>>>,
+    reply: &mpsc::Sender<Reply>,
+    outbound: &mut Outbound,
+) -> Result<Option<String>, ()> {
+    match message.msg_type() {
+        "0" => Ok(None),
+        "1" => {
+            let id = message.get(112).unwrap_or("").to_owned();
+            outbound
+                .send(vec![(35, "0".into()), (112, id)])
+                .await
+                .map_err(|_| ())?;
+            Ok(None)
+        }
+        "2" => {
+            // Answers are idempotent: the range is gap-filled instead of resent.
+            let begin = message
+                .get(7)
+                .and_then(|s| s.parse::<u64>().ok())
+                .unwrap_or(1)
+                .max(1);
+            outbound.send_gap_fill(begin).await.map_err(|_| ())?;
+            Ok(None)
+        }
+        // A Logout from the participant: answered (without Text) once what is in flight is.
+        "5" => Ok(Some(String::new())),
+        "A" => Ok(Some("E_FRAME a second Logon".into())),
+        "AE" | "J" | "T" => {
+            // The session calls this only while the window has room.
+            if let Ok(permit) = window.try_acquire() {
+                permit.forget();
+            }
+            let id_tag = match message.msg_type() {
+                "AE" => 571,
+                "J" => 70,
+                _ => 777,
+            };
+            let id = message.get(id_tag).unwrap_or("").to_owned();
+            let seq: u64 = message.get(34).and_then(|s| s.parse().ok()).unwrap_or(0);
+            let sender = message.get(49).unwrap_or("");
+            let (envelope, detail, rejected_by_session) = match signed_part(raw) {
+                Ok(covered) => {
+                    let (envelope, detail) =
+                        envelope_of(gateway, participant, sender, message, raw, covered);
+                    (envelope, detail, false)
+                }
+                Err(error) => {
+                    outbound
+                        .send(vec![
+                            (35, "3".into()),
+                            (45, seq.to_string()),
+                            (371, error.tag.to_string()),
+                            (372, message.msg_type().to_owned()),
+                            (373, error.session_reason.to_string()),
+                            (58, format!("{} {}", error.code, error.detail)),
+                        ])
+                        .await
+                        .map_err(|_| ())?;
+                    let rejection = Rejection::new(error.code, error.detail);
+                    (refused_envelope(raw, participant, rejection), None, true)
+                }
+            };
+            pending
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(
+                    seq,
+                    Pending {
+                        msg_type: message.msg_type().to_owned(),
+                        id,
+                        detail,
+                        rejected_by_session,
+                    },
+                );
+            if gateway.submit(envelope, seq, reply).await.is_err() {
+                return Ok(Some("E_SHUTDOWN the engine is shutting down".into()));
+            }
+            Ok(None)
+        }
+        other => {
+            outbound
+                .send(vec![
+                    (35, "3".into()),
+                    (45, message.get(34).unwrap_or("0").to_owned()),
+                    (372, other.to_owned()),
+                    (373, "11".into()),
+                    (58, format!("MsgType {other} is not supported")),
+                ])
+                .await
+                .map_err(|_| ())?;
+            Ok(None)
+        }
+    }
+}
+
+/// A refused message, kept as an exception with its raw FIX bytes.
+fn refused_envelope(raw: &[u8], participant: &str, rejection: Rejection) -> Envelope {
+    Envelope {
+        bytes: raw.to_vec(),
+        sender: Some(participant.to_owned()),
+        signature: None,
+        correlation: 0,
+        origin: 0,
+        injected_ns: 0,
+        refusal: Some(rejection),
+    }
+}
+
+/// The engine envelope of an application message whose signature covers `covered` (every byte
+/// with meaning, [`signed_part`]): converted and re-signed when the signature holds, a refusal
+/// otherwise.
+fn envelope_of(
+    gateway: &GatewayHandle,
+    participant: &str,
+    sender: &str,
+    message: &FixMessage,
+    raw: &[u8],
+    covered: &[u8],
+) -> (Envelope, Option<String>) {
+    let refused = |rejection: Rejection| {
+        let detail = Some(rejection.detail.clone());
+        (refused_envelope(raw, participant, rejection), detail)
+    };
+    let signature = message
+        .get(89)
+        .and_then(|hex_text| hex::decode(hex_text).ok())
+        .unwrap_or_default();
+    let signed = gateway.signed_by(sender, covered, &signature);
+    if sender != participant {
+        // A message under another CompID than the session's.
+        if signed {
+            return refused(Rejection::new(
+                ReasonCode::Auth,
+                format!("the session of {participant} may not send as {sender}"),
+            ));
+        }
+        return refused(Rejection::new(
+            ReasonCode::Sig,
+            format!("signature does not match the key of {sender}"),
+        ));
+    }
+    if !signed {
+        return refused(Rejection::new(
+            ReasonCode::Sig,
+            format!("signature (89) does not match the key of {participant}"),
+        ));
+    }
+    let xml = match from_fix(message, participant) {
+        Ok(xml) => xml,
+        Err(rejection) => return refused(rejection),
+    };
+    let Some((_, key)) = gateway.refdata().participant_mac(participant) else {
+        return refused(Rejection::new(
+            ReasonCode::Sig,
+            format!("no key for {participant}"),
+        ));
+    };
+    let signature = sign::sign_keyed(key, &xml);
+    (
+        Envelope {
+            bytes: xml,
+            sender: Some(participant.to_owned()),
+            signature: Some(signature),
+            correlation: 0,
+            origin: 0,
+            injected_ns: 0,
+            refusal: None,
+        },
+        None,
+    )
+}
