@@ -286,3 +286,124 @@ fn fix_sessions_are_bounded() {
     );
     assert!(engine.stop().success());
 }
+
+/// Session rules as strict FIX engines keep them: the engine's Heartbeat comes HeartBtInt after
+/// its own last message, however often the participant sends; a participant's Reject is taken
+/// without a Reject back; a ResendRequest is acted on even when it arrives beyond a gap, and
+/// not again once the gap is filled.
+#[test]
+fn heartbeats_rejects_and_resend_requests_follow_the_session_rules() {
+    let engine = Engine::start(&[]);
+    let refdata = refdata();
+    let bics = everyone(&refdata);
+    let bic = bics[0].clone();
+    let mut session = RawSession::logon(&engine, &refdata, &bic, 1);
+    let message = |seq: u64, fields: &[(u32, &str)]| {
+        let mut all = vec![
+            (35, fields[0].1.to_owned()),
+            (49, bic.clone()),
+            (56, "STE".to_owned()),
+            (34, seq.to_string()),
+            (52, ste_bridge::fix::utc_timestamp()),
+        ];
+        all.extend(fields[1..].iter().map(|(t, v)| (*t, (*v).to_owned())));
+        ste_bridge::fix::encode(&all)
+    };
+    // Everything the engine sends until `until` holds, reading in short slices.
+    let received = |session: &mut RawSession,
+                    until: &dyn Fn(&[ste_bridge::fix::FixMessage]) -> bool| {
+        let mut seen = Vec::new();
+        let started = std::time::Instant::now();
+        while !until(&seen) {
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(20),
+                "{seen:?}"
+            );
+            if let Some(message) = session.next() {
+                seen.push(message);
+            }
+        }
+        seen
+    };
+    session
+        .stream
+        .set_read_timeout(Some(std::time::Duration::from_millis(100)))
+        .expect("timeout");
+
+    // The participant sends a Heartbeat every 300 ms for 3.5 s (HeartBtInt 1 s): the engine's
+    // own Heartbeats still come, about one a second.
+    let mut seq = 2;
+    let mut engine_heartbeats = 0;
+    let started = std::time::Instant::now();
+    while started.elapsed() < std::time::Duration::from_millis(3500) {
+        session.send(&message(seq, &[(35, "0")]));
+        seq += 1;
+        let slice = std::time::Instant::now();
+        while slice.elapsed() < std::time::Duration::from_millis(300) {
+            if let Some(answer) = session.next() {
+                assert_ne!(answer.msg_type(), "5", "{answer:?}");
+                if answer.msg_type() == "0" && answer.get(112).is_none() {
+                    engine_heartbeats += 1;
+                }
+            }
+        }
+    }
+    assert!(
+        engine_heartbeats >= 2,
+        "{engine_heartbeats} Heartbeats in 3.5 s"
+    );
+
+    // A Reject and a BusinessMessageReject of the participant's: no Reject comes back, and the
+    // session goes on.
+    session.send(&message(
+        seq,
+        &[(35, "3"), (45, "1"), (373, "99"), (58, "test reject")],
+    ));
+    session.send(&message(
+        seq + 1,
+        &[(35, "j"), (45, "1"), (380, "0"), (58, "test")],
+    ));
+    session.send(&message(seq + 2, &[(35, "1"), (112, "AFTER-REJECTS")]));
+    seq += 3;
+    let seen = received(&mut session, &|seen| {
+        seen.iter().any(|m| m.get(112) == Some("AFTER-REJECTS"))
+    });
+    assert!(seen.iter().all(|m| m.msg_type() != "3"), "{seen:?}");
+
+    // A ResendRequest that skips MsgSeqNum `seq`: answered at once with a GapFill, and the
+    // engine asks for `seq` itself.
+    session.send(&message(seq + 1, &[(35, "2"), (7, "1"), (16, "0")]));
+    let seen = received(&mut session, &|seen| {
+        seen.iter().any(|m| m.msg_type() == "4") && seen.iter().any(|m| m.msg_type() == "2")
+    });
+    let gap_fill = seen
+        .iter()
+        .find(|m| m.msg_type() == "4")
+        .expect("a GapFill");
+    assert_eq!(gap_fill.get(123), Some("Y"), "{gap_fill:?}");
+    let request = seen
+        .iter()
+        .find(|m| m.msg_type() == "2")
+        .expect("a ResendRequest");
+    assert_eq!(
+        request.get(7),
+        Some(seq.to_string().as_str()),
+        "{request:?}"
+    );
+    // The participant fills its gap; the ResendRequest it releases is not answered again.
+    let new_seq = (seq + 2).to_string();
+    session.send(&message(
+        seq,
+        &[(35, "4"), (43, "Y"), (123, "Y"), (36, &new_seq)],
+    ));
+    session.send(&message(seq + 2, &[(35, "1"), (112, "AFTER-GAP")]));
+    let seen = received(&mut session, &|seen| {
+        seen.iter().any(|m| m.get(112) == Some("AFTER-GAP"))
+    });
+    assert!(
+        seen.iter()
+            .all(|m| !matches!(m.msg_type(), "4" | "3" | "5")),
+        "{seen:?}"
+    );
+    assert!(engine.stop().success());
+}

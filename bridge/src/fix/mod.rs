@@ -7,15 +7,21 @@
 //!   Password = hex HMAC-SHA256 under the participant's key of `STE-FIX-LOGON\0` ‖ SendingTime ‖
 //!   BIC. A bad password gets a Logout with `58=E_SIG …`, an unknown participant `58=E_AUTH …`.
 //!   Sequence numbers start at 1 on both sides at every logon.
-//! - Heartbeat (`0`) after HeartBtInt seconds of silence from the engine; TestRequest (`1`)
-//!   after HeartBtInt + 20% of silence from the participant, answered by a Heartbeat with its
-//!   `112`; a participant that stays silent another HeartBtInt is logged out (`58=E_TIMEOUT`).
+//! - Heartbeat (`0`) HeartBtInt seconds after the engine's own last message, whatever the
+//!   participant sends meanwhile; TestRequest (`1`) after HeartBtInt + 20% of silence from the
+//!   participant, answered by a Heartbeat with its `112`; a participant that stays silent
+//!   another HeartBtInt is logged out (`58=E_TIMEOUT`).
 //! - A MsgSeqNum above the expected one is a gap: the engine sends a ResendRequest (`2`,
 //!   `7`=expected, `16=0`) and sets aside later messages until the gap is filled (messages
 //!   resent with `43=Y`, or a SequenceReset). A MsgSeqNum below the expected one without
 //!   `43=Y` is fatal: Logout `58=MsgSeqNum too low`. A ResendRequest from the participant is
 //!   answered with a SequenceReset-GapFill (`4`, `123=Y`): answers are idempotent, so a
 //!   participant re-sends an application message to hear its answer again (a duplicate ACK).
+//!   A ResendRequest is acted on whatever its own MsgSeqNum: one that arrives beyond a gap is
+//!   answered at once (and not again when the gap is filled), before the engine's own
+//!   ResendRequest for the gap.
+//! - A Reject (`3`) or BusinessMessageReject (`j`) from the participant is logged (RefSeqNum,
+//!   reason, Text) and counted, and never answered with a Reject.
 //! - A garbled message (bad BodyLength or CheckSum) is ignored, as FIX prescribes; the gap it
 //!   leaves is recovered by the ResendRequest.
 //! - Logout (`5`) is answered with a Logout once the answers in flight are sent.

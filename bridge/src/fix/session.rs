@@ -102,6 +102,12 @@ struct Outbound {
     output: BufWriter<tokio::io::WriteHalf<crate::listener::Connection>>,
     participant: String,
     next_seq: u64,
+    /// When the engine last sent on this session: a Heartbeat is due HeartBtInt after it,
+    /// whatever the participant sends meanwhile.
+    last_sent: tokio::time::Instant,
+    /// Rejects (`3`) and BusinessMessageRejects (`j`) the participant sent: logged, counted,
+    /// never answered with a Reject.
+    rejected_by_participant: u64,
 }
 
 impl Outbound {
@@ -116,6 +122,7 @@ impl Outbound {
         ];
         fields.extend(body);
         self.next_seq += 1;
+        self.last_sent = tokio::time::Instant::now();
         self.write(&encode(&fields)).await
     }
 
@@ -150,6 +157,7 @@ impl Outbound {
             (123, "Y".to_owned()),
             (36, self.next_seq.to_string()),
         ];
+        self.last_sent = tokio::time::Instant::now();
         self.write(&encode(&fields)).await
     }
 }
@@ -241,6 +249,8 @@ async fn session(
         output: BufWriter::with_capacity(64 * 1024, write),
         participant: String::new(),
         next_seq: 1,
+        last_sent: tokio::time::Instant::now(),
+        rejected_by_participant: 0,
     };
 
     // Logon.
@@ -326,7 +336,6 @@ async fn session(
     let mut reading = true;
     let mut ending: Ending = None;
     let mut test_request_sent = false;
-    let mut last_out = tokio::time::Instant::now();
     let mut last_in = tokio::time::Instant::now();
     // Messages set aside while a gap is being filled (and in-order ones waiting for the
     // window), by sequence number.
@@ -334,6 +343,8 @@ async fn session(
     let mut held: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
     let mut held_bytes: usize = 0;
     let mut resend_requested = false;
+    // ResendRequests answered while still behind a gap: not answered again in order.
+    let mut answered_early: std::collections::BTreeSet<u64> = Default::default();
 
     'session: loop {
         tokio::select! {
@@ -352,7 +363,6 @@ async fn session(
                 let item = pending.lock().unwrap_or_else(PoisonError::into_inner).remove(&reply.seq);
                 if let Some(item) = item.filter(|item| !item.rejected_by_session) {
                     if outbound.send(answer(&item, reply.result)).await.is_err() { break; }
-                    last_out = tokio::time::Instant::now();
                 }
             }
             Some(pushed) = pushes.recv() => {
@@ -360,7 +370,6 @@ async fn session(
                 let class = match pushed.class { PushClass::Cls => "CLS", PushClass::Advice => "ADVICE" };
                 let body = vec![(35, "n".into()), (212, xml.len().to_string()), (213, xml), (58, class.into())];
                 if outbound.send(body).await.is_err() { break; }
-                last_out = tokio::time::Instant::now();
             }
             // Only while the window has room: a full window stops reading (TCP backpressure).
             raw = raw_rx.recv(), if reading && window.available_permits() > 0 => { 'raw: {
@@ -411,10 +420,15 @@ async fn session(
                                 (58, format!("NewSeqNo must be a number up to {SEQ_NUM_MAX}")),
                             ];
                             if outbound.send(reject).await.is_err() { break 'session; }
-                            last_out = tokio::time::Instant::now();
                         }
                     }
                 } else if seq > expected_in && !held.contains_key(&expected_in) {
+                    if message.msg_type() == "2" && answered_early.insert(seq) {
+                        // A ResendRequest is acted on whatever its own MsgSeqNum: the
+                        // participant is waiting for it, and holding it behind the gap that
+                        // it may itself be the cause of would hang both sides.
+                        if outbound.send_gap_fill(resend_begin(&message)).await.is_err() { break 'session; }
+                    }
                     held_bytes += raw.len();
                     if let Some(old) = held.insert(seq, raw) {
                         held_bytes -= old.len();
@@ -430,7 +444,6 @@ async fn session(
                         resend_requested = true;
                         let request = vec![(35, "2".into()), (7, expected_in.to_string()), (16, "0".into())];
                         if outbound.send(request).await.is_err() { break 'session; }
-                        last_out = tokio::time::Instant::now();
                     }
                 } else if seq < expected_in {
                     if !poss_dup {
@@ -453,12 +466,10 @@ async fn session(
                     last_in = tokio::time::Instant::now();
                     let request = vec![(35, "1".into()), (112, format!("TEST-{}", outbound.next_seq))];
                     if outbound.send(request).await.is_err() { break; }
-                    last_out = tokio::time::Instant::now();
                 }
             }
-            _ = tokio::time::sleep_until(last_out + heartbeat) => {
+            _ = tokio::time::sleep_until(outbound.last_sent + heartbeat) => {
                 if outbound.send(vec![(35, "0".into())]).await.is_err() { break; }
-                last_out = tokio::time::Instant::now();
             }
         }
         // What is now in order, as far as the window allows.
@@ -475,6 +486,9 @@ async fn session(
                 continue;
             }
             expected_in += 1;
+            if answered_early.remove(&seq) {
+                continue;
+            }
             let Ok(message) = parse(&raw) else {
                 continue;
             };
@@ -497,7 +511,6 @@ async fn session(
                 Ok(None) => {}
                 Err(()) => break,
             }
-            last_out = tokio::time::Instant::now();
         }
         if held.keys().next().is_none_or(|first| *first <= expected_in) {
             resend_requested = false;
@@ -515,6 +528,13 @@ async fn session(
         }
     }
     reader.abort();
+    if outbound.rejected_by_participant > 0 {
+        warn!(
+            %participant,
+            rejects = outbound.rejected_by_participant,
+            "FIX session ended; the participant rejected messages of the engine's"
+        );
+    }
     gateway.unsubscribe(connection);
     gateway.release_fix_session(&participant, connection);
     let mut logout = vec![(35, "5".to_owned())];
@@ -565,6 +585,15 @@ fn check_logon(
     }
 }
 
+/// The first sequence number a ResendRequest asks for (`7` BeginSeqNo, at least 1).
+fn resend_begin(message: &FixMessage) -> u64 {
+    message
+        .get(7)
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or(1)
+        .max(1)
+}
+
 /// Handles one in-order message; `Ok(Some(text))` ends the session with a Logout, `Err` means
 /// the connection failed.
 #[allow(clippy::too_many_arguments)]
@@ -590,16 +619,30 @@ async fn handle(
         }
         "2" => {
             // Answers are idempotent: the range is gap-filled instead of resent.
-            let begin = message
-                .get(7)
-                .and_then(|s| s.parse::<u64>().ok())
-                .unwrap_or(1)
-                .max(1);
-            outbound.send_gap_fill(begin).await.map_err(|_| ())?;
+            outbound
+                .send_gap_fill(resend_begin(message))
+                .await
+                .map_err(|_| ())?;
             Ok(None)
         }
         // A Logout from the participant: answered (without Text) once what is in flight is.
         "5" => Ok(Some(String::new())),
+        // The participant refused something the engine sent. Answering with a Reject would
+        // make the two reject each other's rejects: it is logged and counted.
+        "3" | "j" => {
+            outbound.rejected_by_participant += 1;
+            warn!(
+                %participant,
+                msg_type = message.msg_type(),
+                ref_seq_num = message.get(45).unwrap_or(""),
+                ref_msg_type = message.get(372).unwrap_or(""),
+                ref_tag = message.get(371).unwrap_or(""),
+                reason = message.get(373).or_else(|| message.get(380)).unwrap_or(""),
+                text = message.get(58).unwrap_or(""),
+                "the participant rejected a message of the engine's"
+            );
+            Ok(None)
+        }
         "A" => Ok(Some("E_FRAME a second Logon".into())),
         "AE" | "J" | "T" => {
             // The session calls this only while the window has room.
