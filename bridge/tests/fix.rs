@@ -407,3 +407,98 @@ fn heartbeats_rejects_and_resend_requests_follow_the_session_rules() {
     );
     assert!(engine.stop().success());
 }
+
+/// A participant that reconnects without ResetSeqNumFlag goes on with both sequence numbers,
+/// and a ResendRequest brings back an application message of the engine's (an ACK) as it was
+/// first sent, with PossDupFlag and OrigSendingTime; a Logon below the expected number is
+/// refused.
+#[test]
+fn sequence_numbers_and_sent_answers_outlive_a_connection() {
+    let engine = Engine::start(&[]);
+    let refdata = refdata();
+    let lines = trade_lines(&refdata, 1, 67);
+    let noe = lines
+        .iter()
+        .find(|line| type_of(line) == "NOE")
+        .expect("a NOE");
+    let broker = sender_of(noe).to_owned();
+
+    let mut first = RawSession::logon(&engine, &refdata, &broker, 30);
+    first.send(&ste_bridge::fix::encode(&common::signed_fix_fields(
+        &refdata,
+        2,
+        noe,
+        |_| {},
+    )));
+    let ack = first.next_answer().expect("an answer");
+    assert_eq!(ack.msg_type(), "AR", "{ack:?}");
+    let ack_seq: u64 = ack.get(34).and_then(|s| s.parse().ok()).expect("MsgSeqNum");
+    drop(first);
+
+    // The same participant again, at MsgSeqNum 3 and without a reset, once the engine has let
+    // the first connection go.
+    let logon_at = |seq: u64| {
+        let started = std::time::Instant::now();
+        loop {
+            let (session, answer) = RawSession::send_logon(
+                &engine,
+                &common::fix_logon_at(&refdata, &broker, 30, seq, false),
+            );
+            let busy = answer
+                .get(58)
+                .is_some_and(|t| t.contains("already has a live"));
+            if !busy {
+                return (session, answer);
+            }
+            assert!(started.elapsed() < std::time::Duration::from_secs(20));
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    };
+    let (mut second, answer) = logon_at(3);
+    assert_eq!(answer.msg_type(), "A", "{answer:?}");
+    let logon_seq: u64 = answer
+        .get(34)
+        .and_then(|s| s.parse().ok())
+        .expect("MsgSeqNum");
+    assert!(
+        logon_seq > ack_seq,
+        "the engine's numbers go on: {answer:?} after {ack:?}"
+    );
+    assert_eq!(answer.get(141), None, "{answer:?}");
+
+    // The ACK again, as it was, for a ResendRequest of its number.
+    second.send(&ste_bridge::fix::encode(&[
+        (35, "2".into()),
+        (49, broker.clone()),
+        (56, "STE".into()),
+        (34, "4".into()),
+        (52, ste_bridge::fix::utc_timestamp()),
+        (7, ack_seq.to_string()),
+        (16, ack_seq.to_string()),
+    ]));
+    let resent = second.next_answer().expect("the ACK again");
+    assert_eq!(resent.get(43), Some("Y"), "{resent:?}");
+    assert_eq!(resent.get(122), ack.get(52), "{resent:?}");
+    let body = |message: &ste_bridge::fix::FixMessage| -> Vec<(u32, String)> {
+        message
+            .fields
+            .iter()
+            .filter(|(tag, _)| !matches!(tag, 34 | 43 | 52 | 122))
+            .cloned()
+            .collect()
+    };
+    assert_eq!(body(&resent), body(&ack));
+    assert_eq!(resent.get(34), ack.get(34));
+    drop(second);
+
+    // A Logon at a number the engine has already had is refused.
+    let (_third, answer) = logon_at(2);
+    assert_eq!(answer.msg_type(), "5", "{answer:?}");
+    assert!(
+        answer
+            .get(58)
+            .is_some_and(|t| t.starts_with("MsgSeqNum too low")),
+        "{answer:?}"
+    );
+    assert!(engine.stop().success());
+}

@@ -307,6 +307,7 @@ fn main() -> anyhow::Result<()> {
             (52, sending_time.clone()),
             (98, "0".into()),
             (108, "30".into()),
+            (141, "Y".into()),
             (554, fix::logon_password(key, &sending_time, bic)),
         ]);
         stream.write_all(&logon)?;

@@ -428,6 +428,7 @@ fn run_fix(
                         (52, sending_time),
                         (98, "0".into()),
                         (108, "30".into()),
+                        (141, "Y".into()),
                         (554, password),
                     ]);
                     for (index, line) in messages.iter().enumerate() {

@@ -6,7 +6,11 @@
 //!   `STE`, `108` HeartBtInt, `52` SendingTime within two minutes of the engine's clock, and `554`
 //!   Password = hex HMAC-SHA256 under the participant's key of `STE-FIX-LOGON\0` ‖ SendingTime ‖
 //!   BIC. A bad password gets a Logout with `58=E_SIG …`, an unknown participant `58=E_AUTH …`.
-//!   Sequence numbers start at 1 on both sides at every logon.
+//!   Sequence numbers go on across connections: a participant's next Logon carries the next
+//!   MsgSeqNum of its previous session (one above is a gap: the engine answers the Logon and
+//!   asks for the missing messages; one below gets a Logout `58=MsgSeqNum too low`), and the
+//!   engine's numbers go on too. ResetSeqNumFlag (`141=Y`) on the Logon starts both at 1 (the
+//!   engine's answering Logon says `141=Y`). What the engine keeps lives as long as its process.
 //! - Heartbeat (`0`) HeartBtInt seconds after the engine's own last message, whatever the
 //!   participant sends meanwhile; TestRequest (`1`) after HeartBtInt + 20% of silence from the
 //!   participant, answered by a Heartbeat with its `112`; a participant that stays silent
@@ -15,8 +19,11 @@
 //!   `7`=expected, `16=0`) and sets aside later messages until the gap is filled (messages
 //!   resent with `43=Y`, or a SequenceReset). A MsgSeqNum below the expected one without
 //!   `43=Y` is fatal: Logout `58=MsgSeqNum too low`. A ResendRequest from the participant is
-//!   answered with a SequenceReset-GapFill (`4`, `123=Y`): answers are idempotent, so a
-//!   participant re-sends an application message to hear its answer again (a duplicate ACK).
+//!   answered with the engine's application messages of that range again (ACKs, NAKs, pushed
+//!   CLS and advices; `43=Y` PossDupFlag, `122` OrigSendingTime, the same MsgSeqNum) and a
+//!   SequenceReset-GapFill (`4`, `123=Y`) over every run of session messages; the engine keeps
+//!   up to 4 MiB of application messages per participant, and a range older than that is
+//!   gap-filled too.
 //!   A ResendRequest is acted on whatever its own MsgSeqNum: one that arrives beyond a gap is
 //!   answered at once (and not again when the gap is filled), before the engine's own
 //!   ResendRequest for the gap.

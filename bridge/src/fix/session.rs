@@ -97,6 +97,49 @@ struct Pending {
     rejected_by_session: bool,
 }
 
+/// Bytes of application messages the engine keeps per participant for resending; the oldest go
+/// first, and a ResendRequest reaching past them gets a GapFill over them.
+pub const SENT_BYTES_MAX: usize = 4 << 20;
+
+/// An application message the engine sent, kept for a ResendRequest.
+#[derive(Debug, Clone)]
+struct Sent {
+    /// From `35` on, without the header the session adds.
+    body: Vec<(u32, String)>,
+    /// Its SendingTime: OrigSendingTime (`122`) when it is sent again.
+    sending_time: String,
+}
+
+/// What the engine keeps of a participant's session between its connections: both sequence
+/// numbers and the application messages it sent. Reset by a Logon with ResetSeqNumFlag.
+#[derive(Debug, Default)]
+struct Kept {
+    next_out: u64,
+    next_in: u64,
+    sent: BTreeMap<u64, Sent>,
+    sent_bytes: usize,
+}
+
+impl Kept {
+    fn fresh() -> Self {
+        Self {
+            next_out: 1,
+            next_in: 1,
+            ..Self::default()
+        }
+    }
+}
+
+/// Every participant's [`Kept`] session, shared by the listener's connections (one session
+/// per participant at a time). Bounded: one entry per participant of the reference data, each
+/// at most [`SENT_BYTES_MAX`] of messages.
+type SessionBook = Arc<Mutex<std::collections::HashMap<String, Kept>>>;
+
+/// Session-level messages, never resent (a GapFill stands for them).
+fn is_admin(msg_type: &str) -> bool {
+    matches!(msg_type, "0" | "1" | "2" | "3" | "4" | "5" | "A")
+}
+
 /// The engine's side of one session: outbound sequence numbers and header.
 struct Outbound {
     output: BufWriter<tokio::io::WriteHalf<crate::listener::Connection>>,
@@ -108,22 +151,89 @@ struct Outbound {
     /// Rejects (`3`) and BusinessMessageRejects (`j`) the participant sent: logged, counted,
     /// never answered with a Reject.
     rejected_by_participant: u64,
+    /// The application messages sent, by MsgSeqNum, for resending; and their bytes.
+    sent: BTreeMap<u64, Sent>,
+    sent_bytes: usize,
 }
 
 impl Outbound {
     async fn send(&mut self, mut body: Vec<(u32, String)>) -> std::io::Result<()> {
         let msg_type = body.remove(0);
         let mut fields = vec![
-            msg_type,
+            msg_type.clone(),
             (49, ENGINE_COMP_ID.to_owned()),
             (56, self.participant.clone()),
             (34, self.next_seq.to_string()),
             (52, utc_timestamp()),
         ];
-        fields.extend(body);
+        let sending_time = fields[4].1.clone();
+        fields.extend(body.iter().cloned());
+        if !is_admin(&msg_type.1) {
+            let mut kept = vec![msg_type];
+            kept.extend(body);
+            self.keep(
+                self.next_seq,
+                Sent {
+                    body: kept,
+                    sending_time,
+                },
+            );
+        }
         self.next_seq += 1;
         self.last_sent = tokio::time::Instant::now();
         self.write(&encode(&fields)).await
+    }
+
+    /// Keeps an application message for resending, within [`SENT_BYTES_MAX`].
+    fn keep(&mut self, seq: u64, sent: Sent) {
+        let size = |sent: &Sent| sent.body.iter().map(|(_, v)| v.len() + 8).sum::<usize>();
+        self.sent_bytes += size(&sent);
+        self.sent.insert(seq, sent);
+        while self.sent_bytes > SENT_BYTES_MAX {
+            let Some((_, oldest)) = self.sent.pop_first() else {
+                break;
+            };
+            self.sent_bytes -= size(&oldest);
+        }
+    }
+
+    /// Answers a ResendRequest for `begin..=end` (`end` 0: up to the last sent): the kept
+    /// application messages again, with PossDupFlag and OrigSendingTime, and a GapFill over
+    /// every run of session messages (and of messages past the store's bound).
+    async fn resend(&mut self, begin: u64, end: u64) -> std::io::Result<()> {
+        let last = self.next_seq - 1;
+        let end = if end == 0 || end > last { last } else { end };
+        if begin > end {
+            return self
+                .send_gap_fill(begin.min(self.next_seq), self.next_seq)
+                .await;
+        }
+        let mut gap_from: Option<u64> = None;
+        for seq in begin..=end {
+            let Some(sent) = self.sent.get(&seq).cloned() else {
+                gap_from.get_or_insert(seq);
+                continue;
+            };
+            if let Some(from) = gap_from.take() {
+                self.send_gap_fill(from, seq).await?;
+            }
+            let mut fields = vec![
+                sent.body[0].clone(),
+                (49, ENGINE_COMP_ID.to_owned()),
+                (56, self.participant.clone()),
+                (34, seq.to_string()),
+                (43, "Y".to_owned()),
+                (52, utc_timestamp()),
+                (122, sent.sending_time.clone()),
+            ];
+            fields.extend(sent.body[1..].iter().cloned());
+            self.last_sent = tokio::time::Instant::now();
+            self.write(&encode(&fields)).await?;
+        }
+        match gap_from {
+            Some(from) => self.send_gap_fill(from, end + 1).await,
+            None => Ok(()),
+        }
     }
 
     /// Sends what is buffered, within the same time limit as a write.
@@ -142,20 +252,20 @@ impl Outbound {
         }
     }
 
-    /// A SequenceReset-GapFill over `begin..next_seq`: sent with MsgSeqNum `begin` and
+    /// A SequenceReset-GapFill over `begin..new_seq`: sent with MsgSeqNum `begin` and
     /// PossDupFlag, it does not take a number of its own.
-    async fn send_gap_fill(&mut self, begin: u64) -> std::io::Result<()> {
+    async fn send_gap_fill(&mut self, begin: u64, new_seq: u64) -> std::io::Result<()> {
         let now = utc_timestamp();
         let fields = vec![
             (35, "4".to_owned()),
             (49, ENGINE_COMP_ID.to_owned()),
             (56, self.participant.clone()),
-            (34, begin.min(self.next_seq).to_string()),
+            (34, begin.to_string()),
             (43, "Y".to_owned()),
             (52, now.clone()),
             (122, now),
             (123, "Y".to_owned()),
-            (36, self.next_seq.to_string()),
+            (36, new_seq.to_string()),
         ];
         self.last_sent = tokio::time::Instant::now();
         self.write(&encode(&fields)).await
@@ -223,15 +333,37 @@ pub async fn serve(
         ])
     };
     let stop = shutdown.clone();
+    let book = SessionBook::default();
     accept_loop(
         listener,
         "FIX",
         accepting,
         shutdown,
         refusal,
-        move |stream| session(stream, gateway.clone(), config.clone(), stop.clone()),
+        move |stream| {
+            session(
+                stream,
+                gateway.clone(),
+                config.clone(),
+                book.clone(),
+                stop.clone(),
+            )
+        },
     )
     .await;
+}
+
+/// Puts what a session's next connection continues from into the book.
+fn keep_session(book: &SessionBook, participant: &str, outbound: &mut Outbound, next_in: u64) {
+    let kept = Kept {
+        next_out: outbound.next_seq,
+        next_in,
+        sent: std::mem::take(&mut outbound.sent),
+        sent_bytes: std::mem::take(&mut outbound.sent_bytes),
+    };
+    book.lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(participant.to_owned(), kept);
 }
 
 /// Why a session ends from the engine's side: the Logout's Text.
@@ -241,6 +373,7 @@ async fn session(
     stream: crate::listener::Connection,
     gateway: GatewayHandle,
     config: FixConfig,
+    book: SessionBook,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let (read, write) = tokio::io::split(stream);
@@ -251,6 +384,8 @@ async fn session(
         next_seq: 1,
         last_sent: tokio::time::Instant::now(),
         rejected_by_participant: 0,
+        sent: BTreeMap::new(),
+        sent_bytes: 0,
     };
 
     // Logon.
@@ -289,13 +424,46 @@ async fn session(
         let _ = outbound.flush().await;
         return;
     }
-    let _ = outbound
-        .send(vec![
-            (35, "A".into()),
-            (98, "0".into()),
-            (108, heartbeat.as_secs().to_string()),
-        ])
-        .await;
+    // The sequence numbers go on from the participant's last session unless its Logon resets
+    // them (ResetSeqNumFlag), as FIX engines expect.
+    let reset = logon.get(141) == Some("Y");
+    let kept = match book
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .remove(&participant)
+    {
+        Some(kept) if !reset => kept,
+        _ => Kept::fresh(),
+    };
+    let logon_seq: u64 = logon.get(34).and_then(|s| s.parse().ok()).unwrap_or(0);
+    outbound.next_seq = kept.next_out.max(1);
+    outbound.sent = kept.sent;
+    outbound.sent_bytes = kept.sent_bytes;
+    let next_in = kept.next_in.max(1);
+    if logon_seq < next_in || logon_seq > SEQ_NUM_MAX {
+        let text = format!("MsgSeqNum too low, expecting {next_in} but received {logon_seq}");
+        warn!(%participant, text = ?text, "FIX logon refused");
+        let _ = outbound.send(vec![(35, "5".into()), (58, text)]).await;
+        let _ = outbound.flush().await;
+        keep_session(&book, &participant, &mut outbound, next_in);
+        gateway.release_fix_session(&participant, connection);
+        return;
+    }
+    let mut logon_answer = vec![
+        (35, "A".into()),
+        (98, "0".into()),
+        (108, heartbeat.as_secs().to_string()),
+    ];
+    if reset {
+        logon_answer.push((141, "Y".into()));
+    }
+    let _ = outbound.send(logon_answer).await;
+    // Messages the participant sent while it was away are asked for at once.
+    let gap_at_logon = logon_seq > next_in;
+    if gap_at_logon {
+        let request = vec![(35, "2".into()), (7, next_in.to_string()), (16, "0".into())];
+        let _ = outbound.send(request).await;
+    }
     let _ = outbound.flush().await;
 
     // The reader runs on its own, so that a message is never cut by the session's other work;
@@ -332,7 +500,7 @@ async fn session(
         },
     );
     let idle = heartbeat + heartbeat / 5;
-    let mut expected_in: u64 = 2;
+    let mut expected_in: u64 = if gap_at_logon { next_in } else { logon_seq + 1 };
     let mut reading = true;
     let mut ending: Ending = None;
     let mut test_request_sent = false;
@@ -342,7 +510,7 @@ async fn session(
     // Kept raw (parsed again when released): a parsed message costs several times its bytes.
     let mut held: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
     let mut held_bytes: usize = 0;
-    let mut resend_requested = false;
+    let mut resend_requested = gap_at_logon;
     // ResendRequests answered while still behind a gap: not answered again in order.
     let mut answered_early: std::collections::BTreeSet<u64> = Default::default();
 
@@ -427,7 +595,8 @@ async fn session(
                         // A ResendRequest is acted on whatever its own MsgSeqNum: the
                         // participant is waiting for it, and holding it behind the gap that
                         // it may itself be the cause of would hang both sides.
-                        if outbound.send_gap_fill(resend_begin(&message)).await.is_err() { break 'session; }
+                        let (begin, end) = resend_range(&message);
+                        if outbound.resend(begin, end).await.is_err() { break 'session; }
                     }
                     held_bytes += raw.len();
                     if let Some(old) = held.insert(seq, raw) {
@@ -536,6 +705,10 @@ async fn session(
         );
     }
     gateway.unsubscribe(connection);
+    // Kept before the session is released, counting the Logout about to be sent.
+    outbound.next_seq += 1;
+    keep_session(&book, &participant, &mut outbound, expected_in);
+    outbound.next_seq -= 1;
     gateway.release_fix_session(&participant, connection);
     let mut logout = vec![(35, "5".to_owned())];
     if let Some(text) = ending.filter(|text| !text.is_empty()) {
@@ -585,13 +758,11 @@ fn check_logon(
     }
 }
 
-/// The first sequence number a ResendRequest asks for (`7` BeginSeqNo, at least 1).
-fn resend_begin(message: &FixMessage) -> u64 {
-    message
-        .get(7)
-        .and_then(|s| s.parse::<u64>().ok())
-        .unwrap_or(1)
-        .max(1)
+/// What a ResendRequest asks for: `7` BeginSeqNo (at least 1) and `16` EndSeqNo (0: up to
+/// the last).
+fn resend_range(message: &FixMessage) -> (u64, u64) {
+    let number = |tag| message.get(tag).and_then(|s| s.parse::<u64>().ok());
+    (number(7).unwrap_or(1).max(1), number(16).unwrap_or(0))
 }
 
 /// Handles one in-order message; `Ok(Some(text))` ends the session with a Logout, `Err` means
@@ -618,11 +789,8 @@ async fn handle(
             Ok(None)
         }
         "2" => {
-            // Answers are idempotent: the range is gap-filled instead of resent.
-            outbound
-                .send_gap_fill(resend_begin(message))
-                .await
-                .map_err(|_| ())?;
+            let (begin, end) = resend_range(message);
+            outbound.resend(begin, end).await.map_err(|_| ())?;
             Ok(None)
         }
         // A Logout from the participant: answered (without Text) once what is in flight is.

@@ -260,8 +260,21 @@ impl RawSession {
     }
 }
 
-/// A FIX Logon of `participant` with a fresh SendingTime and its password.
+/// A FIX Logon of `participant` with a fresh SendingTime and its password, MsgSeqNum 1 and
+/// ResetSeqNumFlag: a session that starts afresh.
 pub fn fix_logon(refdata: &RefData, participant: &str, heartbeat_s: u32) -> Vec<u8> {
+    fix_logon_at(refdata, participant, heartbeat_s, 1, true)
+}
+
+/// A FIX Logon of `participant` with MsgSeqNum `seq`, resetting the sequence numbers or
+/// (`reset` false) going on from the participant's last session.
+pub fn fix_logon_at(
+    refdata: &RefData,
+    participant: &str,
+    heartbeat_s: u32,
+    seq: u64,
+    reset: bool,
+) -> Vec<u8> {
     // A new logon each call: SendingTime has milliseconds, and two logons built within one
     // would be the same logon (which the engine takes only once).
     static LAST_SENDING_TIME: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
@@ -282,16 +295,20 @@ pub fn fix_logon(refdata: &RefData, participant: &str, heartbeat_s: u32) -> Vec<
         .expect("a participant")
         .1;
     let password = ste_bridge::fix::logon_password(key, &sending_time, participant);
-    ste_bridge::fix::encode(&[
+    let mut fields = vec![
         (35, "A".into()),
         (49, participant.into()),
         (56, "STE".into()),
-        (34, "1".into()),
+        (34, seq.to_string()),
         (52, sending_time),
         (98, "0".into()),
         (108, heartbeat_s.to_string()),
-        (554, password),
-    ])
+    ];
+    if reset {
+        fields.push((141, "Y".into()));
+    }
+    fields.push((554, password));
+    ste_bridge::fix::encode(&fields)
 }
 
 /// The fields of the FIX application message of `line` from `35` to `89`, with the session
