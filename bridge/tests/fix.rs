@@ -298,17 +298,7 @@ fn heartbeats_rejects_and_resend_requests_follow_the_session_rules() {
     let bics = everyone(&refdata);
     let bic = bics[0].clone();
     let mut session = RawSession::logon(&engine, &refdata, &bic, 1);
-    let message = |seq: u64, fields: &[(u32, &str)]| {
-        let mut all = vec![
-            (35, fields[0].1.to_owned()),
-            (49, bic.clone()),
-            (56, "STE".to_owned()),
-            (34, seq.to_string()),
-            (52, ste_bridge::fix::utc_timestamp()),
-        ];
-        all.extend(fields[1..].iter().map(|(t, v)| (*t, (*v).to_owned())));
-        ste_bridge::fix::encode(&all)
-    };
+    let message = |seq: u64, fields: &[(u32, &str)]| common::fix_message(&bic, seq, fields);
     // Everything the engine sends until `until` holds, reading in short slices.
     let received = |session: &mut RawSession,
                     until: &dyn Fn(&[ste_bridge::fix::FixMessage]) -> bool| {
@@ -467,15 +457,12 @@ fn sequence_numbers_and_sent_answers_outlive_a_connection() {
     assert_eq!(answer.get(141), None, "{answer:?}");
 
     // The ACK again, as it was, for a ResendRequest of its number.
-    second.send(&ste_bridge::fix::encode(&[
-        (35, "2".into()),
-        (49, broker.clone()),
-        (56, "STE".into()),
-        (34, "4".into()),
-        (52, ste_bridge::fix::utc_timestamp()),
-        (7, ack_seq.to_string()),
-        (16, ack_seq.to_string()),
-    ]));
+    let ack_seq_text = ack_seq.to_string();
+    second.send(&common::fix_message(
+        &broker,
+        4,
+        &[(35, "2"), (7, &ack_seq_text), (16, &ack_seq_text)],
+    ));
     let resent = second.next_answer().expect("the ACK again");
     assert_eq!(resent.get(43), Some("Y"), "{resent:?}");
     assert_eq!(resent.get(122), ack.get(52), "{resent:?}");

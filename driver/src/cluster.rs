@@ -44,7 +44,7 @@ pub struct ClusterTarget {
 
 /// Waits until every inbound partition and every shard of `layout` is held by a node; returns
 /// how many distinct nodes hold them.
-pub fn wait_until_owned(
+fn wait_until_owned(
     leases: &Leases,
     layout: &ClusterLayout,
     timeout: Duration,

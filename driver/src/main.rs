@@ -704,7 +704,6 @@ impl SweepPoint {
 
     /// This point's cells, in the order of [`Self::COLUMNS`].
     fn cells(&self) -> Vec<String> {
-        let optional = |value: Option<f64>| value.map(|v| format!("{v:.4}")).unwrap_or_default();
         vec![
             self.level.to_string(),
             self.window.map(|w| w.to_string()).unwrap_or_default(),
@@ -718,8 +717,8 @@ impl SweepPoint {
             format!("{:.3}", self.cls_p50_ms),
             format!("{:.3}", self.cls_p99_ms),
             self.bottleneck.clone().unwrap_or_default(),
-            optional(self.X_mva),
-            optional(self.R_mva_ms),
+            optional_cell(self.X_mva, 4),
+            optional_cell(self.R_mva_ms, 4),
         ]
     }
 }
@@ -895,22 +894,18 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
         SweepPoint::COLUMNS,
         points.iter().map(SweepPoint::cells).collect(),
         &points,
-    )?;
-    eprintln!(
-        "series written to {} (sweep.csv, sweep.json, {})",
-        out.display(),
-        chart.display()
-    );
-    Ok(())
+        &chart,
+    )
 }
 
 /// Writes a sweep's points to `sweep.csv` (`header`, `rows`) and `sweep.json` (`points`) in
-/// `out`, and prints the rows as a table.
+/// `out`, prints the rows as a table, and says where they are beside its `chart`.
 fn write_series(
     out: &std::path::Path,
     header: &[&str],
     rows: Vec<Vec<String>>,
     points: &impl serde::Serialize,
+    chart: &std::path::Path,
 ) -> anyhow::Result<()> {
     let mut csv = header.join(",") + "\n";
     for row in &rows {
@@ -942,7 +937,17 @@ fn write_series(
             .collect();
         println!("{}", cells.join(" "));
     }
+    eprintln!(
+        "series written to {} (sweep.csv, sweep.json, {})",
+        out.display(),
+        chart.display()
+    );
     Ok(())
+}
+
+/// A table cell of an optional figure, with `places` decimals (empty without one).
+fn optional_cell(value: Option<f64>, places: usize) -> String {
+    value.map(|v| format!("{v:.places$}")).unwrap_or_default()
 }
 
 /// Fills in the MVA prediction of every level and of the curve: exact MVA over the windows of a

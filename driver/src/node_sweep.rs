@@ -11,15 +11,15 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use serde::Serialize;
-use ste_driver::scale::{
-    local_programs, Compose, CpuReading, CpuUse, LocalCluster, LocalSpec, Share,
-};
+use ste_driver::scale::{local_programs, Compose, CpuUse, LocalCluster, LocalSpec, Share};
 use ste_driver::Summary;
 use ste_engine::keys::KeyRing;
+use ste_engine::refdata::RefData;
 use ste_monitor::mva::{self, Kind, Station};
 
 use super::{
-    check_summary, default_run_dir, load_refdata, run_config, write_series, RunArgs, StoreArg,
+    check_summary, default_run_dir, load_refdata, optional_cell, refdata_with_keys, run_config,
+    write_series, RunArgs, StoreArg,
 };
 
 /// Messages in flight of a node sweep's closed loop unless --window says otherwise.
@@ -107,9 +107,6 @@ impl NodePoint {
     ];
 
     fn cells(&self) -> Vec<String> {
-        let optional = |value: Option<f64>, places: usize| {
-            value.map(|v| format!("{v:.places$}")).unwrap_or_default()
-        };
         vec![
             self.level.to_string(),
             self.databases.to_string(),
@@ -126,12 +123,12 @@ impl NodePoint {
             format!("{:.2}", self.cpu_busy_cores),
             format!("{:.1}", self.cpu_us_per_msg),
             format!("{:.1}", self.node_cpu_us_per_msg),
-            optional(self.X_mva, 1),
-            optional(self.R_mva_ms, 2),
-            optional(self.X_mva_level, 1),
-            optional(self.X_own, 1),
-            optional(self.R_own_ms, 2),
-            optional(self.X_spread, 1),
+            optional_cell(self.X_mva, 1),
+            optional_cell(self.R_mva_ms, 2),
+            optional_cell(self.X_mva_level, 1),
+            optional_cell(self.X_own, 1),
+            optional_cell(self.R_own_ms, 2),
+            optional_cell(self.X_spread, 1),
         ]
     }
 }
@@ -267,6 +264,8 @@ impl NodeModel {
 enum Platform {
     Local {
         servers: Vec<String>,
+        /// The reference data with the level's signing keys (`keys`).
+        refdata: Arc<RefData>,
         keys: PathBuf,
         engine: PathBuf,
         nats_server: PathBuf,
@@ -306,7 +305,7 @@ pub fn sweep_nodes(
         None => {
             let (engine, nats_server) = local_programs()?;
             args.store = StoreArg::Postgres;
-            let servers = run_config_urls(&args)?;
+            let servers = run_config(args.clone())?.db_urls;
             let keys = match &args.keys {
                 Some(keys) => keys.clone(),
                 None => {
@@ -317,8 +316,10 @@ pub fn sweep_nodes(
                     keys
                 }
             };
+            args.keys = Some(keys.clone());
             Platform::Local {
                 servers,
+                refdata: Arc::new(refdata_with_keys(&args)?),
                 keys,
                 engine,
                 nats_server,
@@ -361,11 +362,13 @@ pub fn sweep_nodes(
             let (summary, cpu) = match &platform {
                 Platform::Local {
                     servers,
+                    refdata,
                     keys,
                     engine,
                     nats_server,
                 } => run_local(
                     &args,
+                    refdata,
                     &LocalSpec {
                         dir: &dir,
                         share,
@@ -466,32 +469,16 @@ pub fn sweep_nodes(
         NodePoint::COLUMNS,
         points.iter().map(NodePoint::cells).collect(),
         &points,
-    )?;
-    eprintln!(
-        "series written to {} (sweep.csv, sweep.json, {})",
-        out.display(),
-        chart.display()
-    );
-    Ok(())
-}
-
-/// The shard servers' URLs of a local sweep, from --db or STE_DATABASE_URLS.
-fn run_config_urls(args: &RunArgs) -> anyhow::Result<Vec<String>> {
-    let config = run_config(args.clone())?;
-    Ok(config.db_urls)
+        &chart,
+    )
 }
 
 /// One level on local processes.
-fn run_local(args: &RunArgs, spec: &LocalSpec<'_>) -> anyhow::Result<(Summary, CpuUse)> {
-    let refdata = {
-        let ring = KeyRing::load(spec.keys)
-            .with_context(|| format!("loading keys from {}", spec.keys.display()))?;
-        Arc::new(
-            load_refdata(args.refdata.as_ref())?
-                .with_keys(&ring)
-                .context("installing the signing keys")?,
-        )
-    };
+fn run_local(
+    args: &RunArgs,
+    refdata: &Arc<RefData>,
+    spec: &LocalSpec<'_>,
+) -> anyhow::Result<(Summary, CpuUse)> {
     let cluster = LocalCluster::start(spec)?;
     let outcome = (|| {
         let mut level_args = args.clone();
@@ -504,32 +491,14 @@ fn run_local(args: &RunArgs, spec: &LocalSpec<'_>) -> anyhow::Result<(Summary, C
             partitions: spec.share.partitions,
             lease_ttl: Duration::from_secs(3),
             stall_timeout: Duration::from_secs(args.stall_timeout_s.max(1)),
-            wait_for_owners: None,
+            wait_for_owners: Some(OWNERS_TIMEOUT),
         };
-        // The run's CPU is measured from when every partition and shard is owned.
-        let leases_ready = {
-            let jetstream = ste_engine::queue::jetstream::JetStream::connect(&cluster.nats_url)
-                .context("connecting to the level's NATS")?;
-            let layout = ste_engine::node::ClusterLayout {
-                partitions: spec.share.partitions,
-                shards: spec.share.shards,
-                ..Default::default()
-            };
-            layout
-                .ensure(&jetstream)
-                .context("making the cluster's queues")?;
-            let leases = ste_engine::lease::Leases::open(&jetstream, target.lease_ttl)
-                .context("opening the leases")?;
-            ste_driver::cluster::wait_until_owned(&leases, &layout, OWNERS_TIMEOUT)?
-        };
-        eprintln!("  {leases_ready} nodes own the partitions and shards");
-        let before = CpuReading::now();
-        let summary = ste_driver::cluster::run_cluster(&config, &target, refdata)?;
-        // The load's own span where the run measured it, else the whole run's.
+        let summary = ste_driver::cluster::run_cluster(&config, &target, refdata.clone())?;
+        // From the first injection, once every partition and shard is owned, to the last answer.
         let cpu = summary
             .cpu
             .clone()
-            .unwrap_or_else(|| before.until(&CpuReading::now()));
+            .context("the cluster run measured no CPU")?;
         Ok::<_, anyhow::Error>((summary, cpu))
     })();
     let stopped = cluster.stop();

@@ -24,9 +24,9 @@ const USER_HZ: f64 = 100.0;
 pub const PROGRAMS: [&str; 4] = ["engine", "nats-server", "postgres", "driver"];
 
 /// The machine's busy CPU time and every process's, at one instant.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct CpuReading {
-    at: Option<Instant>,
+    at: Instant,
     busy_s: f64,
     /// pid → (program, CPU seconds so far).
     processes: BTreeMap<u32, (String, f64)>,
@@ -90,7 +90,7 @@ impl CpuReading {
             }
         }
         Self {
-            at: Some(Instant::now()),
+            at: Instant::now(),
             busy_s,
             processes,
         }
@@ -118,10 +118,7 @@ impl CpuReading {
         let known: f64 = by_program_s.values().sum();
         by_program_s.insert("other".to_owned(), (busy_s - known).max(0.0));
         CpuUse {
-            seconds: match (self.at, later.at) {
-                (Some(from), Some(to)) => to.duration_since(from).as_secs_f64(),
-                _ => 0.0,
-            },
+            seconds: later.at.duration_since(self.at).as_secs_f64(),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             busy_s,
             by_program_s,

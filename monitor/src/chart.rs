@@ -150,16 +150,24 @@ pub fn timeline_svg(samples: &[crate::Sample]) -> Result<String, String> {
                     PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| e.to_string())?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight)?;
         root.present().map_err(|e| e.to_string())?;
     }
     Ok(svg)
+}
+
+/// The legend of a chart's labelled series, boxed, at `position`.
+fn legend<'a, X: Ranged, Y: Ranged>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, Cartesian2d<X, Y>>,
+    position: SeriesLabelPosition,
+) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| e.to_string())
 }
 
 /// Messages completed per second over time, in about a hundred windows.
@@ -256,13 +264,7 @@ fn panel(
         .map_err(|e| e.to_string())?
         .label("measured")
         .legend(|(x, y)| Circle::new((x + 10, y), 5, RED.filled()));
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| e.to_string())?;
+    legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
     Ok(())
 }
 
@@ -360,13 +362,7 @@ fn xy_panel(area: &DrawingArea<SVGBackend<'_>, Shift>, panel: &XyPanel) -> Resul
                 .map_err(|e| e.to_string())?;
         }
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| e.to_string())?;
+    legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     Ok(())
 }
 

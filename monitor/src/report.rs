@@ -290,6 +290,15 @@ fn cluster_section(dir: &Path, metrics: &[crate::StationMetrics], html: &mut Str
     html.push_str("</table>");
 }
 
+/// A sweep level's figure `key` with `decimals` (empty where the level has none).
+fn cell(point: &serde_json::Value, key: &str, decimals: usize) -> String {
+    point
+        .get(key)
+        .and_then(serde_json::Value::as_f64)
+        .map(|v| format!("{v:.decimals$}"))
+        .unwrap_or_default()
+}
+
 fn sweep_section(dir: &Path, html: &mut String) -> Result<(), ReportError> {
     let Some(serde_json::Value::Array(points)) = read_json(&dir.join("sweep.json"))? else {
         return Ok(());
@@ -303,13 +312,6 @@ fn sweep_section(dir: &Path, html: &mut String) -> Result<(), ReportError> {
          <th>window</th><th>rate (msg/s)</th><th>X (msg/s)</th><th>N</th><th>R = N/X (ms)</th>\
          <th>R measured (ms)</th><th>MVA X (msg/s)</th><th>MVA R (ms)</th><th>bottleneck</th></tr>",
     );
-    let cell = |point: &serde_json::Value, key: &str, decimals: usize| {
-        point
-            .get(key)
-            .and_then(serde_json::Value::as_f64)
-            .map(|v| format!("{v:.decimals$}"))
-            .unwrap_or_default()
-    };
     for point in &points {
         let _ = write!(
             html,
@@ -355,13 +357,6 @@ fn node_sweep_section(points: &[serde_json::Value], html: &mut String) {
          <th>MVA X, every program on own machines</th><th>bottleneck</th>\
          <th>busiest station</th></tr>",
     );
-    let cell = |point: &serde_json::Value, key: &str, decimals: usize| {
-        point
-            .get(key)
-            .and_then(serde_json::Value::as_f64)
-            .map(|v| format!("{v:.decimals$}"))
-            .unwrap_or_default()
-    };
     for point in points {
         let _ = write!(html, "<tr>");
         for (key, decimals) in [

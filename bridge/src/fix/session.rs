@@ -110,14 +110,36 @@ struct Sent {
     sending_time: String,
 }
 
+/// The application messages the engine sent a participant, by MsgSeqNum, within
+/// [`SENT_BYTES_MAX`].
+#[derive(Debug, Default)]
+struct SentStore {
+    messages: BTreeMap<u64, Sent>,
+    bytes: usize,
+}
+
+impl SentStore {
+    /// Keeps an application message for resending, dropping the oldest beyond the bound.
+    fn keep(&mut self, seq: u64, sent: Sent) {
+        let size = |sent: &Sent| sent.body.iter().map(|(_, v)| v.len() + 8).sum::<usize>();
+        self.bytes += size(&sent);
+        self.messages.insert(seq, sent);
+        while self.bytes > SENT_BYTES_MAX {
+            let Some((_, oldest)) = self.messages.pop_first() else {
+                break;
+            };
+            self.bytes -= size(&oldest);
+        }
+    }
+}
+
 /// What the engine keeps of a participant's session between its connections: both sequence
 /// numbers and the application messages it sent. Reset by a Logon with ResetSeqNumFlag.
 #[derive(Debug, Default)]
 struct Kept {
     next_out: u64,
     next_in: u64,
-    sent: BTreeMap<u64, Sent>,
-    sent_bytes: usize,
+    sent: SentStore,
 }
 
 impl Kept {
@@ -151,9 +173,8 @@ struct Outbound {
     /// Rejects (`3`) and BusinessMessageRejects (`j`) the participant sent: logged, counted,
     /// never answered with a Reject.
     rejected_by_participant: u64,
-    /// The application messages sent, by MsgSeqNum, for resending; and their bytes.
-    sent: BTreeMap<u64, Sent>,
-    sent_bytes: usize,
+    /// The application messages sent, for resending.
+    sent: SentStore,
 }
 
 impl Outbound {
@@ -171,7 +192,7 @@ impl Outbound {
         if !is_admin(&msg_type.1) {
             let mut kept = vec![msg_type];
             kept.extend(body);
-            self.keep(
+            self.sent.keep(
                 self.next_seq,
                 Sent {
                     body: kept,
@@ -182,19 +203,6 @@ impl Outbound {
         self.next_seq += 1;
         self.last_sent = tokio::time::Instant::now();
         self.write(&encode(&fields)).await
-    }
-
-    /// Keeps an application message for resending, within [`SENT_BYTES_MAX`].
-    fn keep(&mut self, seq: u64, sent: Sent) {
-        let size = |sent: &Sent| sent.body.iter().map(|(_, v)| v.len() + 8).sum::<usize>();
-        self.sent_bytes += size(&sent);
-        self.sent.insert(seq, sent);
-        while self.sent_bytes > SENT_BYTES_MAX {
-            let Some((_, oldest)) = self.sent.pop_first() else {
-                break;
-            };
-            self.sent_bytes -= size(&oldest);
-        }
     }
 
     /// Answers a ResendRequest for `begin..=end` (`end` 0: up to the last sent): the kept
@@ -210,7 +218,7 @@ impl Outbound {
         }
         let mut gap_from: Option<u64> = None;
         for seq in begin..=end {
-            let Some(sent) = self.sent.get(&seq).cloned() else {
+            let Some(sent) = self.sent.messages.get(&seq).cloned() else {
                 gap_from.get_or_insert(seq);
                 continue;
             };
@@ -354,12 +362,17 @@ pub async fn serve(
 }
 
 /// Puts what a session's next connection continues from into the book.
-fn keep_session(book: &SessionBook, participant: &str, outbound: &mut Outbound, next_in: u64) {
+fn keep_session(
+    book: &SessionBook,
+    participant: &str,
+    outbound: &mut Outbound,
+    next_out: u64,
+    next_in: u64,
+) {
     let kept = Kept {
-        next_out: outbound.next_seq,
+        next_out,
         next_in,
         sent: std::mem::take(&mut outbound.sent),
-        sent_bytes: std::mem::take(&mut outbound.sent_bytes),
     };
     book.lock()
         .unwrap_or_else(PoisonError::into_inner)
@@ -384,8 +397,7 @@ async fn session(
         next_seq: 1,
         last_sent: tokio::time::Instant::now(),
         rejected_by_participant: 0,
-        sent: BTreeMap::new(),
-        sent_bytes: 0,
+        sent: SentStore::default(),
     };
 
     // Logon.
@@ -438,14 +450,14 @@ async fn session(
     let logon_seq: u64 = logon.get(34).and_then(|s| s.parse().ok()).unwrap_or(0);
     outbound.next_seq = kept.next_out.max(1);
     outbound.sent = kept.sent;
-    outbound.sent_bytes = kept.sent_bytes;
     let next_in = kept.next_in.max(1);
     if logon_seq < next_in || logon_seq > SEQ_NUM_MAX {
         let text = format!("MsgSeqNum too low, expecting {next_in} but received {logon_seq}");
         warn!(%participant, text = ?text, "FIX logon refused");
         let _ = outbound.send(vec![(35, "5".into()), (58, text)]).await;
         let _ = outbound.flush().await;
-        keep_session(&book, &participant, &mut outbound, next_in);
+        let next_out = outbound.next_seq;
+        keep_session(&book, &participant, &mut outbound, next_out, next_in);
         gateway.release_fix_session(&participant, connection);
         return;
     }
@@ -706,9 +718,8 @@ async fn session(
     }
     gateway.unsubscribe(connection);
     // Kept before the session is released, counting the Logout about to be sent.
-    outbound.next_seq += 1;
-    keep_session(&book, &participant, &mut outbound, expected_in);
-    outbound.next_seq -= 1;
+    let next_out = outbound.next_seq + 1;
+    keep_session(&book, &participant, &mut outbound, next_out, expected_in);
     gateway.release_fix_session(&participant, connection);
     let mut logout = vec![(35, "5".to_owned())];
     if let Some(text) = ending.filter(|text| !text.is_empty()) {

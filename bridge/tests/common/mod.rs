@@ -311,6 +311,20 @@ pub fn fix_logon_at(
     ste_bridge::fix::encode(&fields)
 }
 
+/// A FIX message from `participant` with MsgSeqNum `seq`: `fields` start with its MsgType
+/// (`35`), and the session header goes after it.
+pub fn fix_message(participant: &str, seq: u64, fields: &[(u32, &str)]) -> Vec<u8> {
+    let mut all = vec![
+        (35, fields[0].1.to_owned()),
+        (49, participant.to_owned()),
+        (56, "STE".to_owned()),
+        (34, seq.to_string()),
+        (52, ste_bridge::fix::utc_timestamp()),
+    ];
+    all.extend(fields[1..].iter().map(|(t, v)| (*t, (*v).to_owned())));
+    ste_bridge::fix::encode(&all)
+}
+
 /// The fields of the FIX application message of `line` from `35` to `89`, with the session
 /// header of MsgSeqNum `seq`, signed by the line's sender after `tamper` changed the fields.
 pub fn signed_fix_fields(
