@@ -3,7 +3,9 @@
 # (extra arguments go to cargo test). On a fresh Debian machine, as root:
 #   - PostgreSQL on 127.0.0.1:5432 (started if it is installed but not running);
 #   - Debian's chromium, for the dashboard's browser test;
-#   - zeep and simplefix from PyPI, the third-party SOAP and FIX clients of the bridge's tests.
+#   - zeep, simplefix and quickfix from PyPI, the third-party SOAP and FIX clients of the bridge's
+#     tests (quickfix builds its C++ engine from source the first time, several minutes; pip keeps
+#     the wheel in its cache, so later runs on the same machine install it at once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,10 +38,10 @@ if [ -z "${STE_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
 fi
 "${STE_CHROMIUM:-chromium}" --version
 
-echo "== third-party clients of the bridge tests (zeep, simplefix from PyPI)"
+echo "== third-party clients of the bridge tests (zeep, simplefix, quickfix from PyPI)"
 python="${STE_PYTHON:-python3}"
 "$python" -m pip install --quiet --disable-pip-version-check -r bridge/tests/clients/requirements.txt
-"$python" -c "import zeep, simplefix; print('zeep', zeep.__version__)"
+"$python" -c "import zeep, simplefix, quickfix; print('zeep', zeep.__version__, '/ quickfix with', quickfix.__file__)"
 
 echo "== cargo test --workspace $*"
 cargo test --workspace "$@"

@@ -89,7 +89,7 @@ fn forged_fix_fields_are_refused_before_they_are_mapped() {
     session.send(&fix::encode(&fields));
     let answer = session.next_answer().expect("an answer");
     assert_eq!(answer.msg_type(), "AR", "{answer:?}");
-    assert_eq!(answer.get(939), Some("0"), "accepted: {answer:?}");
+    assert_eq!(answer.get(751), Some("0"), "accepted: {answer:?}");
     assert_eq!(
         answer.get(58),
         None,

@@ -143,8 +143,59 @@ pub struct StructureError {
     pub detail: String,
 }
 
-/// The members of the Parties group (`453` NoPartyIDs), the only tags that may repeat.
-const PARTY_GROUP_TAGS: [u32; 4] = [448, 447, 452, 523];
+/// A repeating group whose members may appear once in each of its entries, the only tags
+/// that may repeat in an application message (its sub-group, if any, holds one entry).
+#[derive(Debug)]
+pub struct Group {
+    /// NoXxx, the number of entries.
+    pub count: u32,
+    /// The first field of every entry.
+    pub delimiter: u32,
+    /// Every tag of an entry, the delimiter first.
+    pub members: &'static [u32],
+    /// The role of an entry: no two entries of the group name the same one.
+    pub role: u32,
+}
+
+/// Parties (`453` NoPartyIDs), with a PartySubID (`802`, `523`, `803`).
+pub const PARTIES: Group = Group {
+    count: 453,
+    delimiter: 448,
+    members: &[448, 447, 452, 802, 523, 803],
+    role: 452,
+};
+
+/// SettlParties (`781` NoSettlPartyIDs), with a SettlPartySubID (`801`, `785`, `786`).
+pub const SETTL_PARTIES: Group = Group {
+    count: 781,
+    delimiter: 782,
+    members: &[782, 783, 784, 801, 785, 786],
+    role: 784,
+};
+
+const GROUPS: [&Group; 2] = [&PARTIES, &SETTL_PARTIES];
+
+impl FixMessage {
+    /// The entries of `group` (the first instance of its count tag), each its fields in order.
+    pub fn entries(&self, group: &Group) -> Vec<Vec<(u32, &str)>> {
+        let mut entries: Vec<Vec<(u32, &str)>> = Vec::new();
+        let Some(count_at) = self.fields.iter().position(|(tag, _)| *tag == group.count) else {
+            return entries;
+        };
+        for (tag, value) in &self.fields[count_at + 1..] {
+            if !group.members.contains(tag) {
+                break;
+            }
+            if *tag == group.delimiter {
+                entries.push(Vec::new());
+            }
+            if let Some(entry) = entries.last_mut() {
+                entry.push((*tag, value.as_str()));
+            }
+        }
+        entries
+    }
+}
 
 /// The bytes an application message's signature covers, once its shape guarantees that they
 /// are every byte with meaning: `8` and `9` first, then `35`, then the fields, then `93` and
@@ -234,7 +285,9 @@ pub fn signed_part(raw: &[u8]) -> Result<&[u8], StructureError> {
     Ok(&raw[fields[2].2..fields[signature_at - 1].2])
 }
 
-/// No tag twice outside the Parties group; the group itself well formed.
+/// No tag twice outside the repeating groups ([`PARTIES`], [`SETTL_PARTIES`]); each group
+/// well formed: right after its count, as many entries as it says, each starting with the
+/// delimiter, no tag twice in an entry, no role twice.
 fn check_repeats(tags: &[u32], fields: &[(u32, &[u8], usize)]) -> Result<(), StructureError> {
     let refuse = |session_reason: u32, tag: u32, code: ReasonCode, detail: String| StructureError {
         session_reason,
@@ -242,9 +295,10 @@ fn check_repeats(tags: &[u32], fields: &[(u32, &[u8], usize)]) -> Result<(), Str
         code,
         detail,
     };
+    let in_a_group = |tag: &u32| GROUPS.iter().any(|group| group.members.contains(tag));
     let mut seen = ahash::AHashSet::with_capacity(tags.len());
     for tag in tags {
-        if !PARTY_GROUP_TAGS.contains(tag) && !seen.insert(*tag) {
+        if !in_a_group(tag) && !seen.insert(*tag) {
             return Err(refuse(
                 13,
                 *tag,
@@ -253,39 +307,49 @@ fn check_repeats(tags: &[u32], fields: &[(u32, &[u8], usize)]) -> Result<(), Str
             ));
         }
     }
-    let first_member = tags.iter().position(|tag| PARTY_GROUP_TAGS.contains(tag));
-    let count_at = tags.iter().position(|tag| *tag == 453);
-    let (count_at, first_member) = match (count_at, first_member) {
-        (None, None) => return Ok(()),
-        (Some(count_at), Some(first_member)) if first_member == count_at + 1 => {
-            (count_at, first_member)
-        }
-        (Some(_), None) => (0, tags.len()),
-        (_, Some(first_member)) => {
-            return Err(refuse(
-                15,
-                tags[first_member],
-                ReasonCode::Parse,
-                format!(
-                    "tag {} is a Parties field outside its group (453)",
-                    tags[first_member]
-                ),
-            ))
-        }
+    for group in GROUPS {
+        check_group(group, tags, fields)?;
+    }
+    Ok(())
+}
+
+fn check_group(
+    group: &Group,
+    tags: &[u32],
+    fields: &[(u32, &[u8], usize)],
+) -> Result<(), StructureError> {
+    let refuse = |session_reason: u32, tag: u32, code: ReasonCode, detail: String| StructureError {
+        session_reason,
+        tag,
+        code,
+        detail,
     };
-    let declared = std::str::from_utf8(fields[count_at].1)
-        .ok()
-        .and_then(|n| n.parse::<usize>().ok());
-    let group_end = tags[first_member.min(tags.len())..]
-        .iter()
-        .position(|tag| !PARTY_GROUP_TAGS.contains(tag))
-        .map_or(tags.len(), |at| first_member + at);
+    let outside = |tag: u32| {
+        refuse(
+            15,
+            tag,
+            ReasonCode::Parse,
+            format!("tag {tag} is a field of group {} outside it", group.count),
+        )
+    };
+    let is_member = |tag: &u32| group.members.contains(tag);
+    let first_member = tags.iter().position(is_member);
+    let count_at = match (
+        tags.iter().position(|tag| *tag == group.count),
+        first_member,
+    ) {
+        (None, None) => return Ok(()),
+        (Some(count_at), Some(first)) if first == count_at + 1 => count_at,
+        (Some(count_at), None) => count_at,
+        (_, Some(first)) => return Err(outside(tags[first])),
+    };
     let mut entries = 0;
     let mut in_entry: Vec<u32> = Vec::new();
     let mut roles: Vec<&[u8]> = Vec::new();
-    for index in first_member.min(group_end)..group_end {
-        let tag = tags[index];
-        if tag == 448 {
+    let mut end = count_at + 1;
+    while end < tags.len() && is_member(&tags[end]) {
+        let tag = tags[end];
+        if tag == group.delimiter {
             entries += 1;
             in_entry.clear();
         } else if entries == 0 || in_entry.contains(&tag) {
@@ -293,40 +357,40 @@ fn check_repeats(tags: &[u32], fields: &[(u32, &[u8], usize)]) -> Result<(), Str
                 15,
                 tag,
                 ReasonCode::Parse,
-                format!("tag {tag} is out of place in the Parties group"),
+                format!("tag {tag} is out of place in group {}", group.count),
             ));
         }
         in_entry.push(tag);
-        if tag == 452 {
-            let role = fields[index].1;
+        if tag == group.role {
+            let role = fields[end].1;
             if roles.contains(&role) {
                 return Err(refuse(
                     5,
-                    452,
+                    tag,
                     ReasonCode::Field,
-                    format!("PartyRole {} is given twice", String::from_utf8_lossy(role)),
+                    format!(
+                        "role {} is given twice in group {}",
+                        String::from_utf8_lossy(role),
+                        group.count
+                    ),
                 ));
             }
             roles.push(role);
         }
+        end += 1;
     }
-    if let Some(stray) = tags[group_end..]
-        .iter()
-        .find(|tag| PARTY_GROUP_TAGS.contains(tag))
-    {
-        return Err(refuse(
-            15,
-            *stray,
-            ReasonCode::Parse,
-            format!("tag {stray} is a Parties field outside its group (453)"),
-        ));
+    if let Some(stray) = tags[end..].iter().find(|tag| is_member(tag)) {
+        return Err(outside(*stray));
     }
+    let declared = std::str::from_utf8(fields[count_at].1)
+        .ok()
+        .and_then(|n| n.parse::<usize>().ok());
     if declared != Some(entries) {
         return Err(refuse(
             16,
-            453,
+            group.count,
             ReasonCode::Parse,
-            format!("NoPartyIDs (453) does not count the {entries} entries of the group"),
+            format!("group {} does not count its {entries} entries", group.count),
         ));
     }
     Ok(())

@@ -1,37 +1,93 @@
-//! The mapping of STE messages to FIX application messages and back.
+//! The mapping of STE messages to FIX 4.4 application messages and back, on the messages and
+//! repeating groups of the FIX 4.4 data dictionary (the stock `FIX44.xml` of QuickFIX), so that
+//! a participant's FIX engine validating against it accepts what it reads and sends what the
+//! engine reads.
+//!
+//! | STE | FIX | dictionary |
+//! |---|---|---|
+//! | NOE | TradeCaptureReport `AE` | stock |
+//! | ALC | AllocationInstruction `J`, AllocType `626=2` (preliminary) | stock |
+//! | NPR | AllocationInstruction `J`, AllocType `626=1` (calculated) | stock |
+//! | SET | SettlementInstructions `T`, SettlInstMode `160=4` (specific, one account) | stock + [`T_EXTENSION`] |
+//!
+//! FIX 4.4's SettlementInstructions carries standing instructions and has no place for a
+//! trade's instrument, dates, currency, account, quantity or amount; SET needs them, and no
+//! stock message both holds them and leaves out a price (every allocation or confirmation
+//! message requires AvgPx, which SET does not have). [`T_EXTENSION`] adds those standard
+//! fields to T's NoSettlInst entry; nothing else needs it.
 
 use ste_engine::codec::{self, Field, RawFields};
 use ste_engine::reason::{ReasonCode, Rejection};
 
-use super::codec::FixMessage;
+use super::codec::{FixMessage, PARTIES, SETTL_PARTIES};
+
+/// The fields the data dictionary extension adds to the NoSettlInst (`778`) entry of
+/// SettlementInstructions (`T`), in order, as a QuickFIX dictionary fragment: merged into the
+/// stock `FIX44.xml` by `bridge/fix/extend-dictionary.py`.
+pub const T_EXTENSION: &[(u32, &str)] = &[
+    (466, "BookingRefID"),
+    (48, "SecurityID"),
+    (22, "SecurityIDSource"),
+    (75, "TradeDate"),
+    (64, "SettlDate"),
+    (15, "Currency"),
+    (79, "AllocAccount"),
+    (80, "AllocQty"),
+    (119, "SettlCurrAmt"),
+];
 
 /// Where each STE field travels in FIX (the same tag for every message type unless the table
-/// says otherwise). Parties (`453` groups: `448` PartyID, `447=B` BIC, `452` PartyRole) carry
-/// Broker (role 1, executing firm), InvMgr (13, order origination firm), Custodian (28) and Pset
-/// (10, settlement location); the custodian's entry carries SafekeepingAccount as `523`.
+/// says otherwise). Parties (`453`: `448` PartyID, `447=B` BIC, `452` PartyRole) name Broker
+/// (role 1, executing firm) and InvMgr (13, order origination firm): inside NoSides (`552`) on
+/// AE, at the top on J, inside NoSettlInst (`778`) on T. Settlement parties (`781`: `782`
+/// SettlPartyID, `783=B`, `784` SettlPartyRole) in the NoDlvyInst (`85`) entry of the
+/// allocation (J) or of the instruction (T) name Pset (role 10, settlement location) and
+/// Custodian (28), whose SafekeepingAccount is its `785` SettlPartySubID (`786=10`, securities
+/// account number). Constants with no STE field, written and not read back: `570=N`
+/// PreviouslyReported and `37=NONE` OrderID (AE), `857=0` AllocNoOrdersType (J), `780=2`
+/// AllocSettlInstType (full details, ALC), `165=2` SettlInstSource (institution) and `787=S`
+/// DlvyInstType (securities) in NoDlvyInst (ALC, SET), `160=4` SettlInstMode (T).
 pub const TAGS: &[(Field, &str)] = &[
-    (Field::MsgId, "571 TradeReportID (NOE), 70 AllocID (ALC, NPR), 777 SettlInstMsgID (SET)"),
+    (Field::MsgId, "571 TradeReportID (NOE), 70 AllocID (ALC, NPR), 777 SettlInstMsgID and 162 SettlInstID (SET)"),
     (Field::Function, "487 TradeReportTransType 0/1/2 (NOE), 71 AllocTransType 0/2/1 (ALC, NPR), 163 SettlInstTransType N/C/R (SET): NEW/CAN/AMD"),
     (Field::RelatedId, "572 TradeReportRefID (NOE), 72 RefAllocID (ALC, NPR), 214 SettlInstRefID (SET)"),
     (Field::Sender, "49 SenderCompID"),
     (Field::SentAt, "60 TransactTime (UTC, YYYYMMDD-HH:MM:SS.sss)"),
-    (Field::TradeRef, "17 ExecID (in a 124 NoExecs group in J)"),
-    (Field::Side, "54 Side 1 BUY / 2 SELL"),
-    (Field::Isin, "48 SecurityID with 22=4 (ISIN), and 55 Symbol"),
+    (Field::TradeRef, "17 ExecID (NOE), 466 BookingRefID (ALC, NPR, SET)"),
+    (Field::Broker, "Parties: 448 with 452=1"),
+    (Field::InvMgr, "Parties: 448 with 452=13"),
+    (Field::Side, "54 Side 1 BUY / 2 SELL (in NoSides on NOE, in NoSettlInst on SET)"),
+    (Field::Isin, "48 SecurityID with 22=4 (ISIN)"),
     (Field::TradeDate, "75 TradeDate (YYYYMMDD)"),
     (Field::SettleDate, "64 SettlDate (YYYYMMDD)"),
     (Field::Market, "30 LastMkt"),
     (Field::Price, "31 LastPx (NOE), 6 AvgPx (ALC, NPR)"),
-    (Field::Ccy, "15 Currency"),
+    (Field::Ccy, "15 Currency (in NoSides on NOE)"),
     (Field::Qty, "32 LastQty (NOE); 53 Quantity and 80 AllocQty (ALC, NPR); 80 AllocQty (SET)"),
     (Field::AllocCount, "892 TotNoAllocs"),
-    (Field::Account, "79 AllocAccount (in a 78 NoAllocs group in J)"),
+    (Field::Account, "79 AllocAccount (in NoAllocs on ALC, NPR)"),
+    (Field::Pset, "settlement parties: 782 with 784=10"),
     (Field::PaymentType, "172 SettlDeliveryType 0 DVP / 1 FOP"),
     (Field::Gross, "381 GrossTradeAmt"),
-    (Field::Commission, "12 Commission"),
-    (Field::Fees, "137 MiscFeeAmt (136=1 group, 139=7 other)"),
-    (Field::Net, "154 AllocNetMoney"),
+    (Field::Commission, "12 Commission with 13=3 (absolute), in NoAllocs"),
+    (Field::Fees, "137 MiscFeeAmt in one NoMiscFees (136) entry with 139=7 (other), in NoAllocs"),
+    (Field::Net, "154 AllocNetMoney, in NoAllocs"),
+    (Field::Custodian, "settlement parties: 782 with 784=28"),
+    (Field::SafekeepingAccount, "785 SettlPartySubID with 786=10, in the custodian's entry"),
     (Field::SettleAmount, "119 SettlCurrAmt"),
+];
+
+/// The fields of a CAN, whatever else its FIX message carries (FIX requires a cancel to
+/// repeat the cancelled message's required fields; STE's CAN has only these).
+const CAN_FIELDS: [Field; 8] = [
+    Field::MsgId,
+    Field::Type,
+    Field::Function,
+    Field::Sender,
+    Field::SentAt,
+    Field::RelatedId,
+    Field::TradeRef,
+    Field::Broker,
 ];
 
 fn dashes_to_fix_date(date: &str) -> String {
@@ -57,165 +113,234 @@ fn fix_to_rfc3339(text: &str) -> Option<String> {
     Some(format!("{}T{time}Z", fix_date_to_dashes(date)?))
 }
 
-/// The FIX application message of one canonical STE message (without the signature fields
-/// and header fields 34/49/52/56, which the session adds).
-pub fn to_fix(xml: &[u8]) -> Result<Vec<(u32, String)>, Rejection> {
-    let fields = codec::parse_fields(xml)?;
-    let get = |field: Field| fields.get(field).unwrap_or("").to_owned();
-    let kind = get(Field::Type);
-    let function = get(Field::Function);
-    let mut out: Vec<(u32, String)> = Vec::new();
-    let push = |out: &mut Vec<(u32, String)>, tag: u32, field: Field| {
-        if let Some(value) = fields.get(field) {
-            out.push((tag, value.to_owned()));
-        }
-    };
-    let side = match fields.get(Field::Side) {
-        Some("BUY") => "1",
-        Some("SELL") => "2",
-        Some(other) => other,
-        None => "",
+/// A FIX message under construction: fields in the dictionary's order.
+struct Builder<'a> {
+    fields: &'a RawFields<'a>,
+    out: Vec<(u32, String)>,
+}
+
+impl Builder<'_> {
+    fn constant(&mut self, tag: u32, value: &str) {
+        self.out.push((tag, value.to_owned()));
     }
-    .to_owned();
-    let parties = |out: &mut Vec<(u32, String)>| {
-        let entries: Vec<(Field, &str)> = [
-            (Field::Broker, "1"),
-            (Field::InvMgr, "13"),
-            (Field::Custodian, "28"),
-            (Field::Pset, "10"),
-        ]
-        .into_iter()
-        .filter(|(field, _)| fields.get(*field).is_some())
-        .collect();
+
+    /// `tag` with the field's text, when the field is present.
+    fn field(&mut self, tag: u32, field: Field) {
+        if let Some(value) = self.fields.get(field) {
+            self.out.push((tag, value.to_owned()));
+        }
+    }
+
+    /// `tag` with the field's text changed by `convert`, when the field is present.
+    fn converted(&mut self, tag: u32, field: Field, convert: impl Fn(&str) -> String) {
+        if let Some(value) = self.fields.get(field) {
+            self.out.push((tag, convert(value)));
+        }
+    }
+
+    fn date(&mut self, tag: u32, field: Field) {
+        self.converted(tag, field, dashes_to_fix_date);
+    }
+
+    fn sent_at(&mut self) {
+        self.converted(60, Field::SentAt, rfc3339_to_fix);
+    }
+
+    fn side(&mut self) {
+        self.converted(54, Field::Side, |side| {
+            match side {
+                "BUY" => "1",
+                "SELL" => "2",
+                other => other,
+            }
+            .to_owned()
+        });
+    }
+
+    fn instrument(&mut self) {
+        if let Some(isin) = self.fields.get(Field::Isin) {
+            self.out.push((48, isin.to_owned()));
+            self.out.push((22, "4".to_owned()));
+        }
+    }
+
+    fn payment_type(&mut self) {
+        self.converted(172, Field::PaymentType, |payment| {
+            if payment == "FOP" { "1" } else { "0" }.to_owned()
+        });
+    }
+
+    /// The Parties group (`453`) of Broker and InvMgr, when either is present.
+    fn parties(&mut self) {
+        let entries: Vec<(&str, &str)> = [(Field::Broker, "1"), (Field::InvMgr, "13")]
+            .into_iter()
+            .filter_map(|(field, role)| self.fields.get(field).map(|bic| (bic, role)))
+            .collect();
         if entries.is_empty() {
             return;
         }
-        out.push((453, entries.len().to_string()));
-        for (field, role) in entries {
-            out.push((448, get(field)));
-            out.push((447, "B".into()));
-            out.push((452, role.into()));
-            if field == Field::Custodian {
-                if let Some(account) = fields.get(Field::SafekeepingAccount) {
-                    out.push((523, account.to_owned()));
-                }
+        self.out.push((PARTIES.count, entries.len().to_string()));
+        for (bic, role) in entries {
+            self.out.push((448, bic.to_owned()));
+            self.out.push((447, "B".to_owned()));
+            self.out.push((452, role.to_owned()));
+        }
+    }
+
+    /// One NoDlvyInst (`85`) entry with the settlement parties (`781`) Custodian (its
+    /// SafekeepingAccount as a sub-ID) and Pset, when either is present.
+    fn delivery(&mut self) {
+        let custodian = self.fields.get(Field::Custodian);
+        let pset = self.fields.get(Field::Pset);
+        let count = usize::from(custodian.is_some()) + usize::from(pset.is_some());
+        if count == 0 {
+            return;
+        }
+        self.out.extend([
+            (85, "1".to_owned()),
+            (165, "2".to_owned()),
+            (787, "S".to_owned()),
+            (SETTL_PARTIES.count, count.to_string()),
+        ]);
+        if let Some(custodian) = custodian {
+            self.out.extend([
+                (782, custodian.to_owned()),
+                (783, "B".to_owned()),
+                (784, "28".to_owned()),
+            ]);
+            if let Some(account) = self.fields.get(Field::SafekeepingAccount) {
+                self.out.extend([
+                    (801, "1".to_owned()),
+                    (785, account.to_owned()),
+                    (786, "10".to_owned()),
+                ]);
             }
         }
-    };
-    let instrument = |out: &mut Vec<(u32, String)>| {
-        if let Some(isin) = fields.get(Field::Isin) {
-            out.push((55, isin.to_owned()));
-            out.push((48, isin.to_owned()));
-            out.push((22, "4".into()));
+        if let Some(pset) = pset {
+            self.out.extend([
+                (782, pset.to_owned()),
+                (783, "B".to_owned()),
+                (784, "10".to_owned()),
+            ]);
         }
-    };
-    let dates = |out: &mut Vec<(u32, String)>| {
-        if let Some(date) = fields.get(Field::TradeDate) {
-            out.push((75, dashes_to_fix_date(date)));
-        }
-        if let Some(date) = fields.get(Field::SettleDate) {
-            out.push((64, dashes_to_fix_date(date)));
-        }
+    }
+}
+
+/// The FIX application message of one canonical STE message (without the signature fields
+/// and header fields 34/49/52/56, which the session adds), in the dictionary's field order.
+pub fn to_fix(xml: &[u8]) -> Result<Vec<(u32, String)>, Rejection> {
+    let fields = codec::parse_fields(xml)?;
+    let kind = fields.get(Field::Type).unwrap_or("").to_owned();
+    let function = fields.get(Field::Function).unwrap_or("");
+    let mut b = Builder {
+        fields: &fields,
+        out: Vec::with_capacity(48),
     };
     match kind.as_str() {
         "NOE" => {
-            out.push((35, "AE".into()));
-            push(&mut out, 571, Field::MsgId);
-            let trans = match function.as_str() {
-                "CAN" => "1",
-                "AMD" => "2",
-                _ => "0",
-            };
-            out.push((487, trans.into()));
-            push(&mut out, 572, Field::RelatedId);
-            push(&mut out, 17, Field::TradeRef);
-            instrument(&mut out);
-            if !side.is_empty() {
-                out.push((54, side));
-            }
-            push(&mut out, 32, Field::Qty);
-            push(&mut out, 31, Field::Price);
-            push(&mut out, 15, Field::Ccy);
-            push(&mut out, 30, Field::Market);
-            dates(&mut out);
-            if let Some(sent) = fields.get(Field::SentAt) {
-                out.push((60, rfc3339_to_fix(sent)));
-            }
-            parties(&mut out);
+            b.constant(35, "AE");
+            b.field(571, Field::MsgId);
+            b.constant(
+                487,
+                match function {
+                    "CAN" => "1",
+                    "AMD" => "2",
+                    _ => "0",
+                },
+            );
+            b.field(572, Field::RelatedId);
+            b.field(17, Field::TradeRef);
+            b.constant(570, "N");
+            b.instrument();
+            b.field(32, Field::Qty);
+            b.field(31, Field::Price);
+            b.field(30, Field::Market);
+            b.date(75, Field::TradeDate);
+            b.sent_at();
+            b.date(64, Field::SettleDate);
+            b.constant(552, "1");
+            b.side();
+            b.constant(37, "NONE");
+            b.parties();
+            b.field(15, Field::Ccy);
         }
         "ALC" | "NPR" => {
-            out.push((35, "J".into()));
-            push(&mut out, 70, Field::MsgId);
-            let trans = match function.as_str() {
-                "CAN" => "2",
-                "AMD" => "1",
-                _ => "0",
-            };
-            out.push((71, trans.into()));
-            push(&mut out, 72, Field::RelatedId);
-            out.push((626, if kind == "ALC" { "2" } else { "1" }.into()));
-            if let Some(trade_ref) = fields.get(Field::TradeRef) {
-                out.push((124, "1".into()));
-                out.push((17, trade_ref.to_owned()));
-            }
-            if !side.is_empty() {
-                out.push((54, side));
-            }
-            instrument(&mut out);
-            push(&mut out, 53, Field::Qty);
-            push(&mut out, 6, Field::Price);
-            push(&mut out, 15, Field::Ccy);
-            push(&mut out, 30, Field::Market);
-            dates(&mut out);
-            if let Some(sent) = fields.get(Field::SentAt) {
-                out.push((60, rfc3339_to_fix(sent)));
-            }
-            push(&mut out, 892, Field::AllocCount);
-            push(&mut out, 381, Field::Gross);
-            parties(&mut out);
+            b.constant(35, "J");
+            b.field(70, Field::MsgId);
+            b.constant(
+                71,
+                match function {
+                    "CAN" => "2",
+                    "AMD" => "1",
+                    _ => "0",
+                },
+            );
+            b.constant(626, if kind == "ALC" { "2" } else { "1" });
+            b.field(72, Field::RelatedId);
+            b.field(466, Field::TradeRef);
+            b.constant(857, "0");
+            b.side();
+            b.instrument();
+            b.field(53, Field::Qty);
+            b.field(30, Field::Market);
+            b.field(6, Field::Price);
+            b.field(15, Field::Ccy);
+            b.parties();
+            b.date(75, Field::TradeDate);
+            b.sent_at();
+            b.date(64, Field::SettleDate);
+            b.field(381, Field::Gross);
+            b.field(892, Field::AllocCount);
             if fields.get(Field::Account).is_some() {
-                out.push((78, "1".into()));
-                push(&mut out, 79, Field::Account);
-                push(&mut out, 80, Field::Qty);
-                push(&mut out, 154, Field::Net);
-                push(&mut out, 12, Field::Commission);
-                if let Some(fees) = fields.get(Field::Fees) {
-                    out.push((136, "1".into()));
-                    out.push((137, fees.to_owned()));
-                    out.push((139, "7".into()));
+                b.constant(78, "1");
+                b.field(79, Field::Account);
+                b.field(80, Field::Qty);
+                if fields.get(Field::Commission).is_some() {
+                    b.field(12, Field::Commission);
+                    b.constant(13, "3");
                 }
-                if let Some(payment) = fields.get(Field::PaymentType) {
-                    out.push((172, if payment == "FOP" { "1" } else { "0" }.into()));
+                b.field(154, Field::Net);
+                if fields.get(Field::Fees).is_some() {
+                    b.constant(136, "1");
+                    b.field(137, Field::Fees);
+                    b.constant(139, "7");
                 }
+                if fields.get(Field::Pset).is_some() || fields.get(Field::PaymentType).is_some() {
+                    b.constant(780, "2");
+                }
+                b.payment_type();
+                b.delivery();
             }
         }
         "SET" => {
-            out.push((35, "T".into()));
-            push(&mut out, 777, Field::MsgId);
-            let trans = match function.as_str() {
-                "CAN" => "C",
-                "AMD" => "R",
-                _ => "N",
-            };
-            out.push((163, trans.into()));
-            push(&mut out, 214, Field::RelatedId);
-            push(&mut out, 17, Field::TradeRef);
-            if !side.is_empty() {
-                out.push((54, side));
-            }
-            instrument(&mut out);
-            push(&mut out, 15, Field::Ccy);
-            dates(&mut out);
-            if let Some(sent) = fields.get(Field::SentAt) {
-                out.push((60, rfc3339_to_fix(sent)));
-            }
-            push(&mut out, 79, Field::Account);
-            push(&mut out, 80, Field::Qty);
-            push(&mut out, 119, Field::SettleAmount);
-            if let Some(payment) = fields.get(Field::PaymentType) {
-                out.push((172, if payment == "FOP" { "1" } else { "0" }.into()));
-            }
-            parties(&mut out);
+            b.constant(35, "T");
+            b.field(777, Field::MsgId);
+            b.constant(160, "4");
+            b.sent_at();
+            b.constant(778, "1");
+            b.field(162, Field::MsgId);
+            b.constant(
+                163,
+                match function {
+                    "CAN" => "C",
+                    "AMD" => "R",
+                    _ => "N",
+                },
+            );
+            b.field(214, Field::RelatedId);
+            b.parties();
+            b.side();
+            b.payment_type();
+            b.delivery();
+            // The dictionary extension, in its order.
+            b.field(466, Field::TradeRef);
+            b.instrument();
+            b.date(75, Field::TradeDate);
+            b.date(64, Field::SettleDate);
+            b.field(15, Field::Ccy);
+            b.field(79, Field::Account);
+            b.field(80, Field::Qty);
+            b.field(119, Field::SettleAmount);
         }
         other => {
             return Err(Rejection::new(
@@ -224,26 +349,28 @@ pub fn to_fix(xml: &[u8]) -> Result<Vec<(u32, String)>, Rejection> {
             ))
         }
     }
-    Ok(out)
+    Ok(b.out)
 }
 
-/// The canonical STE message of a FIX application message from `sender`.
+/// The canonical STE message of a FIX application message from `sender`. A CAN keeps only
+/// the fields an STE CAN has.
 pub fn from_fix(message: &FixMessage, sender: &str) -> Result<Vec<u8>, Rejection> {
     let field_error = |detail: String| Rejection::new(ReasonCode::Field, detail);
     let mut fields = RawFields::default();
     let get = |tag: u32| message.get(tag).map(str::to_owned);
-    let (kind, id_tag, trans_tag, ref_tag) = match (message.msg_type(), message.get(626)) {
-        ("AE", _) => ("NOE", 571, 487, 572),
-        ("J", Some("2")) => ("ALC", 70, 71, 72),
-        ("J", Some("1")) => ("NPR", 70, 71, 72),
-        ("J", other) => {
-            return Err(field_error(format!(
-                "AllocType {other:?} is neither 1 nor 2"
-            )))
-        }
-        ("T", _) => ("SET", 777, 163, 214),
-        (other, _) => return Err(field_error(format!("no STE message for MsgType {other}"))),
-    };
+    let (kind, id_tag, trans_tag, ref_tag, trade_ref_tag) =
+        match (message.msg_type(), message.get(626)) {
+            ("AE", _) => ("NOE", 571, 487, 572, 17),
+            ("J", Some("2")) => ("ALC", 70, 71, 72, 466),
+            ("J", Some("1")) => ("NPR", 70, 71, 72, 466),
+            ("J", other) => {
+                return Err(field_error(format!(
+                    "AllocType {other:?} is neither 1 nor 2"
+                )))
+            }
+            ("T", _) => ("SET", 777, 163, 214, 466),
+            (other, _) => return Err(field_error(format!("no STE message for MsgType {other}"))),
+        };
     fields.set(Field::Type, kind);
     if let Some(id) = get(id_tag) {
         fields.set(Field::MsgId, id);
@@ -269,28 +396,37 @@ pub fn from_fix(message: &FixMessage, sender: &str) -> Result<Vec<u8>, Rejection
     if let Some(related) = get(ref_tag) {
         fields.set(Field::RelatedId, related);
     }
-    if let Some(trade_ref) = get(17) {
+    if let Some(trade_ref) = get(trade_ref_tag) {
         fields.set(Field::TradeRef, trade_ref);
     }
-    // Parties, in their group.
-    let mut role: Option<String> = None;
-    for (tag, value) in &message.fields {
-        match tag {
-            448 => role = Some(value.clone()),
-            452 => {
-                let field = match value.as_str() {
-                    "1" => Some(Field::Broker),
-                    "13" => Some(Field::InvMgr),
-                    "28" => Some(Field::Custodian),
-                    "10" => Some(Field::Pset),
-                    _ => None,
-                };
-                if let (Some(field), Some(id)) = (field, role.take()) {
-                    fields.set(field, id);
-                }
-            }
-            523 => fields.set(Field::SafekeepingAccount, value.clone()),
-            _ => {}
+    for entry in message.entries(&PARTIES) {
+        let role = entry.iter().find(|(tag, _)| *tag == 452).map(|(_, v)| *v);
+        let field = match role {
+            Some("1") => Field::Broker,
+            Some("13") => Field::InvMgr,
+            _ => continue,
+        };
+        if let Some((_, id)) = entry.iter().find(|(tag, _)| *tag == 448) {
+            fields.set(field, (*id).to_owned());
+        }
+    }
+    for entry in message.entries(&SETTL_PARTIES) {
+        let value = |wanted: u32| {
+            entry
+                .iter()
+                .find(|(tag, _)| *tag == wanted)
+                .map(|(_, v)| *v)
+        };
+        let field = match value(784) {
+            Some("28") => Field::Custodian,
+            Some("10") => Field::Pset,
+            _ => continue,
+        };
+        if let Some(id) = value(782) {
+            fields.set(field, id.to_owned());
+        }
+        if let (Field::Custodian, Some(account)) = (field, value(785)) {
+            fields.set(Field::SafekeepingAccount, account.to_owned());
         }
     }
     match message.get(54) {
@@ -299,7 +435,7 @@ pub fn from_fix(message: &FixMessage, sender: &str) -> Result<Vec<u8>, Rejection
         Some(other) => return Err(field_error(format!("Side {other:?}"))),
         None => {}
     }
-    if let Some(isin) = get(48).or_else(|| get(55)) {
+    if let Some(isin) = get(48) {
         fields.set(Field::Isin, isin);
     }
     for (tag, field) in [(75, Field::TradeDate), (64, Field::SettleDate)] {
@@ -311,8 +447,7 @@ pub fn from_fix(message: &FixMessage, sender: &str) -> Result<Vec<u8>, Rejection
             );
         }
     }
-    let price_tag = if kind == "NOE" { 31 } else { 6 };
-    let qty_tag = if kind == "NOE" { 32 } else { 80 };
+    let (price_tag, qty_tag) = if kind == "NOE" { (31, 32) } else { (6, 80) };
     for (tag, field) in [
         (30, Field::Market),
         (price_tag, Field::Price),
@@ -330,6 +465,12 @@ pub fn from_fix(message: &FixMessage, sender: &str) -> Result<Vec<u8>, Rejection
             fields.set(field, value);
         }
     }
+    if fields.get(Field::Qty).is_none() && kind != "NOE" {
+        // A J without its NoAllocs entry: the quantity it allocates.
+        if let Some(quantity) = get(53) {
+            fields.set(Field::Qty, quantity);
+        }
+    }
     if let Some(delivery) = message.get(172) {
         fields.set(
             Field::PaymentType,
@@ -340,12 +481,21 @@ pub fn from_fix(message: &FixMessage, sender: &str) -> Result<Vec<u8>, Rejection
             },
         );
     }
+    if function == "CAN" {
+        let mut can = RawFields::default();
+        for field in CAN_FIELDS {
+            if let Some(value) = fields.get(field) {
+                can.set(field, value.to_owned());
+            }
+        }
+        fields = can;
+    }
     Ok(codec::encode_fields(&fields).into_bytes())
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::codec::{encode, parse};
+    use super::super::codec::{encode, parse, signed_part};
     use super::*;
     use ste_engine::generator::{Generator, GeneratorConfig};
     use ste_engine::refdata::RefData;
@@ -372,6 +522,12 @@ mod tests {
             let sender = original.get(Field::Sender).unwrap_or("").to_owned();
             let mut all = vec![pairs[0].clone(), (49, sender.clone())];
             all.extend(pairs[1..].iter().cloned());
+            let mut signed = all.clone();
+            signed.extend([(93, "2".to_owned()), (89, "00".to_owned())]);
+            let raw = encode(&signed);
+            if let Err(error) = signed_part(&raw) {
+                panic!("{error:?}: {}", String::from_utf8_lossy(&raw));
+            }
             let message = parse(&encode(&all)).expect("well-formed FIX");
             let Ok(back) = from_fix(&message, &sender) else {
                 continue;
@@ -383,5 +539,46 @@ mod tests {
             mapped += 1;
         }
         assert!(mapped * 10 >= total * 9, "{mapped} of {total} mapped");
+    }
+
+    /// The shipped dictionary extension lists exactly [`T_EXTENSION`], in its order, and a
+    /// SET's T carries those tags in that order at the end of its NoSettlInst entry.
+    #[test]
+    fn the_dictionary_extension_is_what_t_carries_beyond_the_stock_dictionary() {
+        let xml = include_str!("../../fix-dictionary/FIX44-STE-extension.xml");
+        let attribute = |line: &str, name: &str| -> Option<String> {
+            let start = line.find(&format!("{name}=\""))? + name.len() + 2;
+            Some(line[start..start + line[start..].find('"')?].to_owned())
+        };
+        let listed: Vec<(u32, String)> = xml
+            .lines()
+            .filter(|line| line.trim_start().starts_with("<field "))
+            .map(|line| {
+                let number = attribute(line, "number").expect("a number");
+                (
+                    number.parse().expect("a tag"),
+                    attribute(line, "name").expect("a name"),
+                )
+            })
+            .collect();
+        let expected: Vec<(u32, String)> = T_EXTENSION
+            .iter()
+            .map(|(tag, name)| (*tag, (*name).to_owned()))
+            .collect();
+        assert_eq!(listed, expected);
+
+        let refdata = RefData::embedded()
+            .expect("reference data")
+            .with_generated_keys();
+        let set = Generator::new(&refdata, GeneratorConfig::clean(1))
+            .find(|line| String::from_utf8_lossy(line).contains("<Type>SET</Type>"))
+            .expect("a SET");
+        let pairs = to_fix(&set).expect("maps");
+        let tail: Vec<u32> = pairs[pairs.len() - T_EXTENSION.len()..]
+            .iter()
+            .map(|(tag, _)| *tag)
+            .collect();
+        let tags: Vec<u32> = T_EXTENSION.iter().map(|(tag, _)| *tag).collect();
+        assert_eq!(tail, tags);
     }
 }

@@ -35,35 +35,46 @@
 //!
 //! # Application messages
 //! Each carries `93`/`89` (SignatureLength, Signature): the hex HMAC-SHA256, under the key of
-//! the sender (`49`), of the message's bytes from `35=` up to `93=`. Every byte with meaning
-//! must be covered ([`signed_part`]): `35` comes right after `9`, `93` and `89` are the last
-//! fields before `10`, and no tag appears twice outside the Parties group (`453`), whose
-//! entries are well formed and name each role once. A message that breaks this gets a session
-//! Reject (`35=3` with `373` SessionRejectReason and `371` RefTagID) and is stored as an
-//! exception (E_SIG for bytes outside the signed part, E_PARSE for a repeated tag); it is never
-//! mapped. One that keeps it has its signature checked, is converted to the canonical XML and
-//! signed for the validator.
+//! the sender (`49`), of the message's bytes from `35=` up to `93=`, header included (a
+//! participant signs after its engine has filled the header, and again when it resends). Every
+//! byte with meaning must be covered ([`signed_part`]): `35` comes right after `9`, `93` and
+//! `89` are the last fields before `10`, and no tag appears twice outside the repeating groups
+//! Parties (`453`) and SettlParties (`781`), whose entries are well formed (each starts with
+//! its delimiter, no tag twice in one, one sub-ID at most) and name each role once. A message
+//! that breaks this gets a session Reject (`35=3` with `373` SessionRejectReason and `371`
+//! RefTagID) and is stored as an exception (E_SIG for bytes outside the signed part, E_PARSE
+//! for a repeated tag); it is never mapped. One that keeps it has its signature checked, is
+//! converted to the canonical XML and signed for the validator. Field order is free outside
+//! the groups, so a FIX engine may write fields in its dictionary's order.
+//!
+//! The messages validate against the FIX 4.4 data dictionary (QuickFIX's stock `FIX44.xml`)
+//! both ways; SettlementInstructions needs STE's extension of it ([`T_EXTENSION`], shipped as
+//! `bridge/fix-dictionary/`). Field by field, see [`TAGS`] and the participants' guide
+//! (`FIX.md`).
 //!
 //! | STE | FIX message | ACK / NAK |
 //! |---|---|---|
-//! | NOE | TradeCaptureReport `AE` | TradeCaptureReportAck `AR`: `939` TrdRptStatus 0 / 1 |
-//! | ALC | AllocationInstruction `J` with `626` AllocType=2 (preliminary) | AllocationInstructionAck `P`: `87` AllocStatus 0 / 1 |
+//! | NOE | TradeCaptureReport `AE` | TradeCaptureReportAck `AR`: `150` ExecType F / 8, `751` TradeReportRejectReason 0 / 99 |
+//! | ALC | AllocationInstruction `J` with `626` AllocType=2 (preliminary) | AllocationInstructionAck `P`: `87` AllocStatus 0 / 1 (with `88=7`) |
 //! | NPR | AllocationInstruction `J` with `626` AllocType=1 (calculated) | AllocationInstructionAck `P` |
-//! | SET | SettlementInstructions `T` | ConfirmationAck `AU`: `940` AffirmStatus 3 (affirmed) / 2 (rejected) |
+//! | SET | SettlementInstructions `T` with `160` SettlInstMode=4 | ConfirmationAck `AU`: `940` AffirmStatus 3 (affirmed) / 2 (rejected, with `774=99`) |
 //!
-//! The NAK's `58` Text is the reason code; an ACK of a duplicate says `58=DUPLICATE`. CLS and
-//! status advices are pushed as XML messages (`35=n`, `212`/`213` XmlDataLen/XmlData).
-//! Field by field, see [`TAGS`].
+//! Every answer names the message by its id (`571`, `70`, `664` = the SET's `777`) and carries
+//! `60` TransactTime; P and AU carry the message's `75` TradeDate (AU, which requires one,
+//! the engine's UTC date when the message had none). The NAK's `58` Text is the reason code
+//! and its detail; an ACK of a duplicate says `58=DUPLICATE`. CLS and status advices are
+//! pushed as XMLnonFIX (`35=n`) with the canonical XML in the header's `212`/`213`
+//! XmlDataLen/XmlData: a `<Cls>` or an `<Advice>` document.
 
 mod codec;
 mod mapping;
 mod session;
 
 pub use codec::{
-    checksum, encode, parse, signed_part, utc_timestamp, FixError, FixMessage, StructureError,
-    BEGIN_STRING, BODY_MAX_BYTES, SOH,
+    checksum, encode, parse, signed_part, utc_timestamp, FixError, FixMessage, Group,
+    StructureError, BEGIN_STRING, BODY_MAX_BYTES, PARTIES, SETTL_PARTIES, SOH,
 };
-pub use mapping::{from_fix, to_fix, TAGS};
+pub use mapping::{from_fix, to_fix, TAGS, T_EXTENSION};
 pub use session::{
     logon_password, serve, FixConfig, ENGINE_COMP_ID, HELD_BYTES_MAX, HELD_MESSAGES_MAX,
     SEQ_NUM_MAX,

@@ -17,7 +17,6 @@ use super::codec::{
     encode, parse, parse_utc_timestamp, read_message, signed_part, utc_timestamp, FixMessage,
 };
 use super::mapping::from_fix;
-use crate::frame::PushClass;
 use crate::gateway::{GatewayHandle, Pushed, Reply, Subscriber};
 use crate::listener::accept_loop;
 
@@ -92,6 +91,8 @@ impl Default for FixConfig {
 struct Pending {
     msg_type: String,
     id: String,
+    /// The message's TradeDate (`75`), when it is one: ConfirmationAck requires one.
+    trade_date: Option<String>,
     detail: Option<String>,
     /// Already answered by a session Reject: the engine's verdict is not sent again.
     rejected_by_session: bool,
@@ -292,30 +293,52 @@ fn answer(pending: &Pending, result: AckResult) -> Vec<(u32, String)> {
             }),
         ),
     };
+    let id = if pending.id.is_empty() {
+        "NONE".to_owned()
+    } else {
+        pending.id.clone()
+    };
+    let now = utc_timestamp();
     let mut out = match pending.msg_type.as_str() {
         "AE" => vec![
             (35, "AR".to_owned()),
-            (571, pending.id.clone()),
-            (939, if accepted { "0" } else { "1" }.to_owned()),
+            (571, id),
+            (150, if accepted { "F" } else { "8" }.to_owned()),
+            (60, now),
+            (751, if accepted { "0" } else { "99" }.to_owned()),
         ],
-        "J" => vec![
-            (35, "P".to_owned()),
-            (70, pending.id.clone()),
-            (87, if accepted { "0" } else { "1" }.to_owned()),
-        ],
-        _ => vec![
-            (35, "AU".to_owned()),
-            (664, pending.id.clone()),
-            (940, if accepted { "3" } else { "2" }.to_owned()),
-        ],
+        "J" => {
+            let mut out = vec![(35, "P".to_owned()), (70, id)];
+            if let Some(date) = &pending.trade_date {
+                out.push((75, date.clone()));
+            }
+            out.push((60, now));
+            out.push((87, if accepted { "0" } else { "1" }.to_owned()));
+            if !accepted {
+                out.push((88, "7".to_owned()));
+            }
+            out
+        }
+        _ => {
+            let mut out = vec![
+                (35, "AU".to_owned()),
+                (664, id),
+                (
+                    75,
+                    pending
+                        .trade_date
+                        .clone()
+                        .unwrap_or_else(|| now[..8].to_owned()),
+                ),
+                (60, now),
+                (940, if accepted { "3" } else { "2" }.to_owned()),
+            ];
+            if !accepted {
+                out.push((774, "99".to_owned()));
+            }
+            out
+        }
     };
-    if !accepted {
-        out.push(match pending.msg_type.as_str() {
-            "AE" => (751, "99".to_owned()),
-            "J" => (88, "7".to_owned()),
-            _ => (774, "99".to_owned()),
-        });
-    }
     if let Some(text) = text {
         out.push((58, text));
     }
@@ -547,8 +570,7 @@ async fn session(
             }
             Some(pushed) = pushes.recv() => {
                 let xml = String::from_utf8_lossy(&pushed.xml).into_owned();
-                let class = match pushed.class { PushClass::Cls => "CLS", PushClass::Advice => "ADVICE" };
-                let body = vec![(35, "n".into()), (212, xml.len().to_string()), (213, xml), (58, class.into())];
+                let body = vec![(35, "n".into()), (212, xml.len().to_string()), (213, xml)];
                 if outbound.send(body).await.is_err() { break; }
             }
             // Only while the window has room: a full window stops reading (TCP backpressure).
@@ -866,6 +888,12 @@ async fn handle(
                     Pending {
                         msg_type: message.msg_type().to_owned(),
                         id,
+                        trade_date: message
+                            .get(75)
+                            .filter(|date| {
+                                date.len() == 8 && date.bytes().all(|b| b.is_ascii_digit())
+                            })
+                            .map(str::to_owned),
                         detail,
                         rejected_by_session,
                     },

@@ -124,9 +124,9 @@ def main():
         msg_type = text(message, 35)
         if msg_type in ("AR", "P", "AU"):
             ident = text(message, {"AR": 571, "P": 70, "AU": 664}[msg_type])
-            status = text(message, {"AR": 939, "P": 87, "AU": 940}[msg_type])
+            status = text(message, {"AR": 751, "P": 87, "AU": 940}[msg_type])
             result["answers"].append([msg_type, ident, status, text(message, 58)])
-        elif msg_type == "n" and text(message, 58) == "CLS":
+        elif msg_type == "n" and text(message, 213).startswith("<Cls"):
             result["cls"] += 1
         elif msg_type == "1":
             session.send([(35, "0"), (112, text(message, 112))])
