@@ -50,6 +50,10 @@ struct Cli {
     /// Address of the FIX 4.4 listener (port 0: any free port).
     #[arg(long, env = "STE_FIX_ADDR", default_value = "127.0.0.1:9878")]
     fix: String,
+    /// UTC time of day (HH:MM or HH:MM:SS) at which FIX sessions end and their sequence
+    /// numbers start again at 1 (default: only a Logon with ResetSeqNumFlag resets them).
+    #[arg(long, env = "STE_FIX_RESET_AT", value_parser = parse_time_of_day)]
+    fix_reset_at: Option<time::Time>,
     /// Largest SOAP request body in bytes.
     #[arg(long, default_value_t = 1024 * 1024)]
     max_body_bytes: usize,
@@ -68,7 +72,8 @@ struct Cli {
     /// validates at most (default: every partition).
     #[arg(long, env = "STE_VALIDATORS")]
     validators: Option<u32>,
-    /// Folder of the node's files: the embedded store, samples.csv.
+    /// Folder of the node's files: the embedded store, samples.csv, fix-sessions/ (each FIX
+    /// participant's sequence numbers and sent messages).
     #[arg(long, env = "STE_DATA_DIR", default_value = "ste-data")]
     data_dir: PathBuf,
     /// Append every CLS to this file, one per line (flushed before delivery is confirmed).
@@ -416,6 +421,8 @@ fn serve(
         window: cli.window.max(1),
         logon_timeout: Duration::from_secs(cli.logon_timeout_s.max(1)),
         message_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
+        session_dir: Some(cli.data_dir.join("fix-sessions")),
+        daily_reset: cli.fix_reset_at,
         ..FixConfig::default()
     };
     runtime.block_on(async move {
@@ -724,4 +731,13 @@ impl ShutdownSignal {
             let _ = tokio::signal::ctrl_c().await;
         }
     }
+}
+
+/// `HH:MM` or `HH:MM:SS`.
+fn parse_time_of_day(text: &str) -> Result<time::Time, String> {
+    let long = time::macros::format_description!("[hour]:[minute]:[second]");
+    let short = time::macros::format_description!("[hour]:[minute]");
+    time::Time::parse(text, long)
+        .or_else(|_| time::Time::parse(text, short))
+        .map_err(|_| format!("{text:?} is not a time of day HH:MM or HH:MM:SS"))
 }

@@ -489,3 +489,56 @@ fn sequence_numbers_and_sent_answers_outlive_a_connection() {
     );
     assert!(engine.stop().success());
 }
+
+/// With `--fix-reset-at`, a live session is logged out at that time of day, and the next
+/// Logon starts both sequence numbers at 1 without ResetSeqNumFlag.
+#[test]
+fn a_daily_reset_ends_the_session_and_starts_the_numbers_again() {
+    let at = time::OffsetDateTime::now_utc() + time::Duration::seconds(8);
+    let at = format!("{:02}:{:02}:{:02}", at.hour(), at.minute(), at.second());
+    let engine = Engine::start(&["--fix-reset-at", &at]);
+    let refdata = refdata();
+    let broker = everyone(&refdata)[0].clone();
+
+    let mut session = RawSession::logon(&engine, &refdata, &broker, 30);
+    session.send(&common::fix_message(
+        &broker,
+        2,
+        &[(35, "1"), (112, "PING")],
+    ));
+    let heartbeat = session.next().expect("a Heartbeat");
+    assert_eq!(heartbeat.get(112), Some("PING"), "{heartbeat:?}");
+    let logout = session.next_answer().expect("a Logout at the reset time");
+    assert_eq!(logout.msg_type(), "5", "{logout:?}");
+    assert!(
+        logout
+            .get(58)
+            .is_some_and(|t| t.starts_with("E_SESSION_END")),
+        "{logout:?}"
+    );
+    drop(session);
+
+    let started = std::time::Instant::now();
+    let answer = loop {
+        let (_session, answer) = RawSession::send_logon(
+            &engine,
+            &common::fix_logon_at(&refdata, &broker, 30, 1, false),
+        );
+        if !answer
+            .get(58)
+            .is_some_and(|t| t.contains("already has a live"))
+        {
+            break answer;
+        }
+        assert!(started.elapsed() < std::time::Duration::from_secs(20));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert_eq!(answer.msg_type(), "A", "{answer:?}");
+    assert_eq!(
+        answer.get(34),
+        Some("1"),
+        "the engine's numbers start at 1: {answer:?}"
+    );
+    assert_eq!(answer.get(141), None, "{answer:?}");
+    assert!(engine.stop().success());
+}

@@ -104,8 +104,9 @@ fn pump(mut from: TcpStream, mut to: TcpStream, way: Way, state: Arc<Mutex<Proxy
     }
 }
 
-/// Listens on a free loopback port and relays each connection to `target`.
-fn start_proxy(target: std::net::SocketAddr, state: Arc<Mutex<ProxyState>>) -> u16 {
+/// Listens on a free loopback port and relays each connection to `target` (as it is when the
+/// connection comes).
+fn start_proxy(target: Arc<Mutex<std::net::SocketAddr>>, state: Arc<Mutex<ProxyState>>) -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("a free port");
     let port = listener.local_addr().expect("an address").port();
     std::thread::spawn(move || {
@@ -113,7 +114,10 @@ fn start_proxy(target: std::net::SocketAddr, state: Arc<Mutex<ProxyState>>) -> u
             let Ok(participant) = participant else {
                 continue;
             };
-            let engine = TcpStream::connect(target).expect("the engine's FIX port");
+            let address = *target.lock().expect("target");
+            let Ok(engine) = TcpStream::connect(address) else {
+                continue;
+            };
             let (p2, e2) = (
                 participant.try_clone().expect("clone"),
                 engine.try_clone().expect("clone"),
@@ -164,6 +168,25 @@ fn field_of(line: &[u8], field: Field) -> String {
         .to_owned()
 }
 
+/// Every message the proxy saw, one per line, for a failure's message.
+fn wire_log(state: &Mutex<ProxyState>) -> String {
+    let state = state.lock().expect("proxy state");
+    state
+        .seen
+        .iter()
+        .map(|s| {
+            format!(
+                "{:?} {} {}{}",
+                s.way,
+                s.participant,
+                String::from_utf8_lossy(&s.raw).replace('\u{1}', "|"),
+                if s.dropped { "  (dropped)" } else { "" }
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// QuickFIX's event logs, for a failure's message.
 fn event_logs(dir: &Path) -> String {
     let mut text = String::new();
@@ -194,9 +217,10 @@ fn body(message: &FixMessage) -> Vec<(u32, String)> {
 
 #[test]
 fn quickfix_with_the_fix44_dictionary_trades_recovers_dropped_messages_and_reconnects() {
-    let engine = Engine::start(&[]);
-    let refdata = refdata();
     let work = tempfile::tempdir().expect("a temporary folder");
+    let (node_dir, cls_out) = (work.path().join("node"), work.path().join("cls.xml"));
+    let mut engine = Engine::start_embedded(&node_dir, &cls_out);
+    let refdata = refdata();
     let dictionary = dictionary(work.path());
     let lines = trade_lines(&refdata, 2, 1301);
     let (first, second) = lines.split_at(7);
@@ -275,68 +299,75 @@ fn quickfix_with_the_fix44_dictionary_trades_recovers_dropped_messages_and_recon
             done: false,
         });
     }
-    let port = start_proxy(engine.fix, state.clone());
+    let target = Arc::new(Mutex::new(engine.fix));
+    let port = start_proxy(target.clone(), state.clone());
 
     let sessions: Vec<serde_json::Value> = participants
         .iter()
         .map(|p| serde_json::json!({"participant": p, "key_hex": key_hex(&refdata, p)}))
         .collect();
-    let scenario = serde_json::json!({
-        "host": "127.0.0.1",
-        "port": port,
-        "dictionary": dictionary,
-        "dir": work.path(),
-        "heartbeat": 2,
-        "timeout": 60,
-        "sessions": sessions,
-        "runs": [run(first), run(second)],
-    });
-    let path = work.path().join("scenario.json");
-    std::fs::write(&path, serde_json::to_vec(&scenario).expect("JSON")).expect("writes");
-    let output = std::process::Command::new(python())
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/clients/fix_quickfix.py"
-        ))
-        .arg(&path)
-        .output()
-        .expect(
-            "python3 runs (with quickfix: pip install -r bridge/tests/clients/requirements.txt)",
+    // One QuickFIX process per run, on the same FileStore.
+    let drive = |plan: serde_json::Value, name: &str| -> serde_json::Value {
+        let scenario = serde_json::json!({
+            "host": "127.0.0.1",
+            "port": port,
+            "dictionary": dictionary,
+            "dir": work.path(),
+            "heartbeat": 2,
+            "timeout": 60,
+            "sessions": sessions,
+            "runs": [plan],
+        });
+        let path = work.path().join(format!("{name}.json"));
+        std::fs::write(&path, serde_json::to_vec(&scenario).expect("JSON")).expect("writes");
+        let output = std::process::Command::new(python())
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/clients/fix_quickfix.py"
+            ))
+            .arg(&path)
+            .output()
+            .expect(
+                "python3 runs (with quickfix: pip install -r bridge/tests/clients/requirements.txt)",
+            );
+        assert!(
+            output.status.success(),
+            "{}: {}\n{}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr),
+            String::from_utf8_lossy(&output.stdout),
+            event_logs(work.path())
         );
-    assert!(
-        output.status.success(),
-        "{}: {}\n{}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr),
-        String::from_utf8_lossy(&output.stdout),
-        event_logs(work.path())
-    );
-    let result: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
-    let seen = state.lock().expect("proxy state").seen.clone();
-    let log = || {
-        seen.iter()
-            .map(|s| {
-                format!(
-                    "{:?} {} {}{}",
-                    s.way,
-                    s.participant,
-                    String::from_utf8_lossy(&s.raw).replace('\u{1}', "|"),
-                    if s.dropped { "  (dropped)" } else { "" }
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
+        let result: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
+        assert!(
+            result["error"].is_null(),
+            "{result}\n{}\n{}",
+            wire_log(&state),
+            event_logs(work.path())
+        );
+        result["participants"].clone()
     };
-    assert!(
-        result["error"].is_null(),
-        "{result}\n{}\n{}",
-        log(),
-        event_logs(work.path())
-    );
+    let mut by = drive(run(first), "first");
+    // The engine restarts between the runs: the sessions go on from what its data folder kept.
+    assert!(engine.stop().success());
+    engine = Engine::start_embedded(&node_dir, &cls_out);
+    *target.lock().expect("target") = engine.fix;
+    let then = drive(run(second), "second");
+    for participant in &participants {
+        let mine = by[participant].as_object_mut().expect("a participant");
+        for (key, more) in then[participant].as_object().expect("a participant") {
+            let list = mine[key].as_array_mut().expect("a list");
+            list.extend(more.as_array().expect("a list").iter().cloned());
+        }
+    }
+    let seen = state.lock().expect("proxy state").seen.clone();
+    let log = || wire_log(&state);
+    // Kept for reading: every message both ways, as the proxy saw it.
+    let kept_log = Path::new(env!("CARGO_TARGET_TMPDIR")).join("quickfix-wire.log");
+    std::fs::write(&kept_log, log()).expect("writes the wire log");
 
     // Every message of both trades answered and accepted, every party given both CLS; no
     // Reject or BusinessMessageReject either way, as the participants and the proxy saw it.
-    let by = &result["participants"];
     for participant in &participants {
         let mine = &by[participant];
         let sent = lines
@@ -441,8 +472,8 @@ fn quickfix_with_the_fix44_dictionary_trades_recovers_dropped_messages_and_recon
         .expect("resent")
         .contains(&first_alc_id.clone().into()));
 
-    // The second run is a reconnect: every Logon goes on from the numbers of the first, without
-    // ResetSeqNumFlag, on both sides.
+    // The second run is a reconnect to a restarted engine: every Logon goes on from the
+    // numbers of the first, without ResetSeqNumFlag, on both sides.
     for participant in &participants {
         let logons: Vec<&Seen> = seen
             .iter()

@@ -6,11 +6,15 @@
 //!   `STE`, `108` HeartBtInt, `52` SendingTime within two minutes of the engine's clock, and `554`
 //!   Password = hex HMAC-SHA256 under the participant's key of `STE-FIX-LOGON\0` ‖ SendingTime ‖
 //!   BIC. A bad password gets a Logout with `58=E_SIG …`, an unknown participant `58=E_AUTH …`.
-//!   Sequence numbers go on across connections: a participant's next Logon carries the next
-//!   MsgSeqNum of its previous session (one above is a gap: the engine answers the Logon and
-//!   asks for the missing messages; one below gets a Logout `58=MsgSeqNum too low`), and the
-//!   engine's numbers go on too. ResetSeqNumFlag (`141=Y`) on the Logon starts both at 1 (the
-//!   engine's answering Logon says `141=Y`). What the engine keeps lives as long as its process.
+//!   Sequence numbers go on across connections and across restarts of the engine, which
+//!   keeps each participant's session (both numbers and the application messages it sent) in
+//!   `DATA_DIR/fix-sessions/BIC.json`, written whenever a connection ends: a participant's next
+//!   Logon carries the next MsgSeqNum of its previous session (one above is a gap: the engine
+//!   answers the Logon and asks for the missing messages; one below gets a Logout
+//!   `58=MsgSeqNum too low`), and the engine's numbers go on too. ResetSeqNumFlag (`141=Y`)
+//!   on the Logon starts both at 1 (the engine's answering Logon says `141=Y`), and so does
+//!   the first Logon after the daily reset time (`--fix-reset-at HH:MM`, UTC), at which the
+//!   engine logs every live session out (`58=E_SESSION_END …`).
 //! - Heartbeat (`0`) HeartBtInt seconds after the engine's own last message, whatever the
 //!   participant sends meanwhile; TestRequest (`1`) after HeartBtInt + 20% of silence from the
 //!   participant, answered by a Heartbeat with its `112`; a participant that stays silent
@@ -69,6 +73,7 @@
 mod codec;
 mod mapping;
 mod session;
+mod store;
 
 pub use codec::{
     checksum, encode, parse, signed_part, utc_timestamp, FixError, FixMessage, Group,
@@ -79,3 +84,4 @@ pub use session::{
     logon_password, serve, FixConfig, ENGINE_COMP_ID, HELD_BYTES_MAX, HELD_MESSAGES_MAX,
     SEQ_NUM_MAX,
 };
+pub use store::SENT_BYTES_MAX;

@@ -17,6 +17,7 @@ use super::codec::{
     encode, parse, parse_utc_timestamp, read_message, signed_part, utc_timestamp, FixMessage,
 };
 use super::mapping::from_fix;
+use super::store::{Kept, Sent, SentStore, SessionBook};
 use crate::gateway::{GatewayHandle, Pushed, Reply, Subscriber};
 use crate::listener::accept_loop;
 
@@ -57,6 +58,12 @@ pub struct FixConfig {
     pub logon_timeout: Duration,
     /// Pushes that may wait for a subscriber before it is logged out as too slow.
     pub push_capacity: usize,
+    /// The folder keeping each participant's session (sequence numbers, sent messages) across
+    /// restarts; in memory only when unset.
+    pub session_dir: Option<std::path::PathBuf>,
+    /// The UTC time of day at which sessions start again at 1: a live session is logged out
+    /// then, and the next Logon of each participant starts both numbers at 1.
+    pub daily_reset: Option<time::Time>,
 }
 
 impl FixConfig {
@@ -82,6 +89,8 @@ impl Default for FixConfig {
             message_timeout: Duration::from_secs(10),
             logon_timeout: Duration::from_secs(10),
             push_capacity: 65_536,
+            session_dir: None,
+            daily_reset: None,
         }
     }
 }
@@ -97,66 +106,6 @@ struct Pending {
     /// Already answered by a session Reject: the engine's verdict is not sent again.
     rejected_by_session: bool,
 }
-
-/// Bytes of application messages the engine keeps per participant for resending; the oldest go
-/// first, and a ResendRequest reaching past them gets a GapFill over them.
-pub const SENT_BYTES_MAX: usize = 4 << 20;
-
-/// An application message the engine sent, kept for a ResendRequest.
-#[derive(Debug, Clone)]
-struct Sent {
-    /// From `35` on, without the header the session adds.
-    body: Vec<(u32, String)>,
-    /// Its SendingTime: OrigSendingTime (`122`) when it is sent again.
-    sending_time: String,
-}
-
-/// The application messages the engine sent a participant, by MsgSeqNum, within
-/// [`SENT_BYTES_MAX`].
-#[derive(Debug, Default)]
-struct SentStore {
-    messages: BTreeMap<u64, Sent>,
-    bytes: usize,
-}
-
-impl SentStore {
-    /// Keeps an application message for resending, dropping the oldest beyond the bound.
-    fn keep(&mut self, seq: u64, sent: Sent) {
-        let size = |sent: &Sent| sent.body.iter().map(|(_, v)| v.len() + 8).sum::<usize>();
-        self.bytes += size(&sent);
-        self.messages.insert(seq, sent);
-        while self.bytes > SENT_BYTES_MAX {
-            let Some((_, oldest)) = self.messages.pop_first() else {
-                break;
-            };
-            self.bytes -= size(&oldest);
-        }
-    }
-}
-
-/// What the engine keeps of a participant's session between its connections: both sequence
-/// numbers and the application messages it sent. Reset by a Logon with ResetSeqNumFlag.
-#[derive(Debug, Default)]
-struct Kept {
-    next_out: u64,
-    next_in: u64,
-    sent: SentStore,
-}
-
-impl Kept {
-    fn fresh() -> Self {
-        Self {
-            next_out: 1,
-            next_in: 1,
-            ..Self::default()
-        }
-    }
-}
-
-/// Every participant's [`Kept`] session, shared by the listener's connections (one session
-/// per participant at a time). Bounded: one entry per participant of the reference data, each
-/// at most [`SENT_BYTES_MAX`] of messages.
-type SessionBook = Arc<Mutex<std::collections::HashMap<String, Kept>>>;
 
 /// Session-level messages, never resent (a GapFill stands for them).
 fn is_admin(msg_type: &str) -> bool {
@@ -176,6 +125,8 @@ struct Outbound {
     rejected_by_participant: u64,
     /// The application messages sent, for resending.
     sent: SentStore,
+    /// When the session's numbers started at 1 (Unix seconds).
+    since: i64,
 }
 
 impl Outbound {
@@ -364,7 +315,12 @@ pub async fn serve(
         ])
     };
     let stop = shutdown.clone();
-    let book = SessionBook::default();
+    let refdata = gateway.refdata();
+    let book = Arc::new(SessionBook::open(
+        config.session_dir.as_deref(),
+        config.daily_reset,
+        |bic| refdata.participant_mac(bic).is_some(),
+    ));
     accept_loop(
         listener,
         "FIX",
@@ -395,11 +351,10 @@ fn keep_session(
     let kept = Kept {
         next_out,
         next_in,
+        since: outbound.since,
         sent: std::mem::take(&mut outbound.sent),
     };
-    book.lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .insert(participant.to_owned(), kept);
+    book.put(participant, kept);
 }
 
 /// Why a session ends from the engine's side: the Logout's Text.
@@ -409,7 +364,7 @@ async fn session(
     stream: crate::listener::Connection,
     gateway: GatewayHandle,
     config: FixConfig,
-    book: SessionBook,
+    book: Arc<SessionBook>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let (read, write) = tokio::io::split(stream);
@@ -421,6 +376,7 @@ async fn session(
         last_sent: tokio::time::Instant::now(),
         rejected_by_participant: 0,
         sent: SentStore::default(),
+        since: 0,
     };
 
     // Logon.
@@ -462,14 +418,14 @@ async fn session(
     // The sequence numbers go on from the participant's last session unless its Logon resets
     // them (ResetSeqNumFlag), as FIX engines expect.
     let reset = logon.get(141) == Some("Y");
-    let kept = match book
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .remove(&participant)
-    {
-        Some(kept) if !reset => kept,
-        _ => Kept::fresh(),
-    };
+    let now = time::OffsetDateTime::now_utc();
+    let kept = book.take(&participant, reset, now);
+    outbound.since = kept.since;
+    // A live session ends at the daily reset: its next Logon starts at 1.
+    let day_ends = book.next_reset(now).map(|at| {
+        let left = (at - now).try_into().unwrap_or(Duration::ZERO);
+        tokio::time::Instant::now() + left
+    });
     let logon_seq: u64 = logon.get(34).and_then(|s| s.parse().ok()).unwrap_or(0);
     outbound.next_seq = kept.next_out.max(1);
     outbound.sent = kept.sent;
@@ -558,6 +514,10 @@ async fn session(
             }
             _ = shutdown.changed(), if reading => {
                 ending = Some("E_SHUTDOWN the engine is shutting down".into());
+                reading = false;
+            }
+            () = tokio::time::sleep_until(day_ends.unwrap_or_else(tokio::time::Instant::now)), if reading && day_ends.is_some() => {
+                ending = Some("E_SESSION_END the FIX day ends: sequence numbers start again at 1".into());
                 reading = false;
             }
             reply = replies.recv() => {
