@@ -20,6 +20,7 @@ resend_requests_sent [[begin, end]], resent (ids of application messages QuickFI
 logons [[run, MsgSeqNum sent, ResetSeqNumFlag sent]].
 """
 
+import datetime
 import faulthandler
 import hashlib
 import hmac
@@ -139,6 +140,8 @@ class Participants(fix.Application):
 
 
 def settings_for(spec):
+    # A 24-hour session whose daily reset is twelve hours away, so that no run meets it.
+    reset = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=12)).strftime("%H:%M:%S")
     lines = [
         "[DEFAULT]",
         "ConnectionType=initiator",
@@ -150,8 +153,8 @@ def settings_for(spec):
         "ReconnectInterval=1",
         f"FileStorePath={os.path.join(spec['dir'], 'store')}",
         f"FileLogPath={os.path.join(spec['dir'], 'log')}",
-        "StartTime=00:00:00",
-        "EndTime=00:00:00",
+        f"StartTime={reset}",
+        f"EndTime={reset}",
         "UseDataDictionary=Y",
         f"DataDictionary={spec['dictionary']}",
         "ResetOnLogon=N",
