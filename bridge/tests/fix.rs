@@ -427,23 +427,7 @@ fn sequence_numbers_and_sent_answers_outlive_a_connection() {
 
     // The same participant again, at MsgSeqNum 3 and without a reset, once the engine has let
     // the first connection go.
-    let logon_at = |seq: u64| {
-        let started = std::time::Instant::now();
-        loop {
-            let (session, answer) = RawSession::send_logon(
-                &engine,
-                &common::fix_logon_at(&refdata, &broker, 30, seq, false),
-            );
-            let busy = answer
-                .get(58)
-                .is_some_and(|t| t.contains("already has a live"));
-            if !busy {
-                return (session, answer);
-            }
-            assert!(started.elapsed() < std::time::Duration::from_secs(20));
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-    };
+    let logon_at = |seq: u64| RawSession::logon_again(&engine, &refdata, &broker, seq);
     let (mut second, answer) = logon_at(3);
     assert_eq!(answer.msg_type(), "A", "{answer:?}");
     let logon_seq: u64 = answer
@@ -518,21 +502,7 @@ fn a_daily_reset_ends_the_session_and_starts_the_numbers_again() {
     );
     drop(session);
 
-    let started = std::time::Instant::now();
-    let answer = loop {
-        let (_session, answer) = RawSession::send_logon(
-            &engine,
-            &common::fix_logon_at(&refdata, &broker, 30, 1, false),
-        );
-        if !answer
-            .get(58)
-            .is_some_and(|t| t.contains("already has a live"))
-        {
-            break answer;
-        }
-        assert!(started.elapsed() < std::time::Duration::from_secs(20));
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    };
+    let (_session, answer) = RawSession::logon_again(&engine, &refdata, &broker, 1);
     assert_eq!(answer.msg_type(), "A", "{answer:?}");
     assert_eq!(
         answer.get(34),

@@ -11,7 +11,7 @@ use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use common::{fix_pairs, key_hex, python, refdata, trade_lines, Engine};
+use common::{fix_pairs, key_hex, python, refdata, run_client, trade_lines, Engine};
 use ste_bridge::fix::{self, FixMessage};
 use ste_engine::codec::{self as ste_codec, Field};
 
@@ -320,16 +320,7 @@ fn quickfix_with_the_fix44_dictionary_trades_recovers_dropped_messages_and_recon
         });
         let path = work.path().join(format!("{name}.json"));
         std::fs::write(&path, serde_json::to_vec(&scenario).expect("JSON")).expect("writes");
-        let output = std::process::Command::new(python())
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/tests/clients/fix_quickfix.py"
-            ))
-            .arg(&path)
-            .output()
-            .expect(
-                "python3 runs (with quickfix: pip install -r bridge/tests/clients/requirements.txt)",
-            );
+        let output = run_client("fix_quickfix.py", &path);
         assert!(
             output.status.success(),
             "{}: {}\n{}\n{}",

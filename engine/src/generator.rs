@@ -14,7 +14,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use time::{Date, Duration, Month};
 
-use crate::codec::{encode_fields, encode_msg, fields_of, Field};
+use crate::codec::{encode_fields, encode_msg, fields_of};
 use crate::model::{format_date, Decimal, Function, Msg, MsgType, PaymentType, Side};
 use crate::reason::ReasonCode;
 use crate::refdata::generate::csd_of_market;
@@ -558,16 +558,7 @@ impl<'r> Generator<'r> {
         // A CAN carries only the header, RelatedId and the trade key.
         let full = fields_of(&cancel);
         let mut fields = crate::codec::RawFields::default();
-        for field in [
-            Field::MsgId,
-            Field::Type,
-            Field::Function,
-            Field::Sender,
-            Field::SentAt,
-            Field::RelatedId,
-            Field::TradeRef,
-            Field::Broker,
-        ] {
+        for field in crate::validate::CAN_FIELDS {
             if let Some(value) = full.get(field) {
                 fields.set(field, value.to_owned());
             }

@@ -29,6 +29,18 @@ const COMMON: &[Field] = &[
     Field::Broker,
 ];
 
+/// Every field a CAN may carry (and must, RelatedId included): the header and the trade key.
+pub const CAN_FIELDS: [Field; 8] = [
+    Field::MsgId,
+    Field::Type,
+    Field::Function,
+    Field::Sender,
+    Field::SentAt,
+    Field::RelatedId,
+    Field::TradeRef,
+    Field::Broker,
+];
+
 const NOE_FIELDS: &[Field] = &[
     Field::InvMgr,
     Field::Side,
@@ -215,7 +227,7 @@ pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
             require(Field::RelatedId)?;
             if let Some((field, _)) = fields
                 .present()
-                .find(|(field, _)| !COMMON.contains(field) && *field != Field::RelatedId)
+                .find(|(field, _)| !CAN_FIELDS.contains(field))
             {
                 return Err(field_error(format!(
                     "field {} is not allowed in a CAN",

@@ -197,18 +197,21 @@ impl FixMessage {
     }
 }
 
+fn refuse(session_reason: u32, tag: u32, code: ReasonCode, detail: String) -> StructureError {
+    StructureError {
+        session_reason,
+        tag,
+        code,
+        detail,
+    }
+}
+
 /// The bytes an application message's signature covers, once its shape guarantees that they
 /// are every byte with meaning: `8` and `9` first, then `35`, then the fields, then `93` and
 /// `89` and nothing but `10` after them; no tag twice outside the Parties group, whose entries
 /// are well formed, as many as `453` says, each role once. The covered bytes run from `35=` up
 /// to `93=`.
 pub fn signed_part(raw: &[u8]) -> Result<&[u8], StructureError> {
-    let refuse = |session_reason: u32, tag: u32, code: ReasonCode, detail: String| StructureError {
-        session_reason,
-        tag,
-        code,
-        detail,
-    };
     // (tag, value, offset of the field's first byte)
     let mut fields: Vec<(u32, &[u8], usize)> = Vec::new();
     let mut offset = 0;
@@ -289,12 +292,6 @@ pub fn signed_part(raw: &[u8]) -> Result<&[u8], StructureError> {
 /// well formed: right after its count, as many entries as it says, each starting with the
 /// delimiter, no tag twice in an entry, no role twice.
 fn check_repeats(tags: &[u32], fields: &[(u32, &[u8], usize)]) -> Result<(), StructureError> {
-    let refuse = |session_reason: u32, tag: u32, code: ReasonCode, detail: String| StructureError {
-        session_reason,
-        tag,
-        code,
-        detail,
-    };
     let in_a_group = |tag: &u32| GROUPS.iter().any(|group| group.members.contains(tag));
     let mut seen = ahash::AHashSet::with_capacity(tags.len());
     for tag in tags {
@@ -318,12 +315,6 @@ fn check_group(
     tags: &[u32],
     fields: &[(u32, &[u8], usize)],
 ) -> Result<(), StructureError> {
-    let refuse = |session_reason: u32, tag: u32, code: ReasonCode, detail: String| StructureError {
-        session_reason,
-        tag,
-        code,
-        detail,
-    };
     let outside = |tag: u32| {
         refuse(
             15,

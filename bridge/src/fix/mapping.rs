@@ -77,26 +77,69 @@ pub const TAGS: &[(Field, &str)] = &[
     (Field::SettleAmount, "119 SettlCurrAmt"),
 ];
 
-/// The fields of a CAN, whatever else its FIX message carries (FIX requires a cancel to
-/// repeat the cancelled message's required fields; STE's CAN has only these).
-const CAN_FIELDS: [Field; 8] = [
-    Field::MsgId,
-    Field::Type,
-    Field::Function,
-    Field::Sender,
-    Field::SentAt,
-    Field::RelatedId,
-    Field::TradeRef,
-    Field::Broker,
-];
+/// Where a FIX message type carries the fields every STE message has: its id, its function
+/// (transaction type), the id it cancels or replaces, and the trade's reference.
+struct Layout {
+    id: u32,
+    function: u32,
+    related: u32,
+    trade_ref: u32,
+    /// The function's codes for NEW, CAN and AMD.
+    codes: [&'static str; 3],
+}
+
+const FUNCTIONS: [&str; 3] = ["NEW", "CAN", "AMD"];
+
+/// TradeCaptureReport (NOE).
+const AE: Layout = Layout {
+    id: 571,
+    function: 487,
+    related: 572,
+    trade_ref: 17,
+    codes: ["0", "1", "2"],
+};
+/// AllocationInstruction (ALC, NPR).
+const J: Layout = Layout {
+    id: 70,
+    function: 71,
+    related: 72,
+    trade_ref: 466,
+    codes: ["0", "2", "1"],
+};
+/// SettlementInstructions (SET).
+const T: Layout = Layout {
+    id: 777,
+    function: 163,
+    related: 214,
+    trade_ref: 466,
+    codes: ["N", "C", "R"],
+};
+
+impl Layout {
+    /// The FIX code of an STE function (NEW for anything else: the validator judges it).
+    fn code(&self, function: &str) -> &'static str {
+        let at = FUNCTIONS.iter().position(|f| *f == function).unwrap_or(0);
+        self.codes[at]
+    }
+
+    /// The STE function of a FIX code.
+    fn function(&self, code: Option<&str>) -> Option<&'static str> {
+        let at = self.codes.iter().position(|c| Some(*c) == code)?;
+        Some(FUNCTIONS[at])
+    }
+}
 
 fn dashes_to_fix_date(date: &str) -> String {
     date.replace('-', "")
 }
 
+/// A FIX date's shape: `YYYYMMDD`, eight digits.
+pub(super) fn is_fix_date(date: &str) -> bool {
+    date.len() == 8 && date.bytes().all(|b| b.is_ascii_digit())
+}
+
 fn fix_date_to_dashes(date: &str) -> Option<String> {
-    (date.len() == 8 && date.bytes().all(|b| b.is_ascii_digit()))
-        .then(|| format!("{}-{}-{}", &date[..4], &date[4..6], &date[6..]))
+    is_fix_date(date).then(|| format!("{}-{}-{}", &date[..4], &date[4..6], &date[6..]))
 }
 
 /// RFC 3339 `2002-10-15T09:30:00.123Z` to `20021015-09:30:00.123`.
@@ -239,17 +282,10 @@ pub fn to_fix(xml: &[u8]) -> Result<Vec<(u32, String)>, Rejection> {
     match kind.as_str() {
         "NOE" => {
             b.constant(35, "AE");
-            b.field(571, Field::MsgId);
-            b.constant(
-                487,
-                match function {
-                    "CAN" => "1",
-                    "AMD" => "2",
-                    _ => "0",
-                },
-            );
-            b.field(572, Field::RelatedId);
-            b.field(17, Field::TradeRef);
+            b.field(AE.id, Field::MsgId);
+            b.constant(AE.function, AE.code(function));
+            b.field(AE.related, Field::RelatedId);
+            b.field(AE.trade_ref, Field::TradeRef);
             b.constant(570, "N");
             b.instrument();
             b.field(32, Field::Qty);
@@ -266,18 +302,11 @@ pub fn to_fix(xml: &[u8]) -> Result<Vec<(u32, String)>, Rejection> {
         }
         "ALC" | "NPR" => {
             b.constant(35, "J");
-            b.field(70, Field::MsgId);
-            b.constant(
-                71,
-                match function {
-                    "CAN" => "2",
-                    "AMD" => "1",
-                    _ => "0",
-                },
-            );
+            b.field(J.id, Field::MsgId);
+            b.constant(J.function, J.code(function));
             b.constant(626, if kind == "ALC" { "2" } else { "1" });
-            b.field(72, Field::RelatedId);
-            b.field(466, Field::TradeRef);
+            b.field(J.related, Field::RelatedId);
+            b.field(J.trade_ref, Field::TradeRef);
             b.constant(857, "0");
             b.side();
             b.instrument();
@@ -314,26 +343,19 @@ pub fn to_fix(xml: &[u8]) -> Result<Vec<(u32, String)>, Rejection> {
         }
         "SET" => {
             b.constant(35, "T");
-            b.field(777, Field::MsgId);
+            b.field(T.id, Field::MsgId);
             b.constant(160, "4");
             b.sent_at();
             b.constant(778, "1");
             b.field(162, Field::MsgId);
-            b.constant(
-                163,
-                match function {
-                    "CAN" => "C",
-                    "AMD" => "R",
-                    _ => "N",
-                },
-            );
-            b.field(214, Field::RelatedId);
+            b.constant(T.function, T.code(function));
+            b.field(T.related, Field::RelatedId);
             b.parties();
             b.side();
             b.payment_type();
             b.delivery();
             // The dictionary extension, in its order.
-            b.field(466, Field::TradeRef);
+            b.field(T.trade_ref, Field::TradeRef);
             b.instrument();
             b.date(75, Field::TradeDate);
             b.date(64, Field::SettleDate);
@@ -358,33 +380,29 @@ pub fn from_fix(message: &FixMessage, sender: &str) -> Result<Vec<u8>, Rejection
     let field_error = |detail: String| Rejection::new(ReasonCode::Field, detail);
     let mut fields = RawFields::default();
     let get = |tag: u32| message.get(tag).map(str::to_owned);
-    let (kind, id_tag, trans_tag, ref_tag, trade_ref_tag) =
-        match (message.msg_type(), message.get(626)) {
-            ("AE", _) => ("NOE", 571, 487, 572, 17),
-            ("J", Some("2")) => ("ALC", 70, 71, 72, 466),
-            ("J", Some("1")) => ("NPR", 70, 71, 72, 466),
-            ("J", other) => {
-                return Err(field_error(format!(
-                    "AllocType {other:?} is neither 1 nor 2"
-                )))
-            }
-            ("T", _) => ("SET", 777, 163, 214, 466),
-            (other, _) => return Err(field_error(format!("no STE message for MsgType {other}"))),
-        };
-    fields.set(Field::Type, kind);
-    if let Some(id) = get(id_tag) {
-        fields.set(Field::MsgId, id);
-    }
-    let function = match (kind, message.get(trans_tag)) {
-        ("NOE", Some("0")) | ("ALC" | "NPR", Some("0")) | ("SET", Some("N")) => "NEW",
-        ("NOE", Some("1")) | ("ALC" | "NPR", Some("2")) | ("SET", Some("C")) => "CAN",
-        ("NOE", Some("2")) | ("ALC" | "NPR", Some("1")) | ("SET", Some("R")) => "AMD",
-        (_, other) => {
+    let (kind, layout) = match (message.msg_type(), message.get(626)) {
+        ("AE", _) => ("NOE", &AE),
+        ("J", Some("2")) => ("ALC", &J),
+        ("J", Some("1")) => ("NPR", &J),
+        ("J", other) => {
             return Err(field_error(format!(
-                "tag {trans_tag} has no STE function: {other:?}"
+                "AllocType {other:?} is neither 1 nor 2"
             )))
         }
+        ("T", _) => ("SET", &T),
+        (other, _) => return Err(field_error(format!("no STE message for MsgType {other}"))),
     };
+    fields.set(Field::Type, kind);
+    if let Some(id) = get(layout.id) {
+        fields.set(Field::MsgId, id);
+    }
+    let code = message.get(layout.function);
+    let function = layout.function(code).ok_or_else(|| {
+        field_error(format!(
+            "tag {} has no STE function: {code:?}",
+            layout.function
+        ))
+    })?;
     fields.set(Field::Function, function);
     fields.set(Field::Sender, sender.to_owned());
     if let Some(sent) = message.get(60) {
@@ -393,10 +411,10 @@ pub fn from_fix(message: &FixMessage, sender: &str) -> Result<Vec<u8>, Rejection
             fix_to_rfc3339(sent).ok_or_else(|| field_error(format!("TransactTime {sent:?}")))?,
         );
     }
-    if let Some(related) = get(ref_tag) {
+    if let Some(related) = get(layout.related) {
         fields.set(Field::RelatedId, related);
     }
-    if let Some(trade_ref) = get(trade_ref_tag) {
+    if let Some(trade_ref) = get(layout.trade_ref) {
         fields.set(Field::TradeRef, trade_ref);
     }
     for entry in message.entries(&PARTIES) {
@@ -483,7 +501,9 @@ pub fn from_fix(message: &FixMessage, sender: &str) -> Result<Vec<u8>, Rejection
     }
     if function == "CAN" {
         let mut can = RawFields::default();
-        for field in CAN_FIELDS {
+        // FIX requires a cancel to repeat the cancelled message's required fields; STE's CAN
+        // has only these.
+        for field in ste_engine::validate::CAN_FIELDS {
             if let Some(value) = fields.get(field) {
                 can.set(field, value.to_owned());
             }

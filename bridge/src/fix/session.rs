@@ -16,7 +16,7 @@ use tracing::{debug, warn};
 use super::codec::{
     encode, parse, parse_utc_timestamp, read_message, signed_part, utc_timestamp, FixMessage,
 };
-use super::mapping::from_fix;
+use super::mapping::{from_fix, is_fix_date};
 use super::store::{Kept, Sent, SentStore, SessionBook};
 use crate::gateway::{GatewayHandle, Pushed, Reply, Subscriber};
 use crate::listener::accept_loop;
@@ -125,8 +125,6 @@ struct Outbound {
     rejected_by_participant: u64,
     /// The application messages sent, for resending.
     sent: SentStore,
-    /// When the session's numbers started at 1 (Unix seconds).
-    since: i64,
 }
 
 impl Outbound {
@@ -347,11 +345,12 @@ fn keep_session(
     outbound: &mut Outbound,
     next_out: u64,
     next_in: u64,
+    since: i64,
 ) {
     let kept = Kept {
         next_out,
         next_in,
-        since: outbound.since,
+        since,
         sent: std::mem::take(&mut outbound.sent),
     };
     book.put(participant, kept);
@@ -376,7 +375,6 @@ async fn session(
         last_sent: tokio::time::Instant::now(),
         rejected_by_participant: 0,
         sent: SentStore::default(),
-        since: 0,
     };
 
     // Logon.
@@ -420,7 +418,7 @@ async fn session(
     let reset = logon.get(141) == Some("Y");
     let now = time::OffsetDateTime::now_utc();
     let kept = book.take(&participant, reset, now);
-    outbound.since = kept.since;
+    let since = kept.since;
     // A live session ends at the daily reset: its next Logon starts at 1.
     let day_ends = book.next_reset(now).map(|at| {
         let left = (at - now).try_into().unwrap_or(Duration::ZERO);
@@ -436,7 +434,7 @@ async fn session(
         let _ = outbound.send(vec![(35, "5".into()), (58, text)]).await;
         let _ = outbound.flush().await;
         let next_out = outbound.next_seq;
-        keep_session(&book, &participant, &mut outbound, next_out, next_in);
+        keep_session(&book, &participant, &mut outbound, next_out, next_in, since);
         gateway.release_fix_session(&participant, connection);
         return;
     }
@@ -701,7 +699,14 @@ async fn session(
     gateway.unsubscribe(connection);
     // Kept before the session is released, counting the Logout about to be sent.
     let next_out = outbound.next_seq + 1;
-    keep_session(&book, &participant, &mut outbound, next_out, expected_in);
+    keep_session(
+        &book,
+        &participant,
+        &mut outbound,
+        next_out,
+        expected_in,
+        since,
+    );
     gateway.release_fix_session(&participant, connection);
     let mut logout = vec![(35, "5".to_owned())];
     if let Some(text) = ending.filter(|text| !text.is_empty()) {
@@ -850,9 +855,7 @@ async fn handle(
                         id,
                         trade_date: message
                             .get(75)
-                            .filter(|date| {
-                                date.len() == 8 && date.bytes().all(|b| b.is_ascii_digit())
-                            })
+                            .filter(|date| is_fix_date(date))
                             .map(str::to_owned),
                         detail,
                         rejected_by_session,

@@ -248,6 +248,29 @@ impl RawSession {
         (session, answer)
     }
 
+    /// Logs `participant` on at MsgSeqNum `seq` without a reset, once the engine has let its
+    /// previous connection go (a Logon while it is still live is refused, and tried again).
+    pub fn logon_again(
+        engine: &Engine,
+        refdata: &RefData,
+        participant: &str,
+        seq: u64,
+    ) -> (RawSession, ste_bridge::fix::FixMessage) {
+        let started = Instant::now();
+        loop {
+            let (session, answer) =
+                RawSession::send_logon(engine, &fix_logon_at(refdata, participant, 30, seq, false));
+            let busy = answer
+                .get(58)
+                .is_some_and(|t| t.contains("already has a live"));
+            if !busy {
+                return (session, answer);
+            }
+            assert!(started.elapsed() < Duration::from_secs(20));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// The next message that is not a Heartbeat or TestRequest.
     pub fn next_answer(&mut self) -> Option<ste_bridge::fix::FixMessage> {
         std::iter::from_fn(|| self.next()).find(|m| !matches!(m.msg_type(), "0" | "1"))
@@ -450,6 +473,21 @@ pub fn fix_pairs(line: &[u8]) -> serde_json::Value {
     )
 }
 
+/// Runs `bridge/tests/clients/SCRIPT` on the scenario file at `scenario`.
+pub fn run_client(script: &str, scenario: &Path) -> std::process::Output {
+    std::process::Command::new(python())
+        .arg(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/clients")
+                .join(script),
+        )
+        .arg(scenario)
+        .output()
+        .expect(
+            "python3 runs (with the clients: pip install -r bridge/tests/clients/requirements.txt)",
+        )
+}
+
 /// Runs the simplefix participant on a scenario; its JSON result.
 pub fn simplefix(engine: &Engine, scenario: serde_json::Value) -> serde_json::Value {
     let dir = tempfile::tempdir().expect("a temporary folder");
@@ -458,16 +496,7 @@ pub fn simplefix(engine: &Engine, scenario: serde_json::Value) -> serde_json::Va
     scenario["host"] = "127.0.0.1".into();
     scenario["port"] = engine.fix.port().into();
     std::fs::write(&path, serde_json::to_vec(&scenario).expect("JSON")).expect("writes");
-    let output = std::process::Command::new(python())
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/clients/fix_simplefix.py"
-        ))
-        .arg(&path)
-        .output()
-        .expect(
-            "python3 runs (with simplefix: pip install -r bridge/tests/clients/requirements.txt)",
-        );
+    let output = run_client("fix_simplefix.py", &path);
     assert!(
         output.status.success(),
         "{}",
