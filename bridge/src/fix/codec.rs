@@ -208,9 +208,9 @@ fn refuse(session_reason: u32, tag: u32, code: ReasonCode, detail: String) -> St
 
 /// The bytes an application message's signature covers, once its shape guarantees that they
 /// are every byte with meaning: `8` and `9` first, then `35`, then the fields, then `93` and
-/// `89` and nothing but `10` after them; no tag twice outside the Parties group, whose entries
-/// are well formed, as many as `453` says, each role once. The covered bytes run from `35=` up
-/// to `93=`.
+/// `89` and nothing but `10` after them; no tag twice outside the repeating groups
+/// ([`PARTIES`], [`SETTL_PARTIES`]), whose entries are well formed, as many as their count
+/// says, each role once. The covered bytes run from `35=` up to `93=`.
 pub fn signed_part(raw: &[u8]) -> Result<&[u8], StructureError> {
     // (tag, value, offset of the field's first byte)
     let mut fields: Vec<(u32, &[u8], usize)> = Vec::new();
