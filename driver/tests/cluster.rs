@@ -534,6 +534,11 @@ fn a_nats_server_restarted_mid_run_loses_nothing_and_stores_nothing_twice() {
         restarted_at.elapsed().as_millis()
     );
     let output = driver.wait_with_output().expect("the driver ends");
+    let taken_again: usize = ["node-a", "node-b", "node-c"]
+        .iter()
+        .map(|node| cluster.log(node).matches("lost on their way").count())
+        .sum();
+    eprintln!("queues taken again after a lost delivery: {taken_again}");
     summary_after_failures(&output, &cluster);
 }
 

@@ -6,6 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::NatsServer;
+use futures_util::StreamExt;
 
 use ste_engine::lease::{Leased, Leases};
 use ste_engine::matcher::MatcherMemory;
@@ -633,4 +634,76 @@ fn nodes_that_make_the_same_queues_at_once_all_succeed() {
     for maker in makers {
         maker.join().expect("no panic").expect("the queues exist");
     }
+}
+
+/// Takes the next delivery of `durable` on the stream of `queue` through a connection of its
+/// own and never acknowledges it: to the consumer's owner, that delivery is lost on its way, as
+/// one on the wire when the server restarts is. The server holds it as pending until its ack
+/// wait (30 s) runs out.
+fn lose_one_delivery(url: &str, queue: &str, durable: &str) -> u64 {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async {
+        let client = async_nats::connect(url).await.expect("connects");
+        let consumer: async_nats::jetstream::consumer::PullConsumer =
+            async_nats::jetstream::new(client)
+                .get_stream(ste_engine::queue::jetstream::stream_name(queue))
+                .await
+                .expect("the stream")
+                .get_consumer(durable)
+                .await
+                .expect("the consumer");
+        let delivered = consumer
+            .fetch()
+            .max_messages(1)
+            .messages()
+            .await
+            .expect("a pull")
+            .next()
+            .await
+            .expect("a delivery")
+            .expect("a delivery");
+        let items: Vec<u64> = postcard::from_bytes(&delivered.payload).expect("a batch");
+        items[0]
+    })
+}
+
+#[test]
+fn a_delivery_lost_on_its_way_comes_again_before_the_batches_behind_it() {
+    let server = NatsServer::start();
+    let jetstream = JetStream::connect(&server.url).expect("connects");
+    jetstream.ensure_queue("match.2", ROOMY).expect("stream");
+    let sender = jetstream.sender::<u64>("match.2");
+    let owner = jetstream
+        .receiver::<u64>("match.2", "owner", false)
+        .expect("consumer");
+    sender.send(vec![0]).expect("sends");
+    let first = next(&owner);
+    assert_eq!(first.items, vec![0]);
+    first.receipt.ack().expect("acks");
+    let started = Instant::now();
+    while jetstream.queue_len("match.2").expect("info") > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the ack never arrived"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for batch in 1..4_u64 {
+        sender.send(vec![batch]).expect("sends");
+    }
+    assert_eq!(lose_one_delivery(&server.url, "match.2", "owner"), 1);
+    // The owner sees the consumer's delivery numbers jump and takes the queue again from its
+    // first unacknowledged batch, instead of serving 2 and 3 and then 1 half a minute later.
+    let order: Vec<u64> = (0..3)
+        .map(|_| {
+            let received = next(&owner);
+            received.receipt.ack().expect("acks");
+            received.items[0]
+        })
+        .collect();
+    assert_eq!(order, vec![1, 2, 3]);
 }

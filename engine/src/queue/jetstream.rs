@@ -340,7 +340,32 @@ impl JetStream {
         durable: &str,
         fresh: bool,
     ) -> Result<JetStreamReceiver<T>, QueueError> {
-        let consumer = self.runtime.block_on(async {
+        let consumer = self.consumer(queue, durable, fresh)?;
+        Ok(JetStreamReceiver {
+            jetstream: self.clone(),
+            queue: queue.to_owned(),
+            durable: durable.to_owned(),
+            pulling: std::sync::Mutex::new(Pulling {
+                consumer,
+                pulled: std::collections::VecDeque::new(),
+                last_delivery: None,
+                lost_delivery: false,
+            }),
+            station: Station::new(queue),
+            stopped: Arc::new(AtomicBool::new(false)),
+            _items: std::marker::PhantomData,
+        })
+    }
+
+    /// The durable pull consumer `durable` on the stream of `queue`, made where absent; with
+    /// `fresh`, deleted and made again first.
+    fn consumer(
+        &self,
+        queue: &str,
+        durable: &str,
+        fresh: bool,
+    ) -> Result<consumer::PullConsumer, QueueError> {
+        self.runtime.block_on(async {
             let stream = self
                 .context
                 .get_stream(stream_name(queue))
@@ -363,15 +388,6 @@ impl JetStream {
                 )
                 .await
                 .map_err(|error| carrier(queue, error))
-        })?;
-        Ok(JetStreamReceiver {
-            jetstream: self.clone(),
-            queue: queue.to_owned(),
-            consumer,
-            pulled: std::sync::Mutex::default(),
-            station: Station::new(queue),
-            stopped: Arc::new(AtomicBool::new(false)),
-            _items: std::marker::PhantomData,
         })
     }
 }
@@ -570,12 +586,53 @@ impl<T: Serialize + Send + Sync + 'static> BatchSender<T> for JetStreamSender<T>
 pub struct JetStreamReceiver<T> {
     jetstream: JetStream,
     queue: String,
-    consumer: consumer::PullConsumer,
-    /// Batches pulled and not handed out yet (at most [`PULL_BATCHES_MAX`]).
-    pulled: std::sync::Mutex<std::collections::VecDeque<jetstream::Message>>,
+    durable: String,
+    pulling: std::sync::Mutex<Pulling>,
     station: Arc<Station>,
     stopped: Arc<AtomicBool>,
     _items: std::marker::PhantomData<fn() -> T>,
+}
+
+/// A receiver's side of its consumer.
+///
+/// The consumer numbers its deliveries 1, 2, 3… (a batch delivered again takes a new number).
+/// A number skipped is a delivery that never reached this receiver — on the wire when the
+/// connection dropped, with a server restarting — and the server holds that batch as pending
+/// until its ack wait runs out: the batches behind it would be served first, and a trade's
+/// messages would reach its matcher out of order. So a receiver that sees a number skipped
+/// drops what it pulled and makes its consumer again, which delivers every batch not yet
+/// acknowledged at once and in order; those it had already handed out come again and are
+/// answered as repeats.
+struct Pulling {
+    consumer: consumer::PullConsumer,
+    /// Batches pulled and not handed out yet (at most [`PULL_BATCHES_MAX`]).
+    pulled: std::collections::VecDeque<jetstream::Message>,
+    /// The consumer's number of the last delivery taken.
+    last_delivery: Option<u64>,
+    /// A delivery was seen lost and the consumer is not made again yet.
+    lost_delivery: bool,
+}
+
+impl Pulling {
+    /// Takes the deliveries of one pull, `Err` with the skipped numbers when one is missing.
+    fn take(
+        &mut self,
+        messages: impl IntoIterator<Item = jetstream::Message>,
+    ) -> Result<(), (u64, u64)> {
+        for message in messages {
+            if let Ok(info) = message.info() {
+                let number = info.consumer_sequence;
+                match self.last_delivery {
+                    Some(last) if number > last + 1 => return Err((last + 1, number - 1)),
+                    // Numbered from 1 again: the consumer was made again (a node taking the
+                    // queue over), and this receiver is about to learn it lost its lease.
+                    _ => self.last_delivery = Some(number),
+                }
+            }
+            self.pulled.push_back(message);
+        }
+        Ok(())
+    }
 }
 
 /// Stops a receiver: its next wait ends with [`QueueError::Closed`].
@@ -671,42 +728,49 @@ impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
     /// The next batch within `wait`, if any: one already pulled, else whatever is waiting
     /// (up to [`PULL_BATCHES_MAX`] in one request), else the first to arrive within `wait`.
     fn pull(&self, wait: Duration) -> Result<Option<jetstream::Message>, QueueError> {
-        let mut pulled = self
-            .pulled
+        let mut pulling = self
+            .pulling
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(message) = pulled.pop_front() {
+        if pulling.lost_delivery {
+            self.take_again(&mut pulling)?;
+        }
+        if let Some(message) = pulling.pulled.pop_front() {
             return Ok(Some(message));
         }
         // A pull request lives on the server: one lost with a restarting server is never
         // answered, so the client bounds its wait too.
         let bound = wait + PULL_CLIENT_MARGIN;
         let queue = &self.queue;
-        self.jetstream.runtime.block_on(async {
-            let waiting = tokio::time::timeout(bound, async {
-                let mut waiting = self
-                    .consumer
+        let consumer = &pulling.consumer;
+        let mut fetched = Vec::new();
+        let waiting = self.jetstream.runtime.block_on(async {
+            tokio::time::timeout(bound, async {
+                let mut waiting = consumer
                     .fetch()
                     .max_messages(PULL_BATCHES_MAX)
                     .messages()
                     .await
                     .map_err(|error| carrier(queue, error))?;
                 while let Some(message) = waiting.next().await {
-                    pulled.push_back(message.map_err(|error| carrier(queue, error))?);
+                    fetched.push(message.map_err(|error| carrier(queue, error))?);
                 }
                 Ok::<_, QueueError>(())
             })
-            .await;
-            match waiting {
-                Ok(result) => result?,
-                Err(_) => return Err(carrier(queue, "a pull request went unanswered")),
-            }
-            if let Some(message) = pulled.pop_front() {
-                return Ok(Some(message));
-            }
-            let next = tokio::time::timeout(bound, async {
-                let mut batch = self
-                    .consumer
+            .await
+        });
+        self.took(&mut pulling, fetched)?;
+        match waiting {
+            Ok(result) => result?,
+            Err(_) => return Err(carrier(queue, "a pull request went unanswered")),
+        }
+        if let Some(message) = pulling.pulled.pop_front() {
+            return Ok(Some(message));
+        }
+        let consumer = &pulling.consumer;
+        let next = self.jetstream.runtime.block_on(async {
+            tokio::time::timeout(bound, async {
+                let mut batch = consumer
                     .batch()
                     .max_messages(1)
                     .expires(wait)
@@ -719,9 +783,42 @@ impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
                     Some(Err(error)) => Err(carrier(queue, error)),
                 }
             })
-            .await;
-            next.unwrap_or_else(|_| Err(carrier(queue, "a pull request went unanswered")))
-        })
+            .await
+        });
+        let next =
+            next.unwrap_or_else(|_| Err(carrier(queue, "a pull request went unanswered")))?;
+        self.took(&mut pulling, next)?;
+        Ok(pulling.pulled.pop_front())
+    }
+
+    /// Takes the deliveries of a pull into `pulling`; where one is missing, drops them and takes
+    /// the queue again from its first unacknowledged batch ([`Pulling`]).
+    fn took(
+        &self,
+        pulling: &mut Pulling,
+        deliveries: impl IntoIterator<Item = jetstream::Message>,
+    ) -> Result<(), QueueError> {
+        if let Err((first, last)) = pulling.take(deliveries) {
+            tracing::warn!(
+                queue = %self.queue,
+                first,
+                last,
+                "deliveries were lost on their way; taking the queue again from its first \
+                 unacknowledged batch"
+            );
+            pulling.pulled.clear();
+            pulling.lost_delivery = true;
+            self.take_again(pulling)?;
+        }
+        Ok(())
+    }
+
+    /// Makes the consumer again, so that every batch not acknowledged comes back in order.
+    fn take_again(&self, pulling: &mut Pulling) -> Result<(), QueueError> {
+        pulling.consumer = self.jetstream.consumer(&self.queue, &self.durable, true)?;
+        pulling.last_delivery = None;
+        pulling.lost_delivery = false;
+        Ok(())
     }
 
     fn received(&self, message: jetstream::Message) -> Result<Received<T>, QueueError> {
