@@ -177,6 +177,15 @@ impl<'a> RawFields<'a> {
         self.values[field.index()] = Some(value.into());
     }
 
+    /// Drops every field but `kept` (a CAN reduced to what a CAN carries).
+    pub fn keep_only(&mut self, kept: &[Field]) {
+        for field in Field::ALL {
+            if !kept.contains(&field) {
+                self.values[field.index()] = None;
+            }
+        }
+    }
+
     /// The fields that are present, in canonical order.
     pub fn present(&self) -> impl Iterator<Item = (Field, &str)> {
         Field::ALL

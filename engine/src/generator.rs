@@ -556,13 +556,8 @@ impl<'r> Generator<'r> {
             ..msg.clone()
         };
         // A CAN carries only the header, RelatedId and the trade key.
-        let full = fields_of(&cancel);
-        let mut fields = crate::codec::RawFields::default();
-        for field in crate::validate::CAN_FIELDS {
-            if let Some(value) = full.get(field) {
-                fields.set(field, value.to_owned());
-            }
-        }
+        let mut fields = fields_of(&cancel);
+        fields.keep_only(&crate::validate::CAN_FIELDS);
         encode_fields(&fields).into_bytes()
     }
 

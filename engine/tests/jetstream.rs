@@ -39,6 +39,17 @@ const ROOMY: QueueLimits = QueueLimits {
     bytes_max: 64 * 1024 * 1024,
 };
 
+/// Waits (5 s at most, else fails saying `what`) until the stream of `queue` holds at most
+/// `batches`: acknowledgements travel on their own, and the server removes a batch once it has
+/// its acknowledgement.
+fn wait_until_it_holds(jetstream: &JetStream, queue: &str, batches: u64, what: &str) {
+    let started = Instant::now();
+    while jetstream.queue_len(queue).expect("stream state") > batches {
+        assert!(started.elapsed() < Duration::from_secs(5), "{what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 fn next(receiver: &impl BatchReceiver<u64>) -> ste_engine::queue::Received<u64> {
     receiver
         .recv_until(Some(Instant::now() + Duration::from_secs(5)))
@@ -73,14 +84,7 @@ fn batches_cross_in_order_with_their_enqueue_time_and_leave_once_acknowledged() 
     first.receipt.ack().expect("acks");
     second.receipt.ack().expect("acks");
     // Work-queue retention: acknowledged batches are gone from the stream.
-    let started = Instant::now();
-    while jetstream.queue_len("match.0").expect("info") > 0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "acked batches stay"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until_it_holds(&jetstream, "match.0", 0, "acked batches stay");
     assert!(receiver
         .recv_until(Some(Instant::now() + Duration::from_millis(200)))
         .expect("waits")
@@ -105,19 +109,12 @@ fn a_batch_not_acknowledged_comes_back_in_order_to_a_fresh_consumer() {
         first.receipt.ack().expect("acks");
         // The acknowledgement is on its way; the server removes the batch once it has it (a
         // consumer re-created before that would see the batch again, which owners allow for).
-        let started = Instant::now();
-        while jetstream
-            .queue_state("match.1")
-            .expect("stream state")
-            .batches
-            > 2
-        {
-            assert!(
-                started.elapsed() < Duration::from_secs(5),
-                "the acknowledgement never arrived"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_until_it_holds(
+            &jetstream,
+            "match.1",
+            2,
+            "the acknowledgement never arrived",
+        );
         // Taken but never acknowledged: the owner dies with it.
         let lost = next(&owner);
         assert_eq!(lost.items, vec![1]);
@@ -184,14 +181,12 @@ fn a_forwarded_batch_acknowledges_its_source_once_the_server_holds_it() {
         .sender::<u64>("match.0")
         .forward(doubled, received.receipt)
         .expect("forwards");
-    let started = Instant::now();
-    while jetstream.queue_len("inbound.0").expect("info") > 0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the inbound batch was not acknowledged"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until_it_holds(
+        &jetstream,
+        "inbound.0",
+        0,
+        "the inbound batch was not acknowledged",
+    );
     let matched = jetstream
         .receiver::<u64>("match.0", "owner", false)
         .expect("consumer");
@@ -684,14 +679,7 @@ fn a_delivery_lost_on_its_way_comes_again_before_the_batches_behind_it() {
     let first = next(&owner);
     assert_eq!(first.items, vec![0]);
     first.receipt.ack().expect("acks");
-    let started = Instant::now();
-    while jetstream.queue_len("match.2").expect("info") > 0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the ack never arrived"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until_it_holds(&jetstream, "match.2", 0, "the ack never arrived");
     for batch in 1..4_u64 {
         sender.send(vec![batch]).expect("sends");
     }

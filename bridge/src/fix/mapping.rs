@@ -500,15 +500,9 @@ pub fn from_fix(message: &FixMessage, sender: &str) -> Result<Vec<u8>, Rejection
         );
     }
     if function == "CAN" {
-        let mut can = RawFields::default();
         // FIX requires a cancel to repeat the cancelled message's required fields; STE's CAN
         // has only these.
-        for field in ste_engine::validate::CAN_FIELDS {
-            if let Some(value) = fields.get(field) {
-                can.set(field, value.to_owned());
-            }
-        }
-        fields = can;
+        fields.keep_only(&ste_engine::validate::CAN_FIELDS);
     }
     Ok(codec::encode_fields(&fields).into_bytes())
 }
