@@ -77,7 +77,9 @@ impl Databases {
 
     fn own() -> Self {
         let dir = tempfile::tempdir().expect("a folder");
-        let first_port = 46_000 + (std::process::id() % 500) * 4;
+        // Below the kernel's ephemeral range (32768–60999 here), so that no outgoing
+        // connection holds one of the ports.
+        let first_port = 26_000 + (std::process::id() % 500) * 4;
         assert!(
             Self::instances(
                 &["up", &SHARDS.to_string(), "--port", &first_port.to_string()],

@@ -21,6 +21,16 @@ fn cluster_script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/local-cluster.sh")
 }
 
+/// What the instances' servers logged (why one did not start).
+fn server_logs(dir: &Path, instances: usize) -> String {
+    (0..instances)
+        .map(|shard| {
+            let log = std::fs::read_to_string(dir.join(format!("shard-{shard}.log")));
+            format!("shard-{shard}.log:\n{}", log.unwrap_or_default())
+        })
+        .collect()
+}
+
 /// A local cluster, stopped when dropped.
 struct Cluster {
     dir: tempfile::TempDir,
@@ -43,8 +53,9 @@ impl Cluster {
             .expect("the cluster script runs");
         assert!(
             output.status.success(),
-            "cluster start failed: {}",
-            String::from_utf8_lossy(&output.stderr)
+            "cluster start failed: {}\n{}",
+            String::from_utf8_lossy(&output.stderr),
+            server_logs(dir.path(), instances)
         );
         let urls = String::from_utf8(output.stdout)
             .expect("utf-8")
@@ -95,7 +106,9 @@ const OUTAGE: Duration = Duration::from_secs(10);
 
 #[test]
 fn a_shard_that_crashes_and_comes_back_loses_and_duplicates_nothing() {
-    let first_port = 47_000 + (std::process::id() % 1_000) * 2;
+    // Below the kernel's ephemeral range (32768–60999 here), so that no outgoing connection
+    // holds one of the ports.
+    let first_port = 21_000 + (std::process::id() % 1_000) * 2;
     let cluster = Cluster::start(2, first_port);
     let refdata = Arc::new(
         RefData::embedded()
