@@ -666,6 +666,18 @@ pub fn advice_xml(advice: &ste_engine::matcher::Advice) -> String {
     status_advice_xml("MISMATCHED", &advice.trade_key, &advice.failed)
 }
 
+/// The advice to the sender of a message that a trade released: it was accepted before the
+/// trade's NOE named the investment manager, and its sender is not a party of the trade.
+pub fn released_xml(released: &ste_engine::matcher::Released) -> String {
+    let mut xml = status_advice_xml("RELEASED", &released.trade_key, &[]);
+    let end = xml.len() - "</Advice>".len();
+    let mut tail = String::new();
+    ste_engine::codec::push_element(&mut tail, "MsgId", &released.msg_id);
+    ste_engine::codec::push_element(&mut tail, "Reason", ReasonCode::Auth.as_str());
+    xml.insert_str(end, &tail);
+    xml
+}
+
 /// A status advice: the trade's status, its key and, for MISMATCHED, the failed criteria.
 fn status_advice_xml(
     status: &str,
@@ -725,6 +737,11 @@ fn push(shared: &Shared, event: &OutboundEvent) {
                 vec![broker.to_owned()],
             )
         }
+        OutboundEvent::Released(released) => (
+            PushClass::Advice,
+            Arc::from(released_xml(released).into_bytes()),
+            vec![released.sender.clone()],
+        ),
         OutboundEvent::Aged(aged) => (
             PushClass::Advice,
             Arc::from(status_advice_xml("AGED", &aged.trade_key, &[]).into_bytes()),

@@ -165,7 +165,6 @@ pub struct Generator<'r> {
     rng: ChaCha8Rng,
     brokers: Vec<&'r Participant>,
     inv_mgrs: Vec<&'r Participant>,
-    custodians: Vec<&'r Participant>,
     securities: Vec<&'r Security>,
     next_trade: u64,
     queued: VecDeque<Vec<u8>>,
@@ -196,7 +195,6 @@ impl<'r> Generator<'r> {
             refdata,
             brokers: of_role(refdata, Role::Broker),
             inv_mgrs: of_role(refdata, Role::InvMgr),
-            custodians: of_role(refdata, Role::Custodian),
             securities,
             config,
             rng,
@@ -256,7 +254,9 @@ impl<'r> Generator<'r> {
         let rng = &mut self.rng;
         let broker = Self::pick(rng, &self.brokers).bic.clone();
         let inv_mgr = Self::pick(rng, &self.inv_mgrs).bic.clone();
-        let custodian = Self::pick(rng, &self.custodians).bic.clone();
+        // A custodian that acts for the investment manager (custodians.csv).
+        let custodians: Vec<&str> = self.refdata.custodians_of(&inv_mgr).collect();
+        let custodian = (*Self::pick(rng, &custodians)).to_owned();
         let security = *Self::pick(rng, &self.securities);
         let market = security.market.clone();
         let ccy = security.currency.clone();
@@ -605,7 +605,7 @@ impl<'r> Generator<'r> {
                 }
                 bad.trade_date = Some(date);
             }
-            ReasonCode::DupId | ReasonCode::Conflict | ReasonCode::Closed => {}
+            ReasonCode::DupId | ReasonCode::Conflict | ReasonCode::Closed | ReasonCode::Limit => {}
         }
         encode_msg(&bad).into_bytes()
     }

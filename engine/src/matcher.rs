@@ -112,6 +112,22 @@ pub struct Advice {
     pub failed: Vec<Criterion>,
 }
 
+/// A message accepted into a trade before the trade's NOE named its investment manager, from a
+/// sender that turned out not to be a party of the trade: it no longer counts in the trade, and
+/// its sender is told (a RELEASED advice).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Released {
+    pub trade_key: String,
+    pub sender: String,
+    pub msg_id: String,
+}
+
+/// Accepted messages one trade may hold, whatever they are (NEW, CAN, AMD, live or replaced):
+/// a trade of the largest AllocCount needs 3,001 live messages, and the rest leaves room for
+/// amendments. Beyond it a message is refused E_LIMIT, so that what one trade costs to match
+/// and to rebuild is bounded.
+pub const TRADE_MESSAGES_MAX: u32 = 4096;
+
 /// Everything one message changes: what must be written and what must be sent after commit.
 #[derive(Debug, Clone)]
 pub struct Outcome {
@@ -122,6 +138,8 @@ pub struct Outcome {
     /// Injection time of the trade's first message, for CLS latency.
     pub trade_first_injected_ns: u64,
     pub advice: Option<Advice>,
+    /// Messages of non-parties that this message's NOE released from the trade.
+    pub released: Vec<Released>,
     /// The date the trade's rows are stored under (see [`Matcher::process`]); meaningful when
     /// the message was accepted.
     pub trade_date: Date,
@@ -136,6 +154,7 @@ impl Outcome {
             cls: None,
             trade_first_injected_ns: 0,
             advice: None,
+            released: Vec::new(),
             trade_date: Date::MIN,
         }
     }
@@ -151,6 +170,11 @@ struct Held {
 
 struct Trade {
     messages: Vec<Held>,
+    /// Messages accepted into the trade, released ones included ([`TRADE_MESSAGES_MAX`]).
+    accepted: u32,
+    /// The investment manager that the trade's live NOE named last: a trade whose NOE was
+    /// cancelled still belongs to its parties.
+    owner: Option<Box<str>>,
     status: TradeStatus,
     /// Fixed by the trade's first accepted message: the partition its rows are stored in.
     date: Date,
@@ -637,13 +661,36 @@ impl Matcher {
                 ..Outcome::only(Disposition::Accepted)
             };
         }
-        if msg.function == Function::New && !is_named {
-            if let Some(trade) = self.open.get(trade_key.as_str()) {
+        if let Some(trade) = self.open.get(trade_key.as_str()) {
+            let owner = owner_of(trade, |held| self.is_live(held));
+            if let Some(owner) = owner {
+                if !self.is_party(&msg, owner) {
+                    // Who the trade's parties are is not told to a stranger.
+                    let rejection = Rejection::new(
+                        ReasonCode::Auth,
+                        format!("{} is not a party of trade {trade_key}", msg.sender),
+                    );
+                    return self.reject(key, raw, rejection);
+                }
+            }
+            if trade.accepted >= TRADE_MESSAGES_MAX {
+                let rejection = Rejection::new(
+                    ReasonCode::Limit,
+                    format!("trade {trade_key} holds {TRADE_MESSAGES_MAX} messages, its most"),
+                );
+                return self.reject(key, raw, rejection);
+            }
+            if msg.function != Function::Can && !is_named {
+                // A NEW takes a free slot; an AMD whose message is not there yet takes it as a
+                // NEW would, and no AMD puts a second live message into a slot that another
+                // sender's message holds. Before a NOE names the investment manager, each
+                // investment manager's messages have slots of their own.
                 let slot = slot_of(&msg);
-                let taken = trade
-                    .messages
-                    .iter()
-                    .any(|held| self.is_live(held) && slot_of(&held.msg) == slot);
+                let taken = trade.messages.iter().any(|held| {
+                    self.is_live(held)
+                        && slot_of(&held.msg) == slot
+                        && (msg.function == Function::New || held.msg.sender != msg.sender)
+                });
                 if taken {
                     let rejection = Rejection::new(
                         ReasonCode::Conflict,
@@ -662,6 +709,8 @@ impl Matcher {
             .entry(trade_key.clone().into_boxed_str())
             .or_insert_with(|| Trade {
                 messages: Vec::new(),
+                accepted: 0,
+                owner: None,
                 status: TradeStatus::Pending,
                 date: date_if_new,
                 first_injected_ns: injected_ns,
@@ -678,12 +727,71 @@ impl Matcher {
                 }
             }
         }
+        trade.accepted += 1;
+        let names_owner = msg.msg_type == MsgType::Noe;
         trade.messages.push(Held {
             key,
             msg,
             named: is_named,
         });
-        self.evaluate(trade_key, now)
+        let released = self.release_strangers(&trade_key, names_owner);
+        Outcome {
+            released,
+            ..self.evaluate(trade_key, now)
+        }
+    }
+
+    /// Whether `msg` may count in a trade whose investment manager is `owner`: the broker's
+    /// messages always (the trade key names the broker, and only it may send them); an ALC or
+    /// SET only for that investment manager; a CAN of an ALC only from it, a CAN of a SET also
+    /// from a custodian that acts for it.
+    fn is_party(&self, msg: &Msg, owner: &str) -> bool {
+        match (msg.function, msg.msg_type) {
+            (_, MsgType::Noe | MsgType::Npr) => true,
+            (Function::Can, MsgType::Alc) => msg.sender == owner,
+            (Function::Can, MsgType::Set) => {
+                msg.sender == owner || self.refdata.acts_for(&msg.sender, owner)
+            }
+            (_, MsgType::Alc | MsgType::Set) => msg.inv_mgr.as_deref() == Some(owner),
+        }
+    }
+
+    /// Once a NOE (`names_owner`: the message just accepted is one) names the trade's
+    /// investment manager, removes the messages of every sender that is not a party of the
+    /// trade — accepted while no NOE said who is, or while another NOE named another investment
+    /// manager — and returns them, so that their senders can be told.
+    fn release_strangers(&mut self, trade_key: &str, names_owner: bool) -> Vec<Released> {
+        if !names_owner {
+            return Vec::new();
+        }
+        let Some(trade) = self.open.get(trade_key) else {
+            return Vec::new();
+        };
+        let Some(owner) = owner_of(trade, |held| self.is_live(held)).map(Box::<str>::from) else {
+            return Vec::new();
+        };
+        let strangers: Vec<usize> = trade
+            .messages
+            .iter()
+            .enumerate()
+            .filter(|(_, held)| !self.is_party(&held.msg, &owner))
+            .map(|(index, _)| index)
+            .collect();
+        let Some(trade) = self.open.get_mut(trade_key) else {
+            return Vec::new();
+        };
+        trade.owner = Some(owner);
+        let mut released = Vec::with_capacity(strangers.len());
+        for index in strangers.into_iter().rev() {
+            let held = trade.messages.remove(index);
+            released.push(Released {
+                trade_key: trade_key.to_owned(),
+                sender: held.msg.sender,
+                msg_id: held.msg.msg_id,
+            });
+        }
+        released.reverse();
+        released
     }
 
     /// Takes back a message that was accepted before a restart, in acceptance order, so that the
@@ -902,6 +1010,7 @@ impl Matcher {
             cls,
             trade_first_injected_ns: first_injected_ns,
             advice,
+            released: Vec::new(),
             trade_date: date,
         }
     }
@@ -963,12 +1072,32 @@ pub fn evaluate_trade(
     Group::complete(live).map(|group| group.failed_criteria(refdata, tolerances))
 }
 
-/// The slot a NEW message takes in its trade: the NOE, or one (Type, Account).
-fn slot_of(msg: &Msg) -> (MsgType, Option<&str>) {
+/// The slot a NEW message takes in its trade: the NOE, one NPR per Account, and one ALC and
+/// one SET per Account and investment manager (until the NOE says which investment manager's
+/// messages count, a stranger's cannot take a slot from the trade's own).
+fn slot_of(msg: &Msg) -> (MsgType, Option<&str>, Option<&str>) {
     match msg.msg_type {
-        MsgType::Noe => (MsgType::Noe, None),
-        other => (other, msg.account.as_deref()),
+        MsgType::Noe => (MsgType::Noe, None, None),
+        MsgType::Npr => (MsgType::Npr, msg.account.as_deref(), None),
+        other => (other, msg.account.as_deref(), msg.inv_mgr.as_deref()),
     }
+}
+
+/// The investment manager of a trade: the one its live NOE names; with no live NOE, the one a
+/// live NOE named last, or else the one a NOE it holds names (a NOE that a CAN or AMD of the
+/// broker had named before it arrived).
+fn owner_of(trade: &Trade, is_live: impl Fn(&Held) -> bool) -> Option<&str> {
+    let noes = || {
+        trade
+            .messages
+            .iter()
+            .filter(|held| held.msg.msg_type == MsgType::Noe && held.msg.inv_mgr.is_some())
+    };
+    noes()
+        .find(|held| is_live(held))
+        .and_then(|held| held.msg.inv_mgr.as_deref())
+        .or(trade.owner.as_deref())
+        .or_else(|| noes().next().and_then(|held| held.msg.inv_mgr.as_deref()))
 }
 
 /// The live messages of a complete trade, by type.

@@ -22,11 +22,12 @@ pub enum ReasonCode {
     DupId,
     Conflict,
     Closed,
+    Limit,
 }
 
 impl ReasonCode {
     /// Every code, in check order.
-    pub const ALL: [ReasonCode; 14] = [
+    pub const ALL: [ReasonCode; 15] = [
         Self::Size,
         Self::Sig,
         Self::Parse,
@@ -41,6 +42,7 @@ impl ReasonCode {
         Self::DupId,
         Self::Conflict,
         Self::Closed,
+        Self::Limit,
     ];
 
     /// The code as written in NAKs, exception rows and summaries.
@@ -60,6 +62,7 @@ impl ReasonCode {
             Self::DupId => "E_DUPID",
             Self::Conflict => "E_CONFLICT",
             Self::Closed => "E_CLOSED",
+            Self::Limit => "E_LIMIT",
         }
     }
 

@@ -115,9 +115,9 @@ fn field_error(detail: impl Into<String>) -> Rejection {
     Rejection::new(ReasonCode::Field, detail)
 }
 
-/// Who a rejected message says it is: its Sender, MsgId and trade key (Broker, TradeRef), when
-/// its XML parses and all four are there. For remembering the MsgId of a message that was
-/// rejected after its signature checked out.
+/// Who sent a rejected message: its verified signer, which its Sender names, with its MsgId and
+/// trade key (Broker, TradeRef) as the message's XML gives them. For remembering the MsgId of a
+/// message that was rejected after its signature checked out.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Identity {
     pub sender: String,
@@ -126,21 +126,30 @@ pub struct Identity {
     pub trade_ref: String,
 }
 
-/// The [`Identity`] of a message's bytes.
-pub fn identity_of(bytes: &[u8]) -> Option<Identity> {
-    let fields = parse_fields(bytes).ok()?;
+/// The [`Identity`] of a message signed by `signer`, from its parsed fields: only when its
+/// Sender is the signer and it names a MsgId, Broker and TradeRef.
+fn identity_of(fields: &RawFields<'_>, signer: &str) -> Option<Identity> {
     let text = |field: Field| {
         fields
             .get(field)
             .filter(|t| !t.is_empty())
             .map(str::to_owned)
     };
+    (fields.get(Field::Sender) == Some(signer)).then_some(())?;
     Some(Identity {
-        sender: text(Field::Sender)?,
+        sender: signer.to_owned(),
         msg_id: text(Field::MsgId)?,
         broker: text(Field::Broker)?,
         trade_ref: text(Field::TradeRef)?,
     })
+}
+
+/// A message the validator refused: the rejection, and who sent it when the rejection came after
+/// its signature checked out and its Sender was found to be its signer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub rejection: Rejection,
+    pub identity: Option<Box<Identity>>,
 }
 
 /// Validates one inbound message end to end: size, signature, parse, fields, reference data,
@@ -151,42 +160,73 @@ pub fn validate(
     claimed_sender: Option<&str>,
     signature: Option<&[u8]>,
 ) -> Result<Msg, Rejection> {
+    validate_message(refdata, bytes, claimed_sender, signature).map_err(|refusal| refusal.rejection)
+}
+
+/// [`validate`], telling who sent a refused message when that is known.
+///
+/// The signer is the sender: once the signature of `claimed_sender` checks out, the Sender of
+/// the parsed message (whatever comments, prefixes or spacing surround it) must be that signer
+/// before any other check runs, and what is remembered of a refusal is keyed by the signer.
+pub fn validate_message(
+    refdata: &RefData,
+    bytes: &[u8],
+    claimed_sender: Option<&str>,
+    signature: Option<&[u8]>,
+) -> Result<Msg, Refusal> {
+    let unknown = |rejection: Rejection| Refusal {
+        rejection,
+        identity: None,
+    };
     if bytes.len() > MESSAGE_SIZE_MAX_BYTES {
-        return Err(Rejection::new(
+        return Err(unknown(Rejection::new(
             ReasonCode::Size,
             format!(
                 "message of {} bytes is larger than {MESSAGE_SIZE_MAX_BYTES}",
                 bytes.len()
             ),
-        ));
+        )));
     }
     let (Some(sender), Some(signature)) = (claimed_sender, signature) else {
-        return Err(Rejection::new(ReasonCode::Sig, "message is not signed"));
+        return Err(unknown(Rejection::new(
+            ReasonCode::Sig,
+            "message is not signed",
+        )));
     };
     let Some(verified) = refdata.verify_signature(sender, bytes, signature) else {
-        return Err(Rejection::new(
+        return Err(unknown(Rejection::new(
             ReasonCode::Sig,
             format!("no signing key for sender {sender}"),
-        ));
+        )));
     };
     if !verified {
-        return Err(Rejection::new(
+        return Err(unknown(Rejection::new(
             ReasonCode::Sig,
             format!("signature does not match the key of {sender}"),
-        ));
+        )));
     }
-    let fields = parse_fields(bytes)?;
-    let msg = typed_fields(&fields)?;
-    if msg.sender != sender {
-        return Err(Rejection::new(
-            ReasonCode::Sig,
-            format!(
-                "message names sender {} but is signed by {sender}",
-                msg.sender
-            ),
-        ));
+    let fields = parse_fields(bytes).map_err(unknown)?;
+    match fields.get(Field::Sender) {
+        Some(named) if named == sender => {}
+        Some(named) => {
+            return Err(unknown(Rejection::new(
+                ReasonCode::Sig,
+                format!("message names sender {named:?} but is signed by {sender}"),
+            )))
+        }
+        None => {
+            return Err(unknown(field_error(format!(
+                "missing mandatory field {}",
+                Field::Sender.name()
+            ))))
+        }
     }
-    check_reference_data(refdata, &msg)?;
+    let refused = |rejection: Rejection| Refusal {
+        rejection,
+        identity: identity_of(&fields, sender).map(Box::new),
+    };
+    let msg = typed_fields(&fields).map_err(refused)?;
+    check_reference_data(refdata, &msg).map_err(refused)?;
     Ok(msg)
 }
 
@@ -522,10 +562,20 @@ pub fn check_reference_data(refdata: &RefData, msg: &Msg) -> Result<(), Rejectio
 }
 
 /// E_AUTH: NOE and NPR come from the executing broker; ALC from the investment manager; SET from
-/// the investment manager or the custodian it names. A CAN carries no InvMgr or Custodian, so its
-/// sender is checked by role (and the matcher only lets it name the sender's own messages).
+/// the investment manager or the custodian it names, and that custodian must act for the
+/// investment manager (custodians.csv), whoever sends it. A CAN carries no InvMgr or Custodian, so its sender is checked by role
+/// here; the matcher only lets it name the sender's own messages, and lets it count in a trade
+/// only when its sender is a party of that trade.
 fn check_entitlement(refdata: &RefData, msg: &Msg) -> Result<(), Rejection> {
     let sender = msg.sender.as_str();
+    if let (Some(custodian), Some(inv_mgr)) = (&msg.custodian, &msg.inv_mgr) {
+        if !refdata.acts_for(custodian, inv_mgr) {
+            return Err(Rejection::new(
+                ReasonCode::Auth,
+                format!("custodian {custodian} does not act for {inv_mgr} (custodians.csv)"),
+            ));
+        }
+    }
     let entitled = match (msg.function, msg.msg_type) {
         (Function::Can, MsgType::Noe | MsgType::Npr) => sender == msg.broker,
         (Function::Can, MsgType::Alc) => {

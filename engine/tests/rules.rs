@@ -406,16 +406,30 @@ fn every_validation_code_passes_and_fails() {
         .find(|p| p.role == Role::Broker)
         .map(|p| p.bic.clone())
         .expect("a broker");
+    let messages = london_trade(600, 400);
+    let inv_mgr = messages[3].inv_mgr.clone().expect("a SET names its InvMgr");
+    let named = messages[3]
+        .custodian
+        .clone()
+        .expect("a SET names its custodian");
+    // Another custodian that acts for the trade's investment manager, and one that does not.
     let a_custodian = refdata
+        .custodians_of(&inv_mgr)
+        .find(|c| *c != named)
+        .map(str::to_owned)
+        .expect("custodians.csv gives each investment manager several custodians");
+    let stranger = refdata
         .participants()
         .iter()
         .filter(|p| p.role == Role::Custodian)
-        .nth(7)
+        .find(|p| !refdata.acts_for(&p.bic, &inv_mgr))
         .map(|p| p.bic.clone())
-        .expect("a custodian");
+        .expect("a custodian that does not act for it");
     let broker_for_party = a_broker.clone();
     let custodian_for_auth = a_custodian.clone();
     let custodian_for_pass = a_custodian.clone();
+    let stranger_named = stranger.clone();
+    let stranger_sends = stranger.clone();
     let ok: Result<(), ReasonCode> = Ok(());
     use ReasonCode::*;
     let cases: Vec<(&str, TextMutation, Result<(), ReasonCode>)> = vec![
@@ -561,12 +575,25 @@ fn every_validation_code_passes_and_fails() {
             Err(Auth),
         ),
         (
-            "E_AUTH fail: SET sent by a custodian it does not name",
+            "E_AUTH fail: SET sent by a custodian of its InvMgr that it does not name",
             with(3, move |m| m.sender = custodian_for_auth.clone()),
             Err(Auth),
         ),
         (
-            "E_AUTH pass: SET sent by the custodian it names",
+            "E_AUTH fail: SET names a custodian that does not act for its InvMgr",
+            with(3, move |m| m.custodian = Some(stranger_named.clone())),
+            Err(Auth),
+        ),
+        (
+            "E_AUTH fail: SET sent by a custodian that names itself but does not act for its InvMgr",
+            with(3, move |m| {
+                m.custodian = Some(stranger_sends.clone());
+                m.sender = stranger_sends.clone();
+            }),
+            Err(Auth),
+        ),
+        (
+            "E_AUTH pass: SET sent by the custodian it names, which acts for its InvMgr",
             with(3, move |m| {
                 m.custodian = Some(custodian_for_pass.clone());
                 m.sender = custodian_for_pass.clone();
@@ -596,7 +623,6 @@ fn every_validation_code_passes_and_fails() {
             Err(Date),
         ),
     ];
-    let messages = london_trade(600, 400);
     for (name, mutate, expected) in cases {
         let result = validate_text(&mutate(&messages)).map(|_| ());
         assert_eq!(result, expected, "{name}");
@@ -1060,4 +1086,305 @@ fn the_matcher_tables_grow_with_the_messages_it_remembers() {
     }
     // 448 message keys and 64 closed trades are remembered: at least 24 bytes per key.
     assert!(last >= empty + 448 * 24, "{empty} → {last}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// A trade belongs to its parties: its broker, the investment manager its NOE names, and the
+// custodians that act for that investment manager.
+
+/// Another investment manager than the trade's, and a custodian that acts for it but not for the
+/// trade's investment manager.
+fn stranger_of(messages: &[Msg]) -> (String, String) {
+    let refdata = refdata();
+    let inv_mgr = messages[0].inv_mgr.clone().expect("a NOE names its InvMgr");
+    refdata
+        .participants()
+        .iter()
+        .filter(|p| p.role == Role::InvMgr && p.bic != inv_mgr)
+        .find_map(|p| {
+            refdata
+                .custodians_of(&p.bic)
+                .find(|c| !refdata.acts_for(c, &inv_mgr))
+                .map(|c| (p.bic.clone(), c.to_owned()))
+        })
+        .expect("another investment manager with a custodian of its own")
+}
+
+/// `msg` (an ALC or SET of the trade) as a stranger sends it, naming itself as investment
+/// manager (and its custodian, for a SET).
+fn as_stranger(msg: &Msg, inv_mgr: &str, custodian: &str, sender: &str) -> Msg {
+    Msg {
+        msg_id: format!("{sender}-{}", msg.msg_id),
+        sender: sender.to_owned(),
+        inv_mgr: Some(inv_mgr.to_owned()),
+        custodian: msg.custodian.as_ref().map(|_| custodian.to_owned()),
+        safekeeping_account: msg
+            .safekeeping_account
+            .as_ref()
+            .map(|_| "ATTACKER-ACCT".to_owned()),
+        ..msg.clone()
+    }
+}
+
+fn outcome_of(matcher: &mut Matcher, msg: &Msg) -> ste_engine::matcher::Outcome {
+    let raw = encode_msg(msg);
+    matcher.process(
+        msg.clone(),
+        raw.as_bytes(),
+        0,
+        "2026-08-04T10:00:00.000Z",
+        time::macros::date!(2026 - 08 - 04),
+    )
+}
+
+#[test]
+fn strangers_before_the_noe_are_released_by_it_and_refused_after_it() {
+    let messages = london_trade(600, 400);
+    let (other, its_custodian) = stranger_of(&messages);
+    let mut matcher = matcher();
+    // Before the NOE, a stranger's ALC and SET for the trade's own accounts are accepted: nobody
+    // can tell yet whose trade it is. They take no slot of the trade's own messages.
+    let early_alc = as_stranger(&messages[1], &other, &its_custodian, &other);
+    let early_set = as_stranger(&messages[3], &other, &its_custodian, &its_custodian);
+    assert_eq!(
+        process_all(&mut matcher, &[early_alc.clone(), early_set.clone()]),
+        vec![Disposition::Accepted, Disposition::Accepted]
+    );
+    assert_eq!(
+        process_all(&mut matcher, &messages[1..4]),
+        vec![Disposition::Accepted; 3]
+    );
+    // The NOE names the investment manager: the strangers' messages are released, each sender
+    // told.
+    let noe = outcome_of(&mut matcher, &messages[0]);
+    assert_eq!(noe.disposition, Disposition::Accepted);
+    let released: Vec<(&str, &str)> = noe
+        .released
+        .iter()
+        .map(|r| (r.sender.as_str(), r.msg_id.as_str()))
+        .collect();
+    assert_eq!(
+        released,
+        vec![
+            (other.as_str(), early_alc.msg_id.as_str()),
+            (its_custodian.as_str(), early_set.msg_id.as_str())
+        ]
+    );
+    // After it, a stranger is refused E_AUTH, without being told who the parties are.
+    let late = as_stranger(&messages[4], &other, &its_custodian, &other);
+    let refused = process_all(&mut matcher, &[late]);
+    let Disposition::Rejected(rejection) = &refused[0] else {
+        panic!("{refused:?}");
+    };
+    assert_eq!(rejection.code, ReasonCode::Auth);
+    assert!(
+        !rejection
+            .detail
+            .contains(messages[0].inv_mgr.as_deref().unwrap_or("?")),
+        "{rejection:?}"
+    );
+    // A stranger cannot cancel for the trade's investment manager either.
+    let mut cancel = cancel_of(&early_set);
+    cancel.msg_id.push_str("-2");
+    assert_eq!(
+        code(&process_all(&mut matcher, &[cancel])[0]),
+        Some(ReasonCode::Auth)
+    );
+    // The parties' trade matches, settled with their own custodian.
+    let mut cls = None;
+    for msg in &messages[4..] {
+        let outcome = outcome_of(&mut matcher, msg);
+        assert_eq!(outcome.disposition, Disposition::Accepted);
+        cls = cls.or(outcome.cls);
+    }
+    let cls = cls.expect("the trade matches");
+    assert!(cls
+        .settlements
+        .iter()
+        .all(|s| Some(&s.custodian) == messages[3].custodian.as_ref()
+            && s.safekeeping_account != "ATTACKER-ACCT"));
+}
+
+#[test]
+fn a_cancelled_noe_leaves_the_trade_with_its_parties() {
+    let messages = london_trade(600, 400);
+    let (other, its_custodian) = stranger_of(&messages);
+    let mut matcher = matcher();
+    process_all(&mut matcher, &messages);
+    let mut second = london_trade(600, 400);
+    for msg in &mut second {
+        msg.trade_ref = "T99999999999".to_owned();
+        msg.msg_id.push_str("-2");
+    }
+    process_all(&mut matcher, &second[..1]);
+    process_all(&mut matcher, &[cancel_of(&second[0])]);
+    // No live NOE, but the trade still belongs to the investment manager the NOE named.
+    let stranger = as_stranger(&second[1], &other, &its_custodian, &other);
+    assert_eq!(
+        code(&process_all(&mut matcher, &[stranger])[0]),
+        Some(ReasonCode::Auth)
+    );
+    assert_eq!(
+        matcher.status_of(&second[0].trade_key()),
+        Some(TradeStatus::Cancelled)
+    );
+}
+
+#[test]
+fn an_amd_never_puts_a_second_live_message_into_another_senders_slot() {
+    let messages = london_trade(600, 400);
+    let refdata = refdata();
+    let inv_mgr = messages[0].inv_mgr.clone().expect("InvMgr");
+    let named = messages[3].custodian.clone().expect("a custodian");
+    let mut matcher = matcher();
+    process_all(&mut matcher, &messages[..4]);
+    // The named custodian amends a SET of its own that never arrived, for the account whose SET
+    // the investment manager already sent.
+    let amend = Msg {
+        msg_id: format!("{named}-A1"),
+        sender: named.clone(),
+        function: Function::Amd,
+        related_id: Some(format!("{named}-NEVER")),
+        ..messages[3].clone()
+    };
+    assert!(refdata.acts_for(&named, &inv_mgr));
+    assert_eq!(
+        code(&process_all(&mut matcher, &[amend])[0]),
+        Some(ReasonCode::Conflict)
+    );
+    // A sender's own AMD may arrive before the message it replaces, and its own slot is not
+    // taken from it.
+    let set = &messages[6];
+    let first = Msg {
+        msg_id: format!("{}-C1", set.msg_id),
+        function: Function::Amd,
+        related_id: Some(set.msg_id.clone()),
+        ..set.clone()
+    };
+    let second = Msg {
+        msg_id: format!("{}-C2", set.msg_id),
+        function: Function::Amd,
+        related_id: Some(first.msg_id.clone()),
+        ..set.clone()
+    };
+    assert_eq!(
+        process_all(&mut matcher, &[set.clone(), second, first]),
+        vec![Disposition::Accepted; 3]
+    );
+    process_all(&mut matcher, &messages[4..6]);
+    assert_eq!(
+        matcher.status_of(&messages[0].trade_key()),
+        Some(TradeStatus::Matched)
+    );
+}
+
+#[test]
+fn a_trade_holds_a_bounded_number_of_messages() {
+    use ste_engine::matcher::TRADE_MESSAGES_MAX;
+    let messages = london_trade(600, 400);
+    let mut matcher = matcher();
+    process_all(&mut matcher, &messages[..2]);
+    // The investment manager amends its ALC again and again.
+    let mut previous = messages[1].msg_id.clone();
+    let mut answers = Vec::new();
+    for n in 3..=TRADE_MESSAGES_MAX {
+        let amend = Msg {
+            msg_id: format!("{}-M{n}", messages[1].msg_id),
+            function: Function::Amd,
+            related_id: Some(previous.clone()),
+            ..messages[1].clone()
+        };
+        previous = amend.msg_id.clone();
+        answers.extend(process_all(&mut matcher, &[amend]));
+    }
+    assert_eq!(
+        answers.iter().find(|a| **a != Disposition::Accepted),
+        None,
+        "of {}",
+        answers.len()
+    );
+    let beyond = Msg {
+        msg_id: format!("{}-M-LAST", messages[1].msg_id),
+        function: Function::Amd,
+        related_id: Some(previous),
+        ..messages[1].clone()
+    };
+    assert_eq!(
+        code(&process_all(&mut matcher, &[beyond])[0]),
+        Some(ReasonCode::Limit)
+    );
+    // Other trades are untouched.
+    let mut other = london_trade(600, 400);
+    for msg in &mut other {
+        msg.trade_ref = "T99999999998".to_owned();
+        msg.msg_id.push_str("-O");
+    }
+    process_all(&mut matcher, &other);
+    assert_eq!(
+        matcher.status_of(&other[0].trade_key()),
+        Some(TradeStatus::Matched)
+    );
+}
+
+#[test]
+fn the_signer_is_the_sender_whatever_the_xml_hides() {
+    use ste_engine::validate::validate_message;
+    let refdata = refdata();
+    let messages = london_trade(600, 400);
+    let victim = &messages[0];
+    let (attacker, _) = stranger_of(&messages);
+    let attacker_key = refdata.participant_mac(&attacker).expect("a key").1;
+    let line = line_of(&messages, 0);
+    let sender_element = format!("<Sender>{}</Sender>", victim.sender);
+    // A bad Qty besides, so that the field check would refuse it if it ran first.
+    let bad = line.replace("<Qty>", "<Qty>+");
+    let disguises = [
+        bad.replace(
+            &sender_element,
+            &format!("<!--<Sender>{attacker}</Sender>-->{sender_element}"),
+        ),
+        bad.replace(
+            &sender_element,
+            &format!(
+                "<s:Sender xmlns:s=\"urn:ste:trade:1\">{}</s:Sender>",
+                victim.sender
+            ),
+        ),
+        bad.replace(
+            &sender_element,
+            &format!("<Sender>\n{}</Sender>", victim.sender),
+        ),
+    ];
+    for disguised in disguises {
+        let signature = sign::sign_keyed(attacker_key, disguised.as_bytes());
+        let refused = validate_message(
+            &refdata,
+            disguised.as_bytes(),
+            Some(&attacker),
+            Some(&signature),
+        )
+        .expect_err("refused");
+        assert!(
+            matches!(refused.rejection.code, ReasonCode::Sig | ReasonCode::Field),
+            "{disguised}: {refused:?}"
+        );
+        // Nothing is remembered under the victim's name.
+        assert!(
+            refused
+                .identity
+                .as_ref()
+                .is_none_or(|identity| identity.sender == attacker),
+            "{refused:?}"
+        );
+    }
+    // The attacker's own bad message is remembered under the attacker.
+    let own = bad.replace(&victim.sender, &attacker);
+    let signature = sign::sign_keyed(attacker_key, own.as_bytes());
+    let refused = validate_message(&refdata, own.as_bytes(), Some(&attacker), Some(&signature))
+        .expect_err("refused");
+    assert_eq!(refused.rejection.code, ReasonCode::Field);
+    assert_eq!(
+        refused.identity.map(|identity| identity.sender),
+        Some(attacker.clone())
+    );
 }

@@ -20,11 +20,16 @@ fn refdata() -> &'static RefData {
 fuzz_target!(|data: &[u8]| {
     let refdata = refdata();
     let envelope = ste_engine::pipeline::sign_line(refdata, data.to_vec(), 0, 0);
-    let _ = ste_engine::validate::validate(
+    let result = ste_engine::validate::validate_message(
         refdata,
         &envelope.bytes,
         envelope.sender.as_deref(),
         envelope.signature.as_ref().map(|s| s.as_slice()),
     );
-    let _ = ste_engine::validate::identity_of(data);
+    // Whatever is remembered of a refusal is remembered under its signer.
+    if let Err(refusal) = result {
+        if let Some(identity) = refusal.identity {
+            assert_eq!(Some(identity.sender.as_str()), envelope.sender.as_deref());
+        }
+    }
 });

@@ -49,6 +49,8 @@ pub struct SinkReport {
     pub mismatched_advices: u64,
     /// AGED advices received.
     pub aged_advices: u64,
+    /// RELEASED advices received: strangers' messages that a NOE released from a trade.
+    pub released_advices: u64,
     pub latency: Histogram<u64>,
 }
 
@@ -94,6 +96,7 @@ pub struct Sink {
     cls_already_held: u64,
     mismatched_advices: u64,
     aged_advices: u64,
+    released_advices: u64,
 }
 
 /// The ClsId of a CLS line.
@@ -152,6 +155,7 @@ impl Sink {
             cls_already_held,
             mismatched_advices: 0,
             aged_advices: 0,
+            released_advices: 0,
         })
     }
 
@@ -182,6 +186,7 @@ impl Sink {
             }
             OutboundEvent::Mismatched(_) => self.mismatched_advices += 1,
             OutboundEvent::Aged(_) => self.aged_advices += 1,
+            OutboundEvent::Released(_) => self.released_advices += 1,
         }
         Ok(())
     }
@@ -204,6 +209,7 @@ impl Sink {
             cls_already_held: self.cls_already_held,
             mismatched_advices: self.mismatched_advices,
             aged_advices: self.aged_advices,
+            released_advices: self.released_advices,
             latency: self.latency,
         })
     }

@@ -96,6 +96,8 @@ pub enum OutboundEvent {
         redelivered: bool,
     },
     Mismatched(Advice),
+    /// A stranger's message no longer counts in a trade: its sender is told.
+    Released(crate::matcher::Released),
     /// A trade aged out, committed: its parties are told.
     Aged(crate::matcher::AgedTrade),
 }

@@ -24,6 +24,8 @@ const SECURITIES_PER_MARKET: usize = 160;
 const BROKER_COUNT: usize = 200;
 const INVMGR_COUNT: usize = 200;
 const CUSTODIAN_COUNT: usize = 120;
+/// Custodians that act for each investment manager (custodians.csv).
+const CUSTODIANS_PER_INVMGR: usize = 3;
 const SEED: u64 = 0x5354_455f_5245_4644;
 
 /// A holiday rule of a market's calendar.
@@ -556,8 +558,8 @@ fn letters(mut index: usize, width: usize) -> String {
     String::from_utf8(out).unwrap_or_default()
 }
 
-/// The six CSV files as text, in [`FILES`] order.
-pub fn generate_texts() -> [String; 6] {
+/// The CSV files as text, in [`FILES`] order.
+pub fn generate_texts() -> [String; 7] {
     let mut rng = ChaCha8Rng::seed_from_u64(SEED);
 
     let mut currencies = String::from("code,minor_units\n");
@@ -647,6 +649,32 @@ pub fn generate_texts() -> [String; 6] {
         let _ = writeln!(participants, "{bic},{role},{}", &bic[4..6]);
     }
 
+    // Each investment manager's custodians: the example pair, and a few drawn for each
+    // (drawn last, so that the other tables do not depend on them).
+    let of_role = |wanted: &str| -> Vec<&str> {
+        participants_rows
+            .iter()
+            .filter(|(_, role)| *role == wanted)
+            .map(|(bic, _)| bic.as_str())
+            .collect()
+    };
+    let custodian_bics = of_role("CUSTODIAN");
+    let mut custodian_rows: BTreeSet<(&str, &str)> = BTreeSet::new();
+    custodian_rows.insert((EXAMPLE_PARTICIPANTS[1].0, EXAMPLE_PARTICIPANTS[2].0));
+    for inv_mgr in of_role("INVMGR") {
+        let mut drawn = 0;
+        while drawn < CUSTODIANS_PER_INVMGR {
+            let custodian = custodian_bics[rng.gen_range(0..custodian_bics.len())];
+            if custodian_rows.insert((inv_mgr, custodian)) {
+                drawn += 1;
+            }
+        }
+    }
+    let mut custodians = String::from("invmgr,custodian\n");
+    for (inv_mgr, custodian) in &custodian_rows {
+        let _ = writeln!(custodians, "{inv_mgr},{custodian}");
+    }
+
     [
         currencies,
         countries,
@@ -654,10 +682,11 @@ pub fn generate_texts() -> [String; 6] {
         securities,
         participants,
         holidays,
+        custodians,
     ]
 }
 
-/// Writes the six CSV files into `dir`.
+/// Writes the CSV files into `dir`.
 pub fn write_files(dir: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     for (file, text) in FILES.iter().zip(generate_texts()) {

@@ -90,9 +90,11 @@ pub enum RefDataError {
 
 /// Packs a key of at most 16 bytes into a big-endian integer: integer order is the same as the
 /// byte order of the text, so a sorted array of packed keys is searched with register compares.
+/// A text with a NUL byte packs to nothing: zero padding would make it another key's alias
+/// (`"ABC\0"` and `"ABC"`), so that only exact keys are found.
 fn pack(text: &str) -> Option<u128> {
     let bytes = text.as_bytes();
-    if bytes.len() > 16 {
+    if bytes.len() > 16 || bytes.contains(&0) {
         return None;
     }
     let mut padded = [0_u8; 16];
@@ -121,9 +123,11 @@ struct Keys {
     participants: Vec<u128>,
     /// (market, date as Julian day) pairs.
     holidays: Vec<(u128, i32)>,
+    /// (investment manager, custodian) pairs.
+    custodians: Vec<(u128, u128)>,
 }
 
-/// The six reference-data tables, each sorted by its key.
+/// The seven reference-data tables, each sorted by its key.
 #[derive(Debug, Clone)]
 pub struct RefData {
     keys: Keys,
@@ -137,25 +141,30 @@ pub struct RefData {
     keys_by_participant: Vec<ParticipantKeys>,
     /// (market, date) pairs, sorted.
     holidays: Vec<(String, Date)>,
+    /// (investment manager, custodian) pairs, sorted: the custodians that act for each
+    /// investment manager, as its standing settlement instructions name them.
+    custodians: Vec<(String, String)>,
 }
 
 /// The file names under `engine/refdata/`.
-pub const FILES: [&str; 6] = [
+pub const FILES: [&str; 7] = [
     "currencies.csv",
     "countries.csv",
     "markets.csv",
     "securities.csv",
     "participants.csv",
     "holidays.csv",
+    "custodians.csv",
 ];
 
-const EMBEDDED: [&str; 6] = [
+const EMBEDDED: [&str; 7] = [
     include_str!("../../refdata/currencies.csv"),
     include_str!("../../refdata/countries.csv"),
     include_str!("../../refdata/markets.csv"),
     include_str!("../../refdata/securities.csv"),
     include_str!("../../refdata/participants.csv"),
     include_str!("../../refdata/holidays.csv"),
+    include_str!("../../refdata/custodians.csv"),
 ];
 
 #[derive(Deserialize)]
@@ -198,6 +207,12 @@ struct HolidayRow {
     date: String,
 }
 
+#[derive(Deserialize)]
+struct CustodianRow {
+    invmgr: String,
+    custodian: String,
+}
+
 fn read_rows<T: serde::de::DeserializeOwned>(
     file: &str,
     text: &str,
@@ -227,7 +242,7 @@ impl RefData {
         Self::from_texts(EMBEDDED)
     }
 
-    /// Loads the six CSV files from a folder.
+    /// Loads the CSV files from a folder.
     pub fn load(dir: &Path) -> Result<Self, RefDataError> {
         let mut texts: Vec<String> = Vec::with_capacity(FILES.len());
         for file in FILES {
@@ -239,12 +254,12 @@ impl RefData {
             texts.push(text);
         }
         Self::from_texts([
-            &texts[0], &texts[1], &texts[2], &texts[3], &texts[4], &texts[5],
+            &texts[0], &texts[1], &texts[2], &texts[3], &texts[4], &texts[5], &texts[6],
         ])
     }
 
-    /// Builds the sorted tables from the six CSV texts, in [`FILES`] order.
-    pub fn from_texts(texts: [&str; 6]) -> Result<Self, RefDataError> {
+    /// Builds the sorted tables from the CSV texts, in [`FILES`] order.
+    pub fn from_texts(texts: [&str; 7]) -> Result<Self, RefDataError> {
         let mut currencies: Vec<Currency> = read_rows::<CurrencyRow>(FILES[0], texts[0])?
             .into_iter()
             .map(|row| Currency {
@@ -294,6 +309,29 @@ impl RefData {
             holidays.push((row.market, date));
         }
         holidays.sort();
+        let mut custodians = Vec::new();
+        for row in read_rows::<CustodianRow>(FILES[6], texts[6])? {
+            let role_of = |bic: &str| {
+                participants
+                    .binary_search_by(|p: &Participant| p.bic.as_str().cmp(bic))
+                    .ok()
+                    .map(|at| participants[at].role)
+            };
+            if role_of(&row.invmgr) != Some(Role::InvMgr)
+                || role_of(&row.custodian) != Some(Role::Custodian)
+            {
+                return Err(row_error(
+                    FILES[6],
+                    format!(
+                        "{},{} is not an investment manager and a custodian of participants.csv",
+                        row.invmgr, row.custodian
+                    ),
+                ));
+            }
+            custodians.push((row.invmgr, row.custodian));
+        }
+        custodians.sort();
+        custodians.dedup();
         let keys_by_participant = vec![ParticipantKeys::default(); participants.len()];
         let keys = Keys {
             currencies: packed_keys(&currencies, |c| &c.code),
@@ -305,6 +343,15 @@ impl RefData {
                 .iter()
                 .map(|(market, date)| (pack(market).unwrap_or(u128::MAX), date.to_julian_day()))
                 .collect(),
+            custodians: custodians
+                .iter()
+                .map(|(inv_mgr, custodian)| {
+                    (
+                        pack(inv_mgr).unwrap_or(u128::MAX),
+                        pack(custodian).unwrap_or(u128::MAX),
+                    )
+                })
+                .collect(),
         };
         Ok(Self {
             keys,
@@ -315,6 +362,7 @@ impl RefData {
             participants,
             keys_by_participant,
             holidays,
+            custodians,
         })
     }
 
@@ -391,6 +439,30 @@ impl RefData {
             .holidays
             .binary_search(&(market, date.to_julian_day()))
             .is_ok()
+    }
+
+    /// Whether `custodian` acts for `inv_mgr` (custodians.csv): it may send that investment
+    /// manager's settlement instructions, and be named in them.
+    pub fn acts_for(&self, custodian: &str, inv_mgr: &str) -> bool {
+        match (pack(inv_mgr), pack(custodian)) {
+            (Some(inv_mgr), Some(custodian)) => self
+                .keys
+                .custodians
+                .binary_search(&(inv_mgr, custodian))
+                .is_ok(),
+            _ => false,
+        }
+    }
+
+    /// The custodians that act for `inv_mgr`, sorted.
+    pub fn custodians_of<'a>(&'a self, inv_mgr: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        let start = self
+            .custodians
+            .partition_point(|(owner, _)| owner.as_str() < inv_mgr);
+        self.custodians[start..]
+            .iter()
+            .take_while(move |(owner, _)| owner == inv_mgr)
+            .map(|(_, custodian)| custodian.as_str())
     }
 
     /// Whether `date` is a business day of `market`: not a weekend, not a listed holiday.

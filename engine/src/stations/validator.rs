@@ -8,7 +8,7 @@ use crate::queue::{receive, Rx, Tx};
 use crate::reason::ReasonCode;
 use crate::refdata::RefData;
 use crate::routing::shard_of_parts;
-use crate::validate::validate;
+use crate::validate::{validate_message, Refusal};
 
 /// Validates inbound batches: what passes goes to its shard's match queue, a rejection after
 /// the signature checked out too (its shard remembers the MsgId), the rest to the exception
@@ -30,29 +30,32 @@ pub(crate) fn run_validator(
         for envelope in envelopes {
             let refused_by_listener = envelope.refusal.is_some();
             let result = match envelope.refusal {
-                Some(refusal) => Err(refusal),
-                None => validate(
+                Some(rejection) => Err(Refusal {
+                    rejection,
+                    identity: None,
+                }),
+                None => validate_message(
                     refdata,
                     &envelope.bytes,
                     envelope.sender.as_deref(),
                     envelope.signature.as_ref().map(|s| s.as_slice()),
                 ),
             };
-            // A message the validator rejected once its Sender's signature checked out goes to
-            // its shard's matcher, which remembers the MsgId; a refusal by a listener (about the
-            // connection, not the message) and an unsigned or unreadable one go straight to the
-            // exception writer.
+            // A message the validator rejected once its signer was found to be its Sender goes
+            // to its shard's matcher, which remembers the MsgId under that signer; a refusal by
+            // a listener (about the connection, not the message) and an unsigned, unreadable or
+            // impersonating one go straight to the exception writer.
             let verdict = match result {
                 Ok(msg) => Ok(msg),
-                Err(rejection) => {
+                Err(Refusal {
+                    rejection,
+                    identity,
+                }) => {
                     let remembered = !refused_by_listener && rejection.code > ReasonCode::Sig;
-                    match remembered
-                        .then(|| crate::validate::identity_of(&envelope.bytes))
-                        .flatten()
-                    {
+                    match identity.filter(|_| remembered) {
                         Some(identity) => Err(Refused {
                             rejection,
-                            identity,
+                            identity: *identity,
                         }),
                         None => {
                             rejected.push(RejectedItem {

@@ -208,6 +208,12 @@ pub(crate) fn run_writer(
             if let Some(advice) = item.outcome.advice {
                 events.push(OutboundEvent::Mismatched(advice));
             }
+            events.extend(
+                item.outcome
+                    .released
+                    .into_iter()
+                    .map(OutboundEvent::Released),
+            );
         }
         let confirmed = delivered.load(Ordering::Relaxed);
         if confirmed > watermark_written {
