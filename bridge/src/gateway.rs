@@ -103,14 +103,17 @@ pub struct Shared {
     pub counters: GatewayCounters,
 }
 
-/// FIX logons remembered so that a password is good once (at most this many inside the window).
-pub const FIX_LOGONS_REMEMBERED_MAX: usize = 65_536;
+/// FIX logons of one participant remembered so that a password is good once: at most this many
+/// inside the window, after which that participant's logons, and no one else's, are refused
+/// E_BUSY until the oldest leave the window.
+pub const FIX_LOGONS_PER_PARTICIPANT_MAX: usize = 256;
 
 /// The FIX sessions: the live one of each participant, and the logons used lately.
 #[derive(Default)]
 struct FixSessions {
-    /// (participant, SendingTime) of each logon accepted inside the freshness window, with when.
-    used: AHashMap<(String, String), std::time::Instant>,
+    /// Per participant (one that signed its logon), the SendingTime of each logon accepted
+    /// inside the freshness window to the millisecond, with when, oldest first.
+    used: AHashMap<String, std::collections::VecDeque<(String, std::time::Instant)>>,
     /// The connection of each participant's live session.
     live: AHashMap<String, u64>,
 }
@@ -263,11 +266,16 @@ impl GatewayHandle {
             .fix_sessions
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        sessions
-            .used
-            .retain(|_, used_at| now.duration_since(*used_at) <= freshness * 2);
-        let key = (participant.to_owned(), sending_time.to_owned());
-        if sessions.used.contains_key(&key) {
+        let sending_time = to_millisecond(sending_time);
+        let sessions = &mut *sessions;
+        let used = sessions.used.entry(participant.to_owned()).or_default();
+        while used
+            .front()
+            .is_some_and(|(_, used_at)| now.duration_since(*used_at) > freshness * 2)
+        {
+            used.pop_front();
+        }
+        if used.iter().any(|(time, _)| *time == sending_time) {
             return Err(format!(
                 "E_AUTH the logon of {participant} at {sending_time} was already used"
             ));
@@ -277,10 +285,12 @@ impl GatewayHandle {
                 "E_AUTH {participant} already has a live FIX session"
             ));
         }
-        if sessions.used.len() >= FIX_LOGONS_REMEMBERED_MAX {
-            return Err("E_BUSY too many FIX logons lately; try again in a few minutes".into());
+        if used.len() >= FIX_LOGONS_PER_PARTICIPANT_MAX {
+            return Err(format!(
+                "E_BUSY too many FIX logons of {participant} lately; try again in a few minutes"
+            ));
         }
-        sessions.used.insert(key, now);
+        used.push_back((sending_time, now));
         sessions.live.insert(participant.to_owned(), connection);
         Ok(())
     }
@@ -301,6 +311,17 @@ impl GatewayHandle {
     pub fn unsubscribe(&self, connection: u64) {
         unsubscribe(&self.shared, &AHashSet::from_iter([connection]));
     }
+}
+
+/// A FIX SendingTime to the millisecond: further digits are cut and missing ones are zeros, so
+/// that one instant is one logon however many sub-second digits spell it.
+fn to_millisecond(sending_time: &str) -> String {
+    let (whole, fraction) = sending_time.split_once('.').unwrap_or((sending_time, ""));
+    let mut millis: String = fraction.chars().take(3).collect();
+    while millis.len() < 3 {
+        millis.push('0');
+    }
+    format!("{whole}.{millis}")
 }
 
 fn unsubscribe(shared: &Shared, connections: &AHashSet<u64>) {

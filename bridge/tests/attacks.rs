@@ -609,3 +609,80 @@ fn namespace_flood_soap_bodies_are_refused_as_the_parser_meets_them() {
     // Not a timing assertion: printed for whoever reads the log (attackbench measures).
     eprintln!("two namespace floods answered in {elapsed:?}");
 }
+
+/// A Logon of `participant` at `sending_time` exactly as given, with its password.
+fn logon_at_time(
+    refdata: &ste_engine::refdata::RefData,
+    participant: &str,
+    sending_time: &str,
+) -> Vec<u8> {
+    let key = refdata
+        .participant_mac(participant)
+        .expect("a participant")
+        .1;
+    fix::encode(&[
+        (35, "A".into()),
+        (49, participant.into()),
+        (56, "STE".into()),
+        (34, "1".into()),
+        (52, sending_time.into()),
+        (98, "0".into()),
+        (108, "30".into()),
+        (141, "Y".into()),
+        (554, fix::logon_password(key, sending_time, participant)),
+    ])
+}
+
+#[test]
+fn a_flood_of_logons_from_one_key_leaves_every_other_logon_answered() {
+    let engine = Engine::start(&[]);
+    let refdata = refdata();
+    let good = well_behaved(&engine, &refdata, 20, 507);
+    let bics = everyone(&refdata);
+    let (flooder, other) = (&bics[11], &bics[12]);
+
+    // One instant is one logon however many sub-second digits spell it.
+    let instant = fix::utc_timestamp();
+    let (first, answer) =
+        RawSession::send_logon(&engine, &logon_at_time(&refdata, flooder, &instant));
+    assert_eq!(answer.msg_type(), "A", "{answer:?}");
+    drop(first);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    for spelling in [format!("{instant}0"), format!("{instant}4999")] {
+        let (_, answer) =
+            RawSession::send_logon(&engine, &logon_at_time(&refdata, flooder, &spelling));
+        assert!(
+            answer.get(58).is_some_and(|t| t.contains("already used")),
+            "{spelling}: {answer:?}"
+        );
+    }
+
+    // The flooder logs on and drops the connection, again and again, each time at a new
+    // SendingTime, until it is told it is busy.
+    let mut accepted = 1;
+    let busy = loop {
+        let (session, answer) = RawSession::send_logon(&engine, &fix_logon(&refdata, flooder, 30));
+        let text = answer.get(58).unwrap_or("").to_owned();
+        drop(session);
+        if answer.msg_type() == "A" {
+            accepted += 1;
+            assert!(accepted <= 1000, "the flood was never bounded");
+        } else if text.contains("live FIX session") {
+            // The engine has not seen the last connection close yet.
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        } else {
+            break text;
+        }
+    };
+    assert!(busy.starts_with("E_BUSY"), "{busy}");
+    assert_eq!(
+        accepted,
+        ste_bridge::gateway::FIX_LOGONS_PER_PARTICIPANT_MAX
+    );
+
+    // Everyone else still logs on.
+    let (_, answer) = RawSession::send_logon(&engine, &fix_logon(&refdata, other, 30));
+    assert_eq!(answer.msg_type(), "A", "{answer:?}");
+    assert_eq!(good.join().expect("the good participant"), (140, 20));
+    assert!(engine.stop().success());
+}

@@ -338,9 +338,10 @@ pub async fn serve(
     .await;
 }
 
-/// Puts what a session's next connection continues from into the book.
-fn keep_session(
-    book: &SessionBook,
+/// Puts what a session's next connection continues from into the book, writing its file on a
+/// blocking thread, not on the async workers.
+async fn keep_session(
+    book: &Arc<SessionBook>,
     participant: &str,
     outbound: &mut Outbound,
     next_out: u64,
@@ -353,7 +354,11 @@ fn keep_session(
         since,
         sent: std::mem::take(&mut outbound.sent),
     };
-    book.put(participant, kept);
+    let book = book.clone();
+    let participant = participant.to_owned();
+    if let Err(error) = tokio::task::spawn_blocking(move || book.put(&participant, kept)).await {
+        warn!(%error, "FIX session not kept");
+    }
 }
 
 /// Why a session ends from the engine's side: the Logout's Text.
@@ -433,8 +438,18 @@ async fn session(
         warn!(%participant, text = ?text, "FIX logon refused");
         let _ = outbound.send(vec![(35, "5".into()), (58, text)]).await;
         let _ = outbound.flush().await;
-        let next_out = outbound.next_seq;
-        keep_session(&book, &participant, &mut outbound, next_out, next_in, since);
+        // Only the Logout's number changed: the session goes back into the book, and its file
+        // is written when a session of the participant next ends, not now (a flood of refused
+        // Logons costs no disk).
+        book.put_back(
+            &participant,
+            Kept {
+                next_out: outbound.next_seq,
+                next_in,
+                since,
+                sent: std::mem::take(&mut outbound.sent),
+            },
+        );
         gateway.release_fix_session(&participant, connection);
         return;
     }
@@ -706,7 +721,8 @@ async fn session(
         next_out,
         expected_in,
         since,
-    );
+    )
+    .await;
     gateway.release_fix_session(&participant, connection);
     let mut logout = vec![(35, "5".to_owned())];
     if let Some(text) = ending.filter(|text| !text.is_empty()) {

@@ -183,7 +183,8 @@ impl SessionBook {
         }
     }
 
-    /// Puts what a session's next connection continues from into the book, and into its file.
+    /// Puts what a session's next connection continues from into the book, and into its file
+    /// (blocking file I/O: call it off the async workers).
     pub fn put(&self, participant: &str, kept: Kept) {
         if let Some(dir) = &self.dir {
             let path = dir.join(format!("{participant}.json"));
@@ -191,6 +192,12 @@ impl SessionBook {
                 warn!(path = %path.display(), %error, "FIX session file not written: a restart starts that session at 1");
             }
         }
+        self.put_back(participant, kept);
+    }
+
+    /// Puts a session taken with [`SessionBook::take`] back unchanged, as after a refused
+    /// Logon: its file already holds it, so nothing is written.
+    pub fn put_back(&self, participant: &str, kept: Kept) {
         self.kept
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -217,13 +224,22 @@ fn read_kept(path: &Path) -> std::io::Result<Kept> {
     serde_json::from_slice(&text).map_err(std::io::Error::other)
 }
 
-/// Written whole beside the file, then renamed over it: a crash leaves the old or the new.
+/// Written whole beside the file, then renamed over it: a crash leaves the old or the new. The
+/// file holds the participant's ACKs and CLS: readable by the engine's user only.
 fn write_kept(path: &Path, kept: &Kept) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let partial = path.with_extension("json.partial");
-    std::fs::write(
-        &partial,
-        serde_json::to_vec(kept).map_err(std::io::Error::other)?,
-    )?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&partial)?;
+    // A partial file left by an older version may have other bits: set them whatever it had.
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    file.write_all(&serde_json::to_vec(kept).map_err(std::io::Error::other)?)?;
+    drop(file);
     std::fs::rename(&partial, path)
 }
 
@@ -274,6 +290,13 @@ mod tests {
         );
         book.put("BRKAAU21XXX", kept.clone());
         book.put("OTHERXXXXXX", kept);
+        // It holds the participant's answers and CLS: its owner's alone.
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.path().join("BRKAAU21XXX.json"))
+            .expect("written")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
         std::fs::write(dir.path().join("BADFILEXXXX.json"), b"{").expect("writes");
 
         let known = |bic: &str| bic != "OTHERXXXXXX";

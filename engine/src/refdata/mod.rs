@@ -589,4 +589,45 @@ mod tests {
         let saturday = parse_date("2026-08-08").expect("valid date");
         assert!(!refdata.is_business_day("XSES", saturday));
     }
+
+    #[test]
+    fn only_exact_keys_are_found() {
+        let refdata = RefData::embedded().expect("committed reference data loads");
+        assert!(refdata.participant("BRKAAU21XXX").is_some());
+        // Zero padding packs these like the BIC itself: they must not be aliases of it.
+        for alias in ["BRKAAU21XXX\0", "BRKAAU21XXX\0\0\0\0\0", "BRKAAU21\0XXX"] {
+            assert!(refdata.participant(alias).is_none(), "{alias:?}");
+        }
+        assert!(refdata.currency("JPY\0").is_none());
+    }
+
+    #[test]
+    fn custodians_act_for_the_investment_managers_that_name_them() {
+        let refdata = RefData::embedded().expect("committed reference data loads");
+        assert!(refdata.acts_for("CUSTSG22XXX", "IMGBSG22XXX"));
+        let custodians: Vec<&str> = refdata.custodians_of("IMGBSG22XXX").collect();
+        assert!(custodians.contains(&"CUSTSG22XXX"), "{custodians:?}");
+        for inv_mgr in refdata
+            .participants()
+            .iter()
+            .filter(|p| p.role == Role::InvMgr)
+        {
+            let of_it: Vec<&str> = refdata.custodians_of(&inv_mgr.bic).collect();
+            assert!(of_it.len() >= 3, "{}: {of_it:?}", inv_mgr.bic);
+            for custodian in of_it {
+                assert!(refdata.acts_for(custodian, &inv_mgr.bic));
+                assert_eq!(
+                    refdata.participant(custodian).map(|p| p.role),
+                    Some(Role::Custodian)
+                );
+            }
+        }
+        // Not every custodian acts for every investment manager, and roles do not swap.
+        assert!(refdata
+            .participants()
+            .iter()
+            .filter(|p| p.role == Role::Custodian)
+            .any(|c| !refdata.acts_for(&c.bic, "IMGBSG22XXX")));
+        assert!(!refdata.acts_for("IMGBSG22XXX", "CUSTSG22XXX"));
+    }
 }
