@@ -125,6 +125,49 @@ struct Outbound {
     rejected_by_participant: u64,
     /// The application messages sent, for resending.
     sent: SentStore,
+    /// What resending may still cost, in [`SentStore`] bytes ([`ResendBudget`]).
+    resend_budget: ResendBudget,
+}
+
+/// Bytes of kept messages a session may have resent at once: twice the whole store, so that
+/// a participant back from an outage can ask for everything, and then again.
+const RESEND_BURST_BYTES: f64 = 2.0 * super::store::SENT_BYTES_MAX as f64;
+/// How fast the budget comes back: the whole store a minute.
+const RESEND_BYTES_PER_S: f64 = super::store::SENT_BYTES_MAX as f64 / 60.0;
+
+/// A token bucket over the bytes that ResendRequests make the engine send again, so that a
+/// participant cannot turn small requests into an unbounded stream (a ResendRequest of a few
+/// dozen bytes can ask for the whole store).
+struct ResendBudget {
+    bytes: f64,
+    at: std::time::Instant,
+}
+
+impl Default for ResendBudget {
+    fn default() -> Self {
+        Self {
+            bytes: RESEND_BURST_BYTES,
+            at: std::time::Instant::now(),
+        }
+    }
+}
+
+impl ResendBudget {
+    /// Takes `cost` bytes if the budget holds them at `now`; else the seconds until it will.
+    fn take(&mut self, cost: usize, now: std::time::Instant) -> Result<(), u64> {
+        let now = now.max(self.at);
+        let refill = now.duration_since(self.at).as_secs_f64() * RESEND_BYTES_PER_S;
+        self.bytes = (self.bytes + refill).min(RESEND_BURST_BYTES);
+        self.at = now;
+        // The store never holds more than the burst: a larger cost is that of the burst.
+        let cost = (cost as f64).min(RESEND_BURST_BYTES);
+        if cost <= self.bytes {
+            self.bytes -= cost;
+            Ok(())
+        } else {
+            Err(((cost - self.bytes) / RESEND_BYTES_PER_S).ceil() as u64)
+        }
+    }
 }
 
 impl Outbound {
@@ -158,13 +201,36 @@ impl Outbound {
     /// Answers a ResendRequest for `begin..=end` (`end` 0: up to the last sent): the kept
     /// application messages again, with PossDupFlag and OrigSendingTime, and a GapFill over
     /// every run of session messages (and of messages past the store's bound).
-    async fn resend(&mut self, begin: u64, end: u64) -> std::io::Result<()> {
+    ///
+    /// What it resends is paid from the session's [`ResendBudget`]; a request the budget cannot
+    /// pay is refused with a session Reject (`373=99`, `58=E_BUSY …`) naming when to ask again,
+    /// and nothing is resent.
+    async fn resend(&mut self, request_seq: u64, begin: u64, end: u64) -> std::io::Result<()> {
         let last = self.next_seq - 1;
         let end = if end == 0 || end > last { last } else { end };
         if begin > end {
             return self
                 .send_gap_fill(begin.min(self.next_seq), self.next_seq)
                 .await;
+        }
+        let cost: usize = self
+            .sent
+            .messages
+            .range(begin..=end)
+            .map(|(_, sent)| sent.size())
+            .sum();
+        if let Err(wait_s) = self.resend_budget.take(cost, std::time::Instant::now()) {
+            let reject = vec![
+                (35, "3".into()),
+                (45, request_seq.to_string()),
+                (372, "2".into()),
+                (373, "99".into()),
+                (
+                    58,
+                    format!("E_BUSY resending is limited; ask again in {wait_s} s"),
+                ),
+            ];
+            return self.send(reject).await;
         }
         let mut gap_from: Option<u64> = None;
         for seq in begin..=end {
@@ -380,6 +446,7 @@ async fn session(
         last_sent: tokio::time::Instant::now(),
         rejected_by_participant: 0,
         sent: SentStore::default(),
+        resend_budget: ResendBudget::default(),
     };
 
     // Logon.
@@ -603,7 +670,7 @@ async fn session(
                         // participant is waiting for it, and holding it behind the gap that
                         // it may itself be the cause of would hang both sides.
                         let (begin, end) = resend_range(&message);
-                        if outbound.resend(begin, end).await.is_err() { break 'session; }
+                        if outbound.resend(seq, begin, end).await.is_err() { break 'session; }
                     }
                     held_bytes += raw.len();
                     if let Some(old) = held.insert(seq, raw) {
@@ -804,7 +871,11 @@ async fn handle(
         }
         "2" => {
             let (begin, end) = resend_range(message);
-            outbound.resend(begin, end).await.map_err(|_| ())?;
+            let request_seq = message.get(34).and_then(|s| s.parse().ok()).unwrap_or(0);
+            outbound
+                .resend(request_seq, begin, end)
+                .await
+                .map_err(|_| ())?;
             Ok(None)
         }
         // A Logout from the participant: answered (without Text) once what is in flight is.
@@ -973,4 +1044,32 @@ fn envelope_of(
         },
         None,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resending_is_paid_from_a_budget_that_comes_back_with_time() {
+        let store = super::super::store::SENT_BYTES_MAX;
+        let start = std::time::Instant::now();
+        let mut budget = ResendBudget {
+            bytes: RESEND_BURST_BYTES,
+            at: start,
+        };
+        // The whole store twice at once, then nothing more.
+        assert_eq!(budget.take(store, start), Ok(()));
+        assert_eq!(budget.take(store, start), Ok(()));
+        assert_eq!(budget.take(store, start), Err(60));
+        assert_eq!(budget.take(1, start), Err(1));
+        // Half a minute later, half the store.
+        let later = start + Duration::from_secs(30);
+        assert_eq!(budget.take(store / 2 + 1024, later), Err(1));
+        assert_eq!(budget.take(store / 2, later), Ok(()));
+        // However long the wait, no more than the burst.
+        let much_later = later + Duration::from_secs(3600);
+        assert_eq!(budget.take(2 * store, much_later), Ok(()));
+        assert_eq!(budget.take(1, much_later), Err(1));
+    }
 }

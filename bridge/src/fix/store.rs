@@ -24,9 +24,30 @@ pub(super) struct Sent {
     pub sending_time: String,
 }
 
+/// What the allocator spends on each heap block besides what was asked for (glibc's malloc:
+/// a header word, and blocks rounded up to 16 bytes).
+const ALLOCATION_OVERHEAD_BYTES: usize = 16;
+
 impl Sent {
-    fn size(&self) -> usize {
-        self.body.iter().map(|(_, v)| v.len() + 8).sum()
+    /// The bytes it holds in memory: its map entry, its field vector and every string's
+    /// allocation, counted as the allocator spends them (what [`SENT_BYTES_MAX`] bounds).
+    pub fn size(&self) -> usize {
+        let block = |capacity: usize| {
+            if capacity == 0 {
+                0
+            } else {
+                capacity.next_multiple_of(16) + ALLOCATION_OVERHEAD_BYTES
+            }
+        };
+        // A B-tree entry: key, value and a share of its node.
+        let entry = 2 * (std::mem::size_of::<u64>() + std::mem::size_of::<Sent>());
+        let fields = block(self.body.capacity() * std::mem::size_of::<(u32, String)>());
+        let strings: usize = self
+            .body
+            .iter()
+            .map(|(_, value)| block(value.capacity()))
+            .sum();
+        entry + fields + strings + block(self.sending_time.capacity())
     }
 }
 
@@ -318,9 +339,34 @@ mod tests {
     }
 
     #[test]
+    fn a_kept_message_counts_what_it_holds_in_memory() {
+        // An ACK: a dozen short fields cost far more than their text.
+        let ack = Sent {
+            body: (0..12)
+                .map(|tag| (tag, "ABCDEFGH".to_owned()))
+                .collect::<Vec<_>>(),
+            sending_time: "20261202-08:00:01.000".to_owned(),
+        };
+        let text: usize = ack.body.iter().map(|(_, v)| v.len()).sum();
+        let heap = ack.body.capacity() * std::mem::size_of::<(u32, String)>()
+            + ack.body.iter().map(|(_, v)| v.capacity()).sum::<usize>();
+        assert!(
+            ack.size() >= heap + std::mem::size_of::<Sent>(),
+            "{}",
+            ack.size()
+        );
+        assert!(
+            ack.size() > 5 * text,
+            "{} for {text} bytes of text",
+            ack.size()
+        );
+    }
+
+    #[test]
     fn the_store_keeps_its_bound_when_read_back() {
         let mut store = SentStore::default();
-        let big = "x".repeat((1 << 20) - 16);
+        // Just under 1 MiB with what the allocator and the map spend on it: four fit.
+        let big = "x".repeat((1 << 20) - 1024);
         for seq in 1..=6 {
             store.keep(
                 seq,
