@@ -153,6 +153,11 @@ struct Cli {
     /// one reads back less often from the shard).
     #[arg(long, value_name = "MIB", default_value_t = MatcherMemory::default().filter_bytes >> 20)]
     matcher_filter_mib: usize,
+    /// MiB that one participant's messages may hold in the open trades of one shard (every
+    /// store): beyond it its messages are refused E_LIMIT, so that no participant fills the
+    /// memory the others need.
+    #[arg(long, value_name = "MIB", default_value_t = MatcherMemory::default().participant_held_bytes >> 20)]
+    participant_held_mib: u64,
     /// Run as a node of a cluster on this NATS JetStream server (e.g. nats://127.0.0.1:4222):
     /// validators and shard owners take their work from its queues (DESIGN.md section 1a).
     #[arg(long, env = "STE_NATS_URL")]
@@ -218,6 +223,7 @@ fn matcher_memory(cli: &Cli) -> MatcherMemory {
     MatcherMemory {
         generation_entries: cli.matcher_generation.max(1),
         filter_bytes: cli.matcher_filter_mib.max(1) << 20,
+        participant_held_bytes: cli.participant_held_mib.max(1) << 20,
     }
 }
 

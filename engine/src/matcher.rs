@@ -162,6 +162,8 @@ impl Outcome {
 
 struct Held {
     key: HashKey,
+    /// What it counts against its sender's quota ([`MatcherMemory::participant_held_bytes`]).
+    bytes: u32,
     msg: Msg,
     /// Named by an accepted CAN or AMD of its trade: no longer live. Kept on the message, so
     /// that it holds once the name itself has been retired from the exact tables.
@@ -223,13 +225,22 @@ pub struct MatcherMemory {
     pub generation_entries: usize,
     /// Bytes of the filter over retired entries (rounded up to a power of two).
     pub filter_bytes: usize,
+    /// Bytes that one participant's messages may hold in the open trades of one shard (as
+    /// [`Matcher`] counts them: each message's bytes and what it takes in memory, and a trade's
+    /// entry for the message that opens it); a message beyond it is refused E_LIMIT, so that no
+    /// participant can fill the memory the others need. It applies to every store's matcher.
+    pub participant_held_bytes: u64,
 }
+
+/// The default of [`MatcherMemory::participant_held_bytes`].
+pub const PARTICIPANT_HELD_BYTES_DEFAULT: u64 = 64 << 20;
 
 impl Default for MatcherMemory {
     fn default() -> Self {
         Self {
             generation_entries: 65_536,
             filter_bytes: 8 * 1024 * 1024,
+            participant_held_bytes: PARTICIPANT_HELD_BYTES_DEFAULT,
         }
     }
 }
@@ -444,6 +455,10 @@ pub struct Matcher {
     named: Remembered<HashKey, ()>,
     /// Bounded: the filter over retired entries; `None` remembers everything exactly.
     window: Option<Window>,
+    /// Bytes each participant's messages hold in open trades ([`Held::bytes`]).
+    held_by: AHashMap<Box<str>, u64>,
+    /// The most each participant's may hold ([`MatcherMemory::participant_held_bytes`]).
+    participant_held_max: u64,
     accepted: u64,
     /// Trades closed: matched or aged out.
     closed_total: u64,
@@ -463,6 +478,8 @@ impl Matcher {
             seen: Remembered::new(),
             named: Remembered::new(),
             window: None,
+            held_by: AHashMap::new(),
+            participant_held_max: u64::MAX,
             accepted: 0,
             closed_total: 0,
             aged: 0,
@@ -481,7 +498,37 @@ impl Matcher {
                 filter: Filter::new(memory.filter_bytes),
                 older_sent: None,
             }),
-            ..Self::new(refdata, tolerances)
+            ..Self::new(refdata, tolerances).with_quota(memory.participant_held_bytes)
+        }
+    }
+
+    /// Sets the bytes one participant's messages may hold in open trades
+    /// ([`MatcherMemory::participant_held_bytes`]); a new matcher has no such bound.
+    pub fn with_quota(mut self, participant_held_bytes: u64) -> Self {
+        self.participant_held_max = participant_held_bytes;
+        self
+    }
+
+    /// Bytes `participant`'s messages hold in this shard's open trades.
+    pub fn held_by(&self, participant: &str) -> u64 {
+        self.held_by.get(participant).copied().unwrap_or(0)
+    }
+
+    fn hold(&mut self, sender: &str, bytes: u32) {
+        match self.held_by.get_mut(sender) {
+            Some(held) => *held += u64::from(bytes),
+            None => {
+                self.held_by.insert(sender.into(), u64::from(bytes));
+            }
+        }
+    }
+
+    fn let_go(&mut self, sender: &str, bytes: u32) {
+        if let Some(held) = self.held_by.get_mut(sender) {
+            *held = held.saturating_sub(u64::from(bytes));
+            if *held == 0 {
+                self.held_by.remove(sender);
+            }
         }
     }
 
@@ -623,9 +670,10 @@ impl Matcher {
         today: Date,
     ) -> Outcome {
         let date = msg.trade_date.unwrap_or(today);
-        self.process_dated(msg, raw, injected_ns, now, date, today)
+        self.process_dated(msg, raw, injected_ns, now, date, today, true)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn process_dated(
         &mut self,
         msg: Msg,
@@ -634,6 +682,7 @@ impl Matcher {
         now: &str,
         date_if_new: Date,
         received_on: Date,
+        enforce_quota: bool,
     ) -> Outcome {
         let key = message_key(&msg.sender, &msg.msg_id);
         if let Some(seen) = self.answer_seen(key, raw, &msg.sender, &msg.msg_id) {
@@ -703,7 +752,21 @@ impl Matcher {
                 }
             }
         }
+        let opens = !self.open.contains_key(trade_key.as_str());
+        let bytes = held_bytes(raw, &trade_key, opens);
+        if enforce_quota && self.held_by(&msg.sender) + u64::from(bytes) > self.participant_held_max
+        {
+            let rejection = Rejection::new(
+                ReasonCode::Limit,
+                format!(
+                    "{} holds {} bytes in open trades of this shard, its most",
+                    msg.sender, self.participant_held_max
+                ),
+            );
+            return self.reject(key, raw, rejection);
+        }
         self.remember(key, raw, &msg);
+        self.hold(&msg.sender, bytes);
         let trade = self
             .open
             .entry(trade_key.clone().into_boxed_str())
@@ -731,6 +794,7 @@ impl Matcher {
         let names_owner = msg.msg_type == MsgType::Noe;
         trade.messages.push(Held {
             key,
+            bytes,
             msg,
             named: is_named,
         });
@@ -782,13 +846,18 @@ impl Matcher {
         };
         trade.owner = Some(owner);
         let mut released = Vec::with_capacity(strangers.len());
+        let mut let_go = Vec::with_capacity(strangers.len());
         for index in strangers.into_iter().rev() {
             let held = trade.messages.remove(index);
+            let_go.push((held.msg.sender.clone(), held.bytes));
             released.push(Released {
                 trade_key: trade_key.to_owned(),
                 sender: held.msg.sender,
                 msg_id: held.msg.msg_id,
             });
+        }
+        for (sender, bytes) in let_go {
+            self.let_go(&sender, bytes);
         }
         released.reverse();
         released
@@ -807,7 +876,8 @@ impl Matcher {
         received_on: Date,
     ) -> bool {
         let date = stored_date.or(msg.trade_date).unwrap_or(Date::MIN);
-        let outcome = self.process_dated(msg, raw, injected_ns, "", date, received_on);
+        // What was accepted stays accepted, whatever the quota is now.
+        let outcome = self.process_dated(msg, raw, injected_ns, "", date, received_on, false);
         outcome.disposition == Disposition::Accepted
     }
 
@@ -819,6 +889,7 @@ impl Matcher {
     pub fn age_out(&mut self, today: Date, business_days: u32) -> Vec<AgedTrade> {
         let refdata = self.refdata.clone();
         let mut aged = Vec::new();
+        let mut let_go: Vec<(String, u32)> = Vec::new();
         self.open.retain(|trade_key, trade| {
             let market = trade
                 .messages
@@ -838,6 +909,12 @@ impl Matcher {
                     elapsed += 1;
                 }
             }
+            let_go.extend(
+                trade
+                    .messages
+                    .iter()
+                    .map(|held| (held.msg.sender.clone(), held.bytes)),
+            );
             let mut parties: Vec<String> = Vec::new();
             for held in &trade.messages {
                 let named = [
@@ -858,6 +935,9 @@ impl Matcher {
             });
             false
         });
+        for (sender, bytes) in let_go {
+            self.let_go(&sender, bytes);
+        }
         self.closed_total += aged.len() as u64;
         for trade in &aged {
             self.closed.insert(
@@ -996,7 +1076,11 @@ impl Matcher {
                 failed: failed.clone(),
             });
         if status == TradeStatus::Matched {
-            self.open.remove(trade_key.as_str());
+            if let Some(trade) = self.open.remove(trade_key.as_str()) {
+                for held in &trade.messages {
+                    self.let_go(&held.msg.sender, held.bytes);
+                }
+            }
             self.closed
                 .insert(hash_key(&[&trade_key]), Closed { date, aged: false });
             self.closed_total += 1;
@@ -1081,6 +1165,19 @@ fn slot_of(msg: &Msg) -> (MsgType, Option<&str>, Option<&str>) {
         MsgType::Npr => (MsgType::Npr, msg.account.as_deref(), None),
         other => (other, msg.account.as_deref(), msg.inv_mgr.as_deref()),
     }
+}
+
+/// What a message counts against its sender's quota: its bytes (its fields' text, as held, is
+/// about as long), what holding it takes besides, and a trade's entry when it opens one.
+fn held_bytes(raw: &[u8], trade_key: &str, opens: bool) -> u32 {
+    let trade = if opens {
+        std::mem::size_of::<(Box<str>, Trade)>() + trade_key.len() + 16
+    } else {
+        0
+    };
+    // Each of a message's ~20 strings is an allocation with a header and rounding.
+    let strings = 20 * 16;
+    u32::try_from(raw.len() + std::mem::size_of::<Held>() + strings + trade).unwrap_or(u32::MAX)
 }
 
 /// The investment manager of a trade: the one its live NOE names; with no live NOE, the one a
@@ -1337,6 +1434,7 @@ mod tests {
         let memory = MatcherMemory {
             generation_entries: 2,
             filter_bytes: 1024,
+            ..MatcherMemory::default()
         };
         let mut matcher = Matcher::bounded(refdata, Tolerances::default(), memory);
         let rejection = || Rejection::new(ReasonCode::Field, "bad".to_owned());

@@ -508,6 +508,7 @@ fn a_shard_taken_over_after_its_owner_stopped_ends_with_one_cls_per_trade_and_no
         matcher_memory: MatcherMemory {
             generation_entries: 16,
             filter_bytes: 4096,
+            ..MatcherMemory::default()
         },
     };
     let mut cls: BTreeSet<String> = BTreeSet::new();

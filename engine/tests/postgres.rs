@@ -124,6 +124,7 @@ fn a_bounded_matcher_reads_back_from_its_shard_what_it_retired() {
     let memory = MatcherMemory {
         generation_entries: 32,
         filter_bytes: 1024,
+        ..MatcherMemory::default()
     };
 
     let (report, first) = run_lines(databases.urls(), &refdata, &lines, memory, false);

@@ -1170,6 +1170,9 @@ fn strangers_before_the_noe_are_released_by_it_and_refused_after_it() {
             (its_custodian.as_str(), early_set.msg_id.as_str())
         ]
     );
+    // What they held is given back.
+    assert_eq!(matcher.held_by(&other), 0);
+    assert_eq!(matcher.held_by(&its_custodian), 0);
     // After it, a stranger is refused E_AUTH, without being told who the parties are.
     let late = as_stranger(&messages[4], &other, &its_custodian, &other);
     let refused = process_all(&mut matcher, &[late]);
@@ -1386,5 +1389,66 @@ fn the_signer_is_the_sender_whatever_the_xml_hides() {
     assert_eq!(
         refused.identity.map(|identity| identity.sender),
         Some(attacker.clone())
+    );
+}
+
+#[test]
+fn a_participant_holds_a_bounded_number_of_bytes_in_open_trades() {
+    let quota = 64 * 1024;
+    let mut matcher = matcher().with_quota(quota);
+    let messages = london_trade(600, 400);
+    let broker = messages[0].sender.clone();
+    // The broker opens trade after trade and never lets them match, until it is refused.
+    let mut opened = 0;
+    let refused = loop {
+        let noe = Msg {
+            msg_id: format!("{broker}-Q{opened:06}"),
+            trade_ref: format!("Q{opened:011}"),
+            ..messages[0].clone()
+        };
+        match process_all(&mut matcher, &[noe]).remove(0) {
+            Disposition::Accepted => opened += 1,
+            other => break other,
+        }
+        assert!(opened < 10_000, "never bounded");
+    };
+    assert_eq!(code(&refused), Some(ReasonCode::Limit));
+    assert!(matcher.held_by(&broker) <= quota);
+    assert!(opened > 16, "{opened} trades in {quota} bytes");
+    // Others are not held to its quota: a whole trade of another broker matches.
+    let mut other = london_trade(600, 400);
+    let other_broker = refdata()
+        .participants()
+        .iter()
+        .find(|p| p.role == Role::Broker && p.bic != broker)
+        .map(|p| p.bic.clone())
+        .expect("another broker");
+    for msg in &mut other {
+        if msg.sender == broker {
+            msg.sender = other_broker.clone();
+        }
+        msg.broker = other_broker.clone();
+    }
+    assert_eq!(
+        process_all(&mut matcher, &other),
+        vec![Disposition::Accepted; 7]
+    );
+    assert_eq!(
+        matcher.status_of(&other[0].trade_key()),
+        Some(TradeStatus::Matched)
+    );
+    // What a matched trade held is given back.
+    assert_eq!(matcher.held_by(&other_broker), 0);
+    // Aged out, the broker's open trades give their bytes back, and it may open trades again.
+    matcher.age_out(time::macros::date!(2027 - 06 - 01), 20);
+    assert_eq!(matcher.held_by(&broker), 0);
+    let noe = Msg {
+        msg_id: format!("{broker}-Q-AGAIN"),
+        trade_ref: "Q99999999999".to_owned(),
+        ..messages[0].clone()
+    };
+    assert_eq!(
+        process_all(&mut matcher, &[noe]),
+        vec![Disposition::Accepted]
     );
 }

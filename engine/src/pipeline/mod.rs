@@ -867,7 +867,7 @@ pub(crate) fn restore_matcher(
     let mut matcher = if bounded {
         Matcher::bounded(refdata.clone(), tolerances.clone(), memory)
     } else {
-        Matcher::new(refdata.clone(), tolerances.clone())
+        Matcher::new(refdata.clone(), tolerances.clone()).with_quota(memory.participant_held_bytes)
     };
     let restart_day = OffsetDateTime::now_utc().date();
     let mut disagreements = 0_u64;
