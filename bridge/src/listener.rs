@@ -1,9 +1,11 @@
-//! The accept loop every listener shares: a bound on the connections served at once, TCP_NODELAY
-//! on every socket, a refusal for the connection over the bound, and a drain on shutdown.
+//! The accept loop every listener shares: bounds on the connections served at once — in all,
+//! from one source, and, apart from those, on connections whose peer has not yet proved who it
+//! is — TCP_NODELAY on every socket, a refusal for the connection over a bound, and a drain on
+//! shutdown.
 
 use std::future::Future;
-use std::net::IpAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::net::{IpAddr, Ipv6Addr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -15,12 +17,98 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
-/// How many connections a listener serves at once: in all, and from one source address (so
-/// that one client cannot take every slot).
+/// How many connections a listener serves at once: in all, and from one source (an IPv4
+/// address, or an IPv6 /64: one host's share), so that one client cannot take every slot; and,
+/// apart from those, how many of them may not have authenticated yet, in all and from one
+/// source, so that sockets that never log on cannot keep participants out.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {
     pub total: usize,
     pub per_source: usize,
+    pub unauthenticated: usize,
+    pub unauthenticated_per_source: usize,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        Self {
+            total: 1024,
+            per_source: 64,
+            unauthenticated: UNAUTHENTICATED_DEFAULT,
+            unauthenticated_per_source: UNAUTHENTICATED_PER_SOURCE_DEFAULT,
+        }
+    }
+}
+
+/// Default of [`ConnectionLimits::unauthenticated`].
+pub const UNAUTHENTICATED_DEFAULT: usize = 256;
+/// Default of [`ConnectionLimits::unauthenticated_per_source`].
+pub const UNAUTHENTICATED_PER_SOURCE_DEFAULT: usize = 8;
+
+/// Whom a connection counts against: its IPv4 address, or its IPv6 /64 (an IPv4-mapped IPv6
+/// address is its IPv4 address).
+pub fn source_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !((1_u128 << 64) - 1))),
+        },
+    }
+}
+
+/// The connections a listener serves, by source.
+#[derive(Default)]
+struct Counts {
+    all: usize,
+    by_source: AHashMap<IpAddr, usize>,
+    unauthenticated: usize,
+    unauthenticated_by_source: AHashMap<IpAddr, usize>,
+}
+
+fn decrement(map: &mut AHashMap<IpAddr, usize>, source: IpAddr) {
+    if let Some(count) = map.get_mut(&source) {
+        *count -= 1;
+        if *count == 0 {
+            map.remove(&source);
+        }
+    }
+}
+
+/// A connection's standing with its listener: it counts as unauthenticated until its protocol
+/// calls [`Admission::authenticated`] (a logon whose proof checked out, or a request whose
+/// signature did).
+#[derive(Clone)]
+pub struct Admission {
+    authenticated: Arc<AtomicBool>,
+    counts: Arc<Mutex<Counts>>,
+    source: IpAddr,
+}
+
+impl Admission {
+    /// The peer proved who it is: the connection no longer counts as unauthenticated.
+    pub fn authenticated(&self) {
+        if !self.authenticated.swap(true, Ordering::AcqRel) {
+            let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+            counts.unauthenticated -= 1;
+            decrement(&mut counts.unauthenticated_by_source, self.source);
+        }
+    }
+
+    /// Whether the peer has proved who it is.
+    pub fn is_authenticated(&self) -> bool {
+        self.authenticated.load(Ordering::Acquire)
+    }
+
+    fn ended(&self) {
+        let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        counts.all -= 1;
+        decrement(&mut counts.by_source, self.source);
+        if !self.authenticated.load(Ordering::Acquire) {
+            counts.unauthenticated -= 1;
+            decrement(&mut counts.unauthenticated_by_source, self.source);
+        }
+    }
 }
 
 /// A byte stream a listener serves: plain TCP or TLS over it.
@@ -61,13 +149,11 @@ pub async fn accept_loop<F, Fut>(
     refusal: impl Fn(&str) -> Vec<u8>,
     serve: F,
 ) where
-    F: Fn(Connection) -> Fut + Clone + Send + 'static,
+    F: Fn(Connection, Admission) -> Fut + Clone + Send + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
     let limits = accepting.limits;
-    let max_connections = limits.total;
-    let per_source: Arc<Mutex<AHashMap<IpAddr, usize>>> = Arc::default();
-    let active = Arc::new(AtomicUsize::new(0));
+    let counts: Arc<Mutex<Counts>> = Arc::default();
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
@@ -81,19 +167,39 @@ pub async fn accept_loop<F, Fut>(
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let source = peer.ip();
-                let from_source = per_source
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .get(&source)
-                    .copied()
-                    .unwrap_or(0);
-                let why = if active.load(Ordering::Relaxed) >= max_connections {
-                    Some(format!("the engine serves at most {max_connections} connections"))
-                } else if from_source >= limits.per_source {
-                    Some(format!("at most {} connections from one address", limits.per_source))
-                } else {
-                    None
+                let source = source_of(peer.ip());
+                let why = {
+                    let mut counts = counts.lock().unwrap_or_else(PoisonError::into_inner);
+                    let from_source = counts.by_source.get(&source).copied().unwrap_or(0);
+                    let unauthenticated_from_source = counts
+                        .unauthenticated_by_source
+                        .get(&source)
+                        .copied()
+                        .unwrap_or(0);
+                    let why = if counts.all >= limits.total {
+                        Some(format!("the engine serves at most {} connections", limits.total))
+                    } else if from_source >= limits.per_source {
+                        Some(format!("at most {} connections from one address", limits.per_source))
+                    } else if counts.unauthenticated >= limits.unauthenticated {
+                        Some(format!(
+                            "at most {} connections that have not logged on",
+                            limits.unauthenticated
+                        ))
+                    } else if unauthenticated_from_source >= limits.unauthenticated_per_source {
+                        Some(format!(
+                            "at most {} connections that have not logged on from one address",
+                            limits.unauthenticated_per_source
+                        ))
+                    } else {
+                        None
+                    };
+                    if why.is_none() {
+                        counts.all += 1;
+                        *counts.by_source.entry(source).or_default() += 1;
+                        counts.unauthenticated += 1;
+                        *counts.unauthenticated_by_source.entry(source).or_default() += 1;
+                    }
+                    why
                 };
                 if let Some(why) = why {
                     // Over TLS a plain refusal would be noise to the client, and a handshake
@@ -106,13 +212,12 @@ pub async fn accept_loop<F, Fut>(
                     }
                     continue;
                 }
-                active.fetch_add(1, Ordering::Relaxed);
-                *per_source
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .entry(source)
-                    .or_default() += 1;
-                let (serve, active, per_source) = (serve.clone(), active.clone(), per_source.clone());
+                let admission = Admission {
+                    authenticated: Arc::new(AtomicBool::new(false)),
+                    counts: counts.clone(),
+                    source,
+                };
+                let serve = serve.clone();
                 let (tls, handshake_timeout) = (accepting.tls.clone(), accepting.handshake_timeout);
                 connections.spawn(async move {
                     debug!(listener = name, %peer, "connected");
@@ -133,17 +238,9 @@ pub async fn accept_loop<F, Fut>(
                         }
                     };
                     if let Some(connection) = connection {
-                        serve(connection).await;
+                        serve(connection, admission.clone()).await;
                     }
-                    active.fetch_sub(1, Ordering::Relaxed);
-                    let mut counts = per_source.lock().unwrap_or_else(PoisonError::into_inner);
-                    if let Some(count) = counts.get_mut(&source) {
-                        *count -= 1;
-                        if *count == 0 {
-                            counts.remove(&source);
-                        }
-                    }
-                    drop(counts);
+                    admission.ended();
                     debug!(listener = name, %peer, "closed");
                 });
             }
@@ -159,4 +256,31 @@ pub async fn accept_loop<F, Fut>(
         "listener stopped; draining"
     );
     while connections.join_next().await.is_some() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_ipv6_host_is_its_64_and_a_mapped_address_is_its_ipv4() {
+        let a: IpAddr = "2001:db8:1:2:aaaa::1".parse().expect("an address");
+        let b: IpAddr = "2001:db8:1:2:ffff:ffff:ffff:ffff"
+            .parse()
+            .expect("an address");
+        let c: IpAddr = "2001:db8:1:3::1".parse().expect("an address");
+        assert_eq!(source_of(a), source_of(b));
+        assert_ne!(source_of(a), source_of(c));
+        assert_eq!(
+            source_of(a),
+            "2001:db8:1:2::".parse::<IpAddr>().expect("an address")
+        );
+        let mapped: IpAddr = "::ffff:127.0.0.2".parse().expect("an address");
+        assert_eq!(
+            source_of(mapped),
+            "127.0.0.2".parse::<IpAddr>().expect("an address")
+        );
+        let v4: IpAddr = "10.1.2.3".parse().expect("an address");
+        assert_eq!(source_of(v4), v4);
+    }
 }

@@ -82,9 +82,17 @@ struct Cli {
     /// Connections (FIX: sessions) each listener serves at once.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
-    /// Connections (FIX: sessions) each listener serves at once from one source address.
+    /// Connections (FIX: sessions) each listener serves at once from one source address (an
+    /// IPv6 /64).
     #[arg(long, default_value_t = 64)]
     max_connections_per_source: usize,
+    /// Connections each listener serves at once that have not yet logged on (or, over SOAP,
+    /// sent a correctly signed request), apart from the others.
+    #[arg(long, default_value_t = ste_bridge::listener::UNAUTHENTICATED_DEFAULT)]
+    max_unauthenticated: usize,
+    /// Connections that have not yet logged on, from one source address (an IPv6 /64).
+    #[arg(long, default_value_t = ste_bridge::listener::UNAUTHENTICATED_PER_SOURCE_DEFAULT)]
+    max_unauthenticated_per_source: usize,
     /// Messages one connection or FIX session may have in flight.
     #[arg(long, default_value_t = 4096)]
     window: usize,
@@ -216,6 +224,16 @@ fn database_urls(cli: &Cli) -> Vec<String> {
         .map(|url| url.trim().to_owned())
         .filter(|url| !url.is_empty())
         .collect()
+}
+
+/// Each listener's connection bounds from the command line.
+fn connection_limits(cli: &Cli) -> ste_bridge::listener::ConnectionLimits {
+    ste_bridge::listener::ConnectionLimits {
+        total: cli.max_connections.max(1),
+        per_source: cli.max_connections_per_source.max(1),
+        unauthenticated: cli.max_unauthenticated.max(1),
+        unauthenticated_per_source: cli.max_unauthenticated_per_source.max(1),
+    }
 }
 
 /// The matchers' memory from the command line.
@@ -403,8 +421,7 @@ fn serve(
     let handle = gateway.handle();
     let tcp_config = TcpConfig {
         tls: tls.clone(),
-        max_connections: cli.max_connections.max(1),
-        max_connections_per_source: cli.max_connections_per_source.max(1),
+        connections: connection_limits(cli),
         window: cli.window.max(1),
         window_bytes: cli.window_bytes,
         logon_timeout: Duration::from_secs(cli.logon_timeout_s.max(1)),
@@ -414,16 +431,14 @@ fn serve(
     };
     let soap_config = SoapConfig {
         tls: tls.clone(),
-        max_connections: cli.max_connections.max(1),
-        max_connections_per_source: cli.max_connections_per_source.max(1),
+        connections: connection_limits(cli),
         max_body_bytes: cli.max_body_bytes.max(1024),
         header_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
         body_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),
     };
     let fix_config = FixConfig {
         tls,
-        max_connections: cli.max_connections.max(1),
-        max_connections_per_source: cli.max_connections_per_source.max(1),
+        connections: connection_limits(cli),
         window: cli.window.max(1),
         logon_timeout: Duration::from_secs(cli.logon_timeout_s.max(1)),
         message_timeout: Duration::from_millis(cli.frame_timeout_ms.max(1)),

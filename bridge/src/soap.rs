@@ -47,9 +47,8 @@ const DEPTH_MAX: usize = 16;
 /// Limits of the SOAP listener.
 #[derive(Debug, Clone)]
 pub struct SoapConfig {
-    pub max_connections: usize,
-    /// Connections served at once from one source address.
-    pub max_connections_per_source: usize,
+    /// Connections served at once: in all, from one source, and not yet authenticated.
+    pub connections: crate::listener::ConnectionLimits,
     /// TLS for every connection, when set.
     pub tls: Option<crate::tls::Tls>,
     /// Largest request body; a longer declared or sent body is refused with 413.
@@ -66,10 +65,7 @@ impl SoapConfig {
         crate::listener::Accepting {
             tls: self.tls.as_ref().map(|tls| tls.0.clone()),
             handshake_timeout: self.header_timeout,
-            ..crate::listener::Accepting::plain(crate::listener::ConnectionLimits {
-                total: self.max_connections,
-                per_source: self.max_connections_per_source,
-            })
+            ..crate::listener::Accepting::plain(self.connections)
         }
     }
 }
@@ -77,8 +73,7 @@ impl SoapConfig {
 impl Default for SoapConfig {
     fn default() -> Self {
         Self {
-            max_connections: 1024,
-            max_connections_per_source: 64,
+            connections: crate::listener::ConnectionLimits::default(),
             tls: None,
             max_body_bytes: 1024 * 1024,
             header_timeout: Duration::from_secs(10),
@@ -691,7 +686,11 @@ async fn parse_off_the_workers(
 }
 
 impl Service {
-    async fn handle(&self, request: Request<Incoming>) -> Response<Body> {
+    async fn handle(
+        &self,
+        request: Request<Incoming>,
+        admission: &crate::listener::Admission,
+    ) -> Response<Body> {
         if request.uri().path() != "/soap" {
             return respond(
                 StatusCode::NOT_FOUND,
@@ -794,6 +793,19 @@ impl Service {
         };
         let (version, envelope) = match parsed {
             Ok(request) => {
+                // A request signed by the participant it names authenticates its connection.
+                if !admission.is_authenticated() {
+                    if let (Some(participant), Some(signature)) =
+                        (request.participant.as_deref(), request.signature.as_ref())
+                    {
+                        if self
+                            .gateway
+                            .signed_by(participant, &request.message, signature)
+                        {
+                            admission.authenticated();
+                        }
+                    }
+                }
                 let refusal = request.participant.as_deref().and_then(|participant| {
                     request.signature.and_then(|signature| {
                         self.gateway
@@ -898,22 +910,25 @@ pub async fn serve(
         accepting,
         shutdown,
         refusal,
-        move |stream| {
+        move |stream, admission: crate::listener::Admission| {
             let (handler, mut stop) = (service.clone(), stop.clone());
             async move {
                 let header_timeout = handler.config.header_timeout;
-                let connection = http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(header_timeout)
-                    .keep_alive(true)
-                    .max_buf_size(64 * 1024)
-                    .serve_connection(
-                        TokioIo::new(stream),
-                        service_fn(move |request| {
-                            let handler = handler.clone();
-                            async move { Ok::<_, Infallible>(handler.handle(request).await) }
-                        }),
-                    );
+                let connection =
+                    http1::Builder::new()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(header_timeout)
+                        .keep_alive(true)
+                        .max_buf_size(64 * 1024)
+                        .serve_connection(
+                            TokioIo::new(stream),
+                            service_fn(move |request| {
+                                let (handler, admission) = (handler.clone(), admission.clone());
+                                async move {
+                                    Ok::<_, Infallible>(handler.handle(request, &admission).await)
+                                }
+                            }),
+                        );
                 tokio::pin!(connection);
                 tokio::select! {
                     _ = connection.as_mut() => {}

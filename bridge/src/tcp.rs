@@ -21,7 +21,7 @@ use tracing::warn;
 
 use crate::frame::{check_length, Frame, FrameError, LENGTH_PREFIX_BYTES, NONCE_LEN};
 use crate::gateway::{GatewayHandle, Pushed, Reply, Subscriber};
-use crate::listener::{accept_loop, Accepting, Connection, ConnectionLimits};
+use crate::listener::{accept_loop, Accepting, Admission, Connection};
 
 /// How long one write to a participant may take before its connection is closed.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -41,10 +41,8 @@ pub const IDENTITIES_PER_CONNECTION_MAX: usize = 1024;
 /// Limits of the framed-XML listener.
 #[derive(Debug, Clone)]
 pub struct TcpConfig {
-    /// Connections served at once; more are refused with an `E_BUSY` error frame.
-    pub max_connections: usize,
-    /// Connections served at once from one source address.
-    pub max_connections_per_source: usize,
+    /// Connections served at once: in all, from one source, and not yet authenticated.
+    pub connections: crate::listener::ConnectionLimits,
     /// TLS for every connection, when set.
     pub tls: Option<crate::tls::Tls>,
     /// Messages one connection may have in flight (submitted and not yet answered).
@@ -65,8 +63,7 @@ pub struct TcpConfig {
 impl Default for TcpConfig {
     fn default() -> Self {
         Self {
-            max_connections: 1024,
-            max_connections_per_source: 64,
+            connections: crate::listener::ConnectionLimits::default(),
             tls: None,
             window: 4096,
             frame_timeout: Duration::from_secs(10),
@@ -83,10 +80,7 @@ impl TcpConfig {
         Accepting {
             tls: self.tls.as_ref().map(|tls| tls.0.clone()),
             handshake_timeout: self.frame_timeout,
-            ..Accepting::plain(ConnectionLimits {
-                total: self.max_connections,
-                per_source: self.max_connections_per_source,
-            })
+            ..Accepting::plain(self.connections)
         }
     }
 }
@@ -128,13 +122,22 @@ pub async fn serve(
         config.accepting(),
         shutdown,
         refusal,
-        move |stream| connection(stream, gateway.clone(), config.clone(), stop.clone()),
+        move |stream, admission| {
+            connection(
+                stream,
+                admission,
+                gateway.clone(),
+                config.clone(),
+                stop.clone(),
+            )
+        },
     )
     .await;
 }
 
 async fn connection(
     stream: Connection,
+    admission: Admission,
     gateway: GatewayHandle,
     config: TcpConfig,
     shutdown: watch::Receiver<bool>,
@@ -176,6 +179,7 @@ async fn connection(
         window,
         window_bytes,
         logon_deadline: tokio::time::Instant::now() + config.logon_timeout,
+        admission,
     };
     let closing = reader.run(shutdown, kick_rx).await;
     // The reader has stopped: no new messages. Subscriptions end; answers in flight still go.
@@ -214,6 +218,8 @@ struct Reader<'a> {
     window: Arc<Semaphore>,
     window_bytes: Arc<Semaphore>,
     logon_deadline: tokio::time::Instant,
+    /// The connection's standing with the listener: authenticated at its first logon.
+    admission: Admission,
 }
 
 impl Reader<'_> {
@@ -248,6 +254,7 @@ impl Reader<'_> {
                     {
                         return Some(Closing::new(rejection.code.as_str(), rejection.detail));
                     }
+                    self.admission.authenticated();
                     let again = self.identities.contains(&participant);
                     if !again && self.identities.len() >= IDENTITIES_PER_CONNECTION_MAX {
                         return Some(Closing::new(

@@ -686,3 +686,34 @@ fn a_flood_of_logons_from_one_key_leaves_every_other_logon_answered() {
     assert_eq!(good.join().expect("the good participant"), (140, 20));
     assert!(engine.stop().success());
 }
+
+#[test]
+fn sockets_from_many_addresses_that_never_log_on_leave_room_for_participants() {
+    let engine = Engine::start(&[]);
+    let refdata = refdata();
+    // Sixteen addresses each open as many sockets as they are let, and never log on.
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for source in 2..18 {
+        for _ in 0..64 {
+            let mut stream = connect_from(&format!("127.0.0.{source}"), engine.tcp);
+            match Frame::read_from(&mut stream) {
+                Ok(Some(Frame::Challenge { .. })) => held.push(stream),
+                Ok(Some(Frame::Error { code, detail })) => {
+                    assert_eq!(code, "E_BUSY", "{detail}");
+                    assert!(detail.contains("not logged on"), "{detail}");
+                    refused += 1;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    let per_source = ste_bridge::listener::UNAUTHENTICATED_PER_SOURCE_DEFAULT;
+    assert_eq!(held.len(), 16 * per_source);
+    assert_eq!(refused, 16 * (64 - per_source));
+    // Participants still connect, log on and complete their trades meanwhile.
+    let good = well_behaved(&engine, &refdata, 20, 512);
+    assert_eq!(good.join().expect("the good participant"), (140, 20));
+    drop(held);
+    assert!(engine.stop().success());
+}

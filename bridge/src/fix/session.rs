@@ -45,9 +45,8 @@ pub fn logon_password(key: &KeyedMac, sending_time: &str, participant: &str) -> 
 /// Limits and timers of the FIX listener.
 #[derive(Debug, Clone)]
 pub struct FixConfig {
-    pub max_connections: usize,
-    /// Connections served at once from one source address.
-    pub max_connections_per_source: usize,
+    /// Connections served at once: in all, from one source, and not yet authenticated.
+    pub connections: crate::listener::ConnectionLimits,
     /// TLS for every connection, when set.
     pub tls: Option<crate::tls::Tls>,
     /// Application messages one session may have in flight.
@@ -71,10 +70,7 @@ impl FixConfig {
         crate::listener::Accepting {
             tls: self.tls.as_ref().map(|tls| tls.0.clone()),
             handshake_timeout: self.message_timeout,
-            ..crate::listener::Accepting::plain(crate::listener::ConnectionLimits {
-                total: self.max_connections,
-                per_source: self.max_connections_per_source,
-            })
+            ..crate::listener::Accepting::plain(self.connections)
         }
     }
 }
@@ -82,8 +78,7 @@ impl FixConfig {
 impl Default for FixConfig {
     fn default() -> Self {
         Self {
-            max_connections: 1024,
-            max_connections_per_source: 64,
+            connections: crate::listener::ConnectionLimits::default(),
             tls: None,
             window: 4096,
             message_timeout: Duration::from_secs(10),
@@ -391,9 +386,10 @@ pub async fn serve(
         accepting,
         shutdown,
         refusal,
-        move |stream| {
+        move |stream, admission| {
             session(
                 stream,
+                admission,
                 gateway.clone(),
                 config.clone(),
                 book.clone(),
@@ -432,6 +428,7 @@ type Ending = Option<String>;
 
 async fn session(
     stream: crate::listener::Connection,
+    admission: crate::listener::Admission,
     gateway: GatewayHandle,
     config: FixConfig,
     book: Arc<SessionBook>,
@@ -470,7 +467,12 @@ async fn session(
         .filter(|s| (1..=3600).contains(s))
         .map_or(Duration::from_secs(30), Duration::from_secs);
     let connection = gateway.connection_id();
-    let claimed = check_logon(&gateway, &logon, &participant).and_then(|()| {
+    let checked = check_logon(&gateway, &logon, &participant);
+    if checked.is_ok() {
+        // Its password checked out: whatever the session's fate, the peer holds the key.
+        admission.authenticated();
+    }
+    let claimed = checked.and_then(|()| {
         gateway.claim_fix_session(
             &participant,
             logon.get(52).unwrap_or(""),
