@@ -1,4 +1,8 @@
-//! The exception writer: stores what the validators rejected before any shard could.
+//! The exception writer: stores what the validators rejected before any shard could — input
+//! whose sender was not proved (unsigned, wrongly signed, unreadable, refused by a listener) —
+//! within a budget of rows and bytes a second, so that a flood of such input cannot fill the
+//! disk: beyond it, the rejections of a batch are kept as one row per code that counts them.
+//! Every message is answered with its own code all the same.
 
 use std::time::{Duration, Instant};
 
@@ -27,6 +31,79 @@ pub(crate) fn bounded_raw(mut raw: Vec<u8>, detail: String) -> (Vec<u8>, String)
     (raw, detail)
 }
 
+/// Rows of unchecked input kept whole: a burst, then so many a second.
+const UNCHECKED_ROWS_BURST: f64 = 5_000.0;
+const UNCHECKED_ROWS_PER_S: f64 = 500.0;
+/// Bytes (raw and detail) of unchecked input kept whole: a burst, then so many a second.
+const UNCHECKED_BYTES_BURST: f64 = 8.0 * 1024.0 * 1024.0;
+const UNCHECKED_BYTES_PER_S: f64 = 1024.0 * 1024.0;
+
+/// A token bucket over the rows and bytes of unchecked input stored whole.
+struct Budget {
+    rows: f64,
+    bytes: f64,
+    at: Instant,
+}
+
+impl Budget {
+    fn new(now: Instant) -> Self {
+        Self {
+            rows: UNCHECKED_ROWS_BURST,
+            bytes: UNCHECKED_BYTES_BURST,
+            at: now,
+        }
+    }
+
+    /// Takes one row of `bytes` if the budget holds it at `now`.
+    fn take(&mut self, bytes: usize, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.at = self.at.max(now);
+        self.rows = (self.rows + elapsed * UNCHECKED_ROWS_PER_S).min(UNCHECKED_ROWS_BURST);
+        self.bytes = (self.bytes + elapsed * UNCHECKED_BYTES_PER_S).min(UNCHECKED_BYTES_BURST);
+        let bytes = bytes as f64;
+        if self.rows >= 1.0 && self.bytes >= bytes {
+            self.rows -= 1.0;
+            self.bytes -= bytes;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// The rejections of one batch that the budget did not hold, by code: how many, and the first
+/// one's detail.
+#[derive(Default)]
+struct Over {
+    by_code: Vec<(crate::reason::ReasonCode, u64, String)>,
+}
+
+impl Over {
+    fn add(&mut self, code: crate::reason::ReasonCode, detail: &str) {
+        match self.by_code.iter_mut().find(|(c, _, _)| *c == code) {
+            Some((_, count, _)) => *count += 1,
+            None => self
+                .by_code
+                .push((code, 1, detail.chars().take(200).collect())),
+        }
+    }
+
+    fn rows(self, today: time::Date) -> impl Iterator<Item = ExceptionRow> {
+        self.by_code.into_iter().map(move |(code, count, first)| ExceptionRow {
+            received_on: today,
+            trade_key: None,
+            sender: None,
+            msg_id: None,
+            code,
+            detail: format!(
+                "{count} rejections of unchecked input over the exception budget ({UNCHECKED_ROWS_PER_S} rows and {} KiB a second), kept as this count without their bytes; the first: {first}",
+                UNCHECKED_BYTES_PER_S as u64 / 1024
+            ),
+            raw: Vec::new(),
+        })
+    }
+}
+
 /// Writes the validators' rejections to the exception store; their NAKs go out after commit.
 pub(crate) fn run_exception_writer(
     rx: Rx<RejectedItem>,
@@ -37,6 +114,7 @@ pub(crate) fn run_exception_writer(
 ) -> Result<WriterReport, PipelineError> {
     let station = rx.station().clone();
     let mut commit_retries = 0;
+    let mut budget = Budget::new(Instant::now());
     while let Some(merged) = next_batch(&rx, batch_max, Duration::ZERO)? {
         let Merged {
             items,
@@ -49,6 +127,7 @@ pub(crate) fn run_exception_writer(
         let count = items.len() as u64;
         let mut batch = Batch::default();
         let mut acks = Vec::with_capacity(items.len());
+        let mut over = Over::default();
         for item in items {
             acks.push(Ack {
                 correlation: item.correlation,
@@ -56,6 +135,10 @@ pub(crate) fn run_exception_writer(
                 result: AckResult::Rejected(item.rejection.code),
             });
             let (raw, detail) = bounded_raw(item.bytes, item.rejection.detail);
+            if !budget.take(raw.len() + detail.len(), started) {
+                over.add(item.rejection.code, &detail);
+                continue;
+            }
             batch.exceptions.push(ExceptionRow {
                 received_on: today,
                 trade_key: None,
@@ -66,6 +149,7 @@ pub(crate) fn run_exception_writer(
                 raw,
             });
         }
+        batch.exceptions.extend(over.rows(today));
         let (_, retries) = commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
         commit_retries += retries;
         complete_merged(
@@ -89,6 +173,41 @@ pub(crate) fn run_exception_writer(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unchecked_input_is_kept_whole_within_a_budget_of_rows_and_bytes() {
+        let start = Instant::now();
+        let mut budget = Budget::new(start);
+        let burst = UNCHECKED_ROWS_BURST as usize;
+        // A flood of small rows: the burst of rows, then nothing at that instant.
+        assert!((0..burst).all(|_| budget.take(100, start)));
+        assert!(!budget.take(100, start));
+        // A second later, that second's rows.
+        let later = start + Duration::from_secs(1);
+        let per_s = UNCHECKED_ROWS_PER_S as usize;
+        assert!((0..per_s).all(|_| budget.take(100, later)));
+        assert!(!budget.take(100, later));
+        // Large rows spend the bytes first.
+        let mut budget = Budget::new(start);
+        let big = 64 * 1024;
+        let fit = (UNCHECKED_BYTES_BURST as usize) / big;
+        assert!((0..fit).all(|_| budget.take(big, start)));
+        assert!(!budget.take(big, start));
+        // What goes over is counted by code, one row each.
+        let mut over = Over::default();
+        for _ in 0..3 {
+            over.add(crate::reason::ReasonCode::Sig, "signature does not match");
+        }
+        over.add(crate::reason::ReasonCode::Parse, "not XML");
+        let rows: Vec<ExceptionRow> = over.rows(time::macros::date!(2026 - 12 - 02)).collect();
+        assert_eq!(rows.len(), 2);
+        assert!(
+            rows[0].detail.starts_with("3 rejections"),
+            "{}",
+            rows[0].detail
+        );
+        assert!(rows.iter().all(|row| row.raw.is_empty()));
+    }
 
     #[test]
     fn unchecked_input_keeps_a_bounded_prefix_with_its_length_and_hash() {
