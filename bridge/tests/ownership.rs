@@ -311,3 +311,45 @@ fn strangers_with_valid_keys_cannot_settle_block_or_burn_anothers_trades() {
     assert_eq!(good.join().expect("the good participant"), (140, 20));
     assert!(engine.stop().success());
 }
+
+#[test]
+fn a_chain_of_amds_stops_at_the_trades_bound_while_others_trade() {
+    use ste_engine::matcher::TRADE_MESSAGES_MAX;
+    let engine = Engine::start(&[]);
+    let refdata = refdata();
+    let good = well_behaved(&engine, &refdata, 20, 603);
+    // An investment manager's own ALC, then AMD after AMD of it, each naming the one before.
+    let alc = msg_of(&tagged_trades(&refdata, 1, 604, 'C')[1]);
+    let chain = u64::from(TRADE_MESSAGES_MAX) + 100;
+    let mut previous = alc.msg_id.clone();
+    let mut lines = vec![encode_msg(&alc).into_bytes()];
+    for n in 1..chain {
+        let amend = Msg {
+            msg_id: format!("{}-A{n:05}", alc.sender),
+            function: Function::Amd,
+            related_id: Some(previous.clone()),
+            ..alc.clone()
+        };
+        previous = amend.msg_id.clone();
+        lines.push(encode_msg(&amend).into_bytes());
+    }
+    let (mut writer, mut reader) = connect_as(&engine, &refdata, &[&alc.sender], false);
+    for (seq, line) in lines.iter().enumerate() {
+        writer
+            .send(&message(&refdata, seq as u64, line.clone()))
+            .expect("sends");
+    }
+    writer.flush().expect("flushes");
+    let mut heard = Heard::default();
+    listen(&mut reader, &mut heard, |h| h.answers.len() == lines.len());
+    let accepted = heard.answers.values().filter(|a| a.is_none()).count();
+    let limited = heard
+        .answers
+        .values()
+        .filter(|a| **a == Some(ReasonCode::Limit))
+        .count();
+    assert_eq!(accepted, TRADE_MESSAGES_MAX as usize);
+    assert_eq!(limited, lines.len() - TRADE_MESSAGES_MAX as usize);
+    assert_eq!(good.join().expect("the good participant"), (140, 20));
+    assert!(engine.stop().success());
+}

@@ -128,6 +128,11 @@ pub struct Released {
 /// and to rebuild is bounded.
 pub const TRADE_MESSAGES_MAX: u32 = 4096;
 
+/// MISMATCHED advices one trade sends its broker: a party that flips its messages between two
+/// mismatches cannot flood its counterparty (or push its earlier answers out of a FIX resend
+/// store); past it the trade's status is still kept, and its CLS still comes.
+pub const ADVICES_PER_TRADE_MAX: u16 = 32;
+
 /// Everything one message changes: what must be written and what must be sent after commit.
 #[derive(Debug, Clone)]
 pub struct Outcome {
@@ -182,6 +187,8 @@ struct Trade {
     date: Date,
     first_injected_ns: u64,
     last_failed: Vec<Criterion>,
+    /// MISMATCHED advices sent for it ([`ADVICES_PER_TRADE_MAX`]).
+    advices: u16,
     /// The day of the trade's latest accepted message: aging counts from there.
     last_active: Date,
 }
@@ -778,6 +785,7 @@ impl Matcher {
                 date: date_if_new,
                 first_injected_ns: injected_ns,
                 last_failed: Vec::new(),
+                advices: 0,
                 last_active: received_on,
             });
         trade.first_injected_ns = trade.first_injected_ns.min(injected_ns);
@@ -1070,11 +1078,13 @@ impl Matcher {
         let first_injected_ns = trade.first_injected_ns;
         let date = trade.date;
         let changed = status != trade.status;
-        let advice =
-            (status == TradeStatus::Mismatched && failed != trade.last_failed).then(|| Advice {
-                trade_key: trade_key.clone(),
-                failed: failed.clone(),
-            });
+        let advise = status == TradeStatus::Mismatched
+            && failed != trade.last_failed
+            && trade.advices < ADVICES_PER_TRADE_MAX;
+        let advice = advise.then(|| Advice {
+            trade_key: trade_key.clone(),
+            failed: failed.clone(),
+        });
         if status == TradeStatus::Matched {
             if let Some(trade) = self.open.remove(trade_key.as_str()) {
                 for held in &trade.messages {
@@ -1087,6 +1097,7 @@ impl Matcher {
         } else if let Some(trade) = self.open.get_mut(trade_key.as_str()) {
             trade.status = status;
             trade.last_failed = failed;
+            trade.advices += u16::from(advise);
         }
         Outcome {
             disposition: Disposition::Accepted,

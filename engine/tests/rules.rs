@@ -1452,3 +1452,52 @@ fn a_participant_holds_a_bounded_number_of_bytes_in_open_trades() {
         vec![Disposition::Accepted]
     );
 }
+
+#[test]
+fn a_trade_sends_a_bounded_number_of_mismatched_advices() {
+    use ste_engine::matcher::ADVICES_PER_TRADE_MAX;
+    let messages = london_trade(600, 400);
+    let mut matcher = matcher();
+    process_all(&mut matcher, &messages[..6]);
+    // The investment manager flips its last SET between two mismatches, again and again.
+    let set = &messages[6];
+    let mut previous = set.msg_id.clone();
+    let mut advices = 0;
+    let mut first = true;
+    for n in 0..200 {
+        // C17 one time, C16 the next: the failed criteria change each time.
+        let mut amend = Msg {
+            msg_id: format!("{}-F{n}", set.msg_id),
+            function: Function::Amd,
+            related_id: Some(previous.clone()),
+            ..set.clone()
+        };
+        if n % 2 == 0 {
+            amend.settle_amount = Some(d("1.00"));
+        } else {
+            amend.payment_type = Some(PaymentType::Fop);
+        }
+        if first {
+            amend = Msg {
+                function: Function::New,
+                related_id: None,
+                msg_id: set.msg_id.clone(),
+                ..amend
+            };
+            first = false;
+        }
+        previous = amend.msg_id.clone();
+        let outcome = outcome_of(&mut matcher, &amend);
+        assert_eq!(outcome.disposition, Disposition::Accepted);
+        advices += usize::from(outcome.advice.is_some());
+    }
+    assert_eq!(advices, usize::from(ADVICES_PER_TRADE_MAX));
+    // Put right, it still matches.
+    let fixed = Msg {
+        msg_id: format!("{}-FIXED", set.msg_id),
+        function: Function::Amd,
+        related_id: Some(previous),
+        ..set.clone()
+    };
+    assert!(outcome_of(&mut matcher, &fixed).cls.is_some());
+}

@@ -7,6 +7,14 @@
 //!    1 MiB message on one connection, FIX sessions holding large messages past a sequence gap,
 //!    1,100 sockets that never log on — and the disk the exceptions of 135 unauthenticated 1 MiB
 //!    SOAP requests take.
+//! 3. Participants with valid keys against the others, each attack on a fresh node beside a
+//!    framed-XML run of whole trades, against the same run alone on a fresh node, alternated:
+//!    a chain of 10,000 AMDs of one ALC (stopped at the trade's bound, E_LIMIT); 600,000 NOEs
+//!    that never match (stopped at the participant's quota, E_LIMIT); FIX logons of one key,
+//!    logged on and dropped as fast as it can (stopped at its own bound, E_BUSY, while another
+//!    participant still logs on); and wrongly signed SOAP requests for the length of the run
+//!    (kept within the exception writer's budget). For each: the run's slowdown, what the
+//!    attack got, and the node's resident set and disk growth.
 //!
 //! `cargo build --release -p ste-bridge && target/release/attackbench [--trades 2000] [--rounds 3]`
 //! (the `engine` binary is taken from beside this one).
@@ -381,7 +389,335 @@ fn main() -> anyhow::Result<()> {
         (exceptions + wal) as f64 / (1024.0 * 1024.0)
     );
     drop(node);
+
+    participant_attacks(&dir, &keys, &refdata, trades, rounds)?;
     let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// What one attack did while the well-behaved run went on.
+struct Attacked {
+    /// Messages or requests the attacker got accepted, and refused (with the code that bounds it).
+    accepted: u64,
+    refused: u64,
+    /// Its own rate while it lasted.
+    per_s: f64,
+    /// A line about anything else it showed.
+    note: String,
+}
+
+/// An attack, given the node, run in a thread of its own beside the run.
+type Attack = fn(&Node, &RefData) -> anyhow::Result<Attacked>;
+
+/// A framed connection logged on as `bic`.
+fn logged_on(
+    node: &Node,
+    refdata: &RefData,
+    bic: &str,
+) -> anyhow::Result<(client::FrameWriter, client::FrameReader)> {
+    let logons = [Logon {
+        participant: bic,
+        key: refdata.participant_mac(bic).context("a key")?.1,
+        subscribe: false,
+    }];
+    Ok(client::connect(node.tcp, &logons)?)
+}
+
+/// Sends `messages` (built on demand) on one connection while reading the answers; counts ACKs
+/// and the NAKs of `bound`.
+fn send_counting(
+    node: &Node,
+    refdata: &RefData,
+    sender: &str,
+    count: u64,
+    message: impl Fn(u64) -> Vec<u8> + Send + 'static,
+) -> anyhow::Result<Attacked> {
+    let (mut writer, mut reader) = logged_on(node, refdata, sender)?;
+    let key = refdata.participant_mac(sender).context("a key")?.1.clone();
+    let bic = sender.to_owned();
+    let started = Instant::now();
+    let feeder = std::thread::spawn(move || -> anyhow::Result<u64> {
+        let mut sent = 0;
+        for seq in 0..count {
+            let xml = message(seq);
+            writer.send(&Frame::Message {
+                seq,
+                sender: bic.clone(),
+                signature: ste_engine::sign::sign_keyed(&key, &xml),
+                xml,
+            })?;
+            sent += 1;
+        }
+        writer.flush()?;
+        Ok(sent)
+    });
+    let (mut accepted, mut refused, mut answered) = (0, 0, 0);
+    reader.set_read_timeout(Some(Duration::from_secs(60)))?;
+    // Every answer is read, whenever the run beside it ends: an unread connection would hold
+    // the engine's window and the feeder.
+    while answered < count {
+        match reader.next_frame()? {
+            Some(Frame::Ack { .. }) => {
+                accepted += 1;
+                answered += 1;
+            }
+            Some(Frame::Nak { .. }) => {
+                refused += 1;
+                answered += 1;
+            }
+            Some(_) => {}
+            None => break,
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    drop(reader);
+    let _ = feeder.join();
+    Ok(Attacked {
+        accepted,
+        refused,
+        per_s: answered as f64 / elapsed,
+        note: String::new(),
+    })
+}
+
+/// A line of a generated trade of an unrelated seed, with a field replaced.
+fn template_line(refdata: &RefData, index: usize) -> anyhow::Result<String> {
+    let line = Generator::new(
+        refdata,
+        GeneratorConfig {
+            seed: 0xA77AC,
+            ..GeneratorConfig::clean(1)
+        },
+    )
+    .nth(index)
+    .context("a line")?;
+    Ok(String::from_utf8(line)?)
+}
+
+fn element(line: &str, tag: &str) -> String {
+    let open = format!("<{tag}>");
+    line.split_once(&open)
+        .and_then(|(_, rest)| rest.split_once('<'))
+        .map(|(text, _)| text.to_owned())
+        .unwrap_or_default()
+}
+
+fn replace_element(line: &str, tag: &str, value: &str) -> String {
+    let old = format!("<{tag}>{}</{tag}>", element(line, tag));
+    line.replacen(&old, &format!("<{tag}>{value}</{tag}>"), 1)
+}
+
+/// An investment manager amends its own ALC 10,000 times, each AMD naming the one before.
+fn amd_chain(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
+    let alc = template_line(refdata, 1)?;
+    let inv_mgr = element(&alc, "Sender");
+    let alc = replace_element(&alc, "TradeRef", "ZCHAIN000001");
+    let first = element(&alc, "MsgId");
+    let message = move |seq: u64| -> Vec<u8> {
+        if seq == 0 {
+            return alc.clone().into_bytes();
+        }
+        let named = if seq == 1 {
+            first.clone()
+        } else {
+            format!("ZC-{:08}", seq - 1)
+        };
+        let amend = replace_element(&alc, "MsgId", &format!("ZC-{seq:08}"))
+            .replace("<Function>NEW</Function>", "<Function>AMD</Function>")
+            .replace(
+                "<Sender>",
+                &format!("<RelatedId>{named}</RelatedId><Sender>"),
+            );
+        amend.into_bytes()
+    };
+    let mut attacked = send_counting(node, refdata, &inv_mgr, 10_000, message)?;
+    attacked.note = format!(
+        "the trade's bound is {}",
+        ste_engine::matcher::TRADE_MESSAGES_MAX
+    );
+    Ok(attacked)
+}
+
+/// A broker sends 600,000 NOEs of trades that never get another message.
+fn noe_flood(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
+    let noe = template_line(refdata, 0)?;
+    let broker = element(&noe, "Sender");
+    let message = move |seq: u64| -> Vec<u8> {
+        let line = replace_element(&noe, "TradeRef", &format!("ZF{seq:010}"));
+        replace_element(&line, "MsgId", &format!("ZF-{seq:010}")).into_bytes()
+    };
+    let mut attacked = send_counting(node, refdata, &broker, 600_000, message)?;
+    attacked.note = format!(
+        "the quota is {} MiB a shard",
+        ste_engine::matcher::PARTICIPANT_HELD_BYTES_DEFAULT >> 20
+    );
+    Ok(attacked)
+}
+
+/// One key logs on over FIX and drops the connection, again and again, until told it is busy;
+/// then another participant logs on.
+fn logon_flood(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
+    let bics: Vec<&str> = refdata
+        .participants()
+        .iter()
+        .map(|p| p.bic.as_str())
+        .collect();
+    let logon = |bic: &str| -> anyhow::Result<String> {
+        let mut stream = TcpStream::connect(node.fix)?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let sending_time = fix::utc_timestamp();
+        let key = refdata.participant_mac(bic).context("a key")?.1;
+        stream.write_all(&fix::encode(&[
+            (35, "A".into()),
+            (49, bic.into()),
+            (56, "STE".into()),
+            (34, "1".into()),
+            (52, sending_time.clone()),
+            (98, "0".into()),
+            (108, "30".into()),
+            (141, "Y".into()),
+            (554, fix::logon_password(key, &sending_time, bic)),
+        ]))?;
+        let mut answer = vec![0_u8; 512];
+        let read = stream.read(&mut answer)?;
+        Ok(String::from_utf8_lossy(&answer[..read]).into_owned())
+    };
+    let started = Instant::now();
+    let (mut accepted, mut refused, mut attempts) = (0, 0, 0_u64);
+    while refused == 0 && started.elapsed() < Duration::from_secs(30) {
+        let answer = logon(bics[11])?;
+        attempts += 1;
+        if answer.contains("\u{1}35=A\u{1}") {
+            accepted += 1;
+        } else if answer.contains("E_BUSY") {
+            refused += 1;
+        } else {
+            // Its last connection is not seen closed yet.
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    let other = logon(bics[12])?;
+    Ok(Attacked {
+        accepted,
+        refused,
+        per_s: attempts as f64 / started.elapsed().as_secs_f64(),
+        note: format!(
+            "another participant's logon then: {}",
+            if other.contains("\u{1}35=A\u{1}") {
+                "accepted"
+            } else {
+                "REFUSED"
+            }
+        ),
+    })
+}
+
+/// Wrongly signed SOAP requests of a real message, as fast as one client can post them.
+fn bad_signature_soap(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
+    use base64::Engine as _;
+    let line = template_line(refdata, 0)?;
+    let sender = element(&line, "Sender");
+    let body = format!(
+        "<s:Envelope xmlns:s=\"{}\" xmlns:b=\"{}\"><s:Header><b:Auth><b:Participant>{sender}</b:Participant><b:Signature>{}</b:Signature></b:Auth></s:Header><s:Body><b:Submit><b:Message>{}</b:Message></b:Submit></s:Body></s:Envelope>",
+        ste_bridge::soap::SOAP11_NS,
+        ste_bridge::soap::BRIDGE_NS,
+        "00".repeat(32),
+        base64::engine::general_purpose::STANDARD.encode(line.as_bytes())
+    );
+    let started = Instant::now();
+    let mut answered = 0_u64;
+    // Ten seconds, whenever the run beside it ends.
+    while started.elapsed() < Duration::from_secs(10) {
+        if post(node.http, body.as_bytes()).is_ok() {
+            answered += 1;
+        }
+    }
+    Ok(Attacked {
+        accepted: 0,
+        refused: answered,
+        per_s: answered as f64 / started.elapsed().as_secs_f64(),
+        note: String::new(),
+    })
+}
+
+/// Bytes of a node's store folder on disk.
+fn disk_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir.join("store"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| entry.metadata().ok())
+        .map(|metadata| metadata.len())
+        .sum()
+}
+
+fn participant_attacks(
+    dir: &Path,
+    keys: &Path,
+    refdata: &RefData,
+    trades: usize,
+    rounds: usize,
+) -> anyhow::Result<()> {
+    let attacks: [(&str, Attack); 4] = [
+        ("a chain of 10,000 AMDs of one ALC", amd_chain),
+        ("600,000 NOEs that never match", noe_flood),
+        ("FIX logons of one key, as fast as it can", logon_flood),
+        ("wrongly signed SOAP requests for 10 s", bad_signature_soap),
+    ];
+    println!("  participants with valid keys against the others ({trades} trades beside each attack, embedded store, {rounds} rounds alternated):");
+    for (name, attack) in attacks {
+        let (mut alone, mut beside) = (Vec::new(), Vec::new());
+        let mut report = None;
+        for round in 0..rounds {
+            let lines: Vec<Vec<u8>> = Generator::new(
+                refdata,
+                GeneratorConfig {
+                    seed: 2000 + round as u64,
+                    ..GeneratorConfig::clean(trades as u64)
+                },
+            )
+            .collect();
+            let node = Node::start(
+                &dir.join(format!("p-alone-{round}")),
+                keys,
+                &["--store", "embedded"],
+            )?;
+            alone.push(framed_run(&node, refdata, &lines, trades)?);
+            drop(node);
+            let data = dir.join(format!("p-{round}"));
+            let _ = std::fs::remove_dir_all(&data);
+            let node = Node::start(&data, keys, &["--store", "embedded"])?;
+            let (rss_before, disk_before) = (node.rss_mib(), disk_bytes(&data));
+            let (run, attacked) = std::thread::scope(|scope| {
+                let attacker = scope.spawn(|| attack(&node, refdata));
+                std::thread::sleep(Duration::from_millis(200));
+                let run = framed_run(&node, refdata, &lines, trades);
+                (run, attacker.join())
+            });
+            beside.push(run?);
+            let attacked = attacked.map_err(|_| anyhow::anyhow!("the attacker panicked"))??;
+            let grown = (
+                node.rss_mib() - rss_before,
+                (disk_bytes(&data) as f64 - disk_before as f64) / (1024.0 * 1024.0),
+            );
+            report = Some((attacked, grown));
+            drop(node);
+        }
+        let (attacked, (rss, disk)) = report.context("at least one round")?;
+        let (alone_s, beside_s) = (median(alone), median(beside));
+        println!("    {name}:");
+        println!(
+            "      run alone {alone_s:.3} s, beside it {beside_s:.3} s: slowdown {:.2}x (target < 1.5x)",
+            beside_s / alone_s
+        );
+        println!(
+            "      the attacker: {} accepted, {} refused, {:.0}/s; {}",
+            attacked.accepted, attacked.refused, attacked.per_s, attacked.note
+        );
+        println!(
+            "      the node grew by {rss:.1} MiB resident and {disk:.1} MiB on disk (last round)"
+        );
+    }
     Ok(())
 }
 
