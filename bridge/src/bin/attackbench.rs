@@ -664,11 +664,19 @@ fn participant_attacks(
         ("FIX logons of one key, as fast as it can", logon_flood),
         ("wrongly signed SOAP requests for 10 s", bad_signature_soap),
     ];
+    let attackers = [
+        element(&template_line(refdata, 0)?, "Sender"),
+        element(&template_line(refdata, 1)?, "Sender"),
+        refdata.participants()[11].bic.clone(),
+    ];
     println!("  participants with valid keys against the others ({trades} trades beside each attack, embedded store, {rounds} rounds alternated):");
-    for (name, attack) in attacks {
+    for (index, (name, attack)) in attacks.into_iter().enumerate() {
         let (mut alone, mut beside) = (Vec::new(), Vec::new());
         let mut report = None;
+        let mut alone_grew = (0.0, 0.0);
         for round in 0..rounds {
+            // The others' trades: an attacker's quota and bounds are its own, so the trades it
+            // is a party of are left out of the run.
             let lines: Vec<Vec<u8>> = Generator::new(
                 refdata,
                 GeneratorConfig {
@@ -676,15 +684,30 @@ fn participant_attacks(
                     ..GeneratorConfig::clean(trades as u64)
                 },
             )
+            .collect::<Vec<_>>()
+            .chunks(7)
+            .filter(|trade| {
+                !trade.iter().any(|line| {
+                    let text = String::from_utf8_lossy(line);
+                    attackers.iter().any(|bic| text.contains(bic.as_str()))
+                })
+            })
+            .flatten()
+            .cloned()
             .collect();
-            let node = Node::start(
-                &dir.join(format!("p-alone-{round}")),
-                keys,
-                &["--store", "embedded"],
-            )?;
+            let trades = lines.len() / 7;
+            // A fresh folder for every node: a node never accepts a MsgId twice.
+            let data = dir.join(format!("p{index}-alone-{round}"));
+            let _ = std::fs::remove_dir_all(&data);
+            let node = Node::start(&data, keys, &["--store", "embedded"])?;
+            let (rss_before, disk_before) = (node.rss_mib(), disk_bytes(&data));
             alone.push(framed_run(&node, refdata, &lines, trades)?);
+            alone_grew = (
+                node.rss_mib() - rss_before,
+                (disk_bytes(&data) as f64 - disk_before as f64) / (1024.0 * 1024.0),
+            );
             drop(node);
-            let data = dir.join(format!("p-{round}"));
+            let data = dir.join(format!("p{index}-{round}"));
             let _ = std::fs::remove_dir_all(&data);
             let node = Node::start(&data, keys, &["--store", "embedded"])?;
             let (rss_before, disk_before) = (node.rss_mib(), disk_bytes(&data));
@@ -715,7 +738,8 @@ fn participant_attacks(
             attacked.accepted, attacked.refused, attacked.per_s, attacked.note
         );
         println!(
-            "      the node grew by {rss:.1} MiB resident and {disk:.1} MiB on disk (last round)"
+            "      the node grew by {rss:.1} MiB resident and {disk:.1} MiB on disk; by {:.1} and {:.1} with the run alone (last round)",
+            alone_grew.0, alone_grew.1
         );
     }
     Ok(())
