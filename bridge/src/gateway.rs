@@ -43,6 +43,47 @@ pub struct GatewayConfig {
     pub cls_out: Option<PathBuf>,
     /// Messages that may wait between the listeners and the ingress thread.
     pub ingress_capacity: usize,
+    /// Messages a second one participant may submit once it has proved who it is (a burst of
+    /// as many); a faster one is slowed, not refused, so that no participant takes the
+    /// engine from the others. 0: no bound.
+    pub participant_rate: u32,
+}
+
+/// Default of [`GatewayConfig::participant_rate`].
+pub const PARTICIPANT_RATE_DEFAULT: u32 = 10_000;
+
+/// A token bucket per participant: how long its next message must wait.
+#[derive(Default)]
+struct Pacing {
+    buckets: AHashMap<String, (f64, tokio::time::Instant)>,
+}
+
+impl Pacing {
+    /// Takes one message of `participant` at `now`, at `rate` a second: how long it waits first.
+    fn wait(
+        &mut self,
+        participant: &str,
+        rate: f64,
+        now: tokio::time::Instant,
+    ) -> std::time::Duration {
+        let (tokens, at) = match self.buckets.get_mut(participant) {
+            Some(bucket) => bucket,
+            None => self
+                .buckets
+                .entry(participant.to_owned())
+                .or_insert((rate, now)),
+        };
+        if now > *at {
+            *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * rate).min(rate);
+            *at = now;
+        }
+        *tokens -= 1.0;
+        if *tokens >= 0.0 {
+            std::time::Duration::ZERO
+        } else {
+            std::time::Duration::from_secs_f64(-*tokens / rate)
+        }
+    }
 }
 
 /// The answer to one message, for the connection that sent it.
@@ -100,6 +141,9 @@ pub struct Shared {
     routes: Mutex<AHashMap<u64, Route>>,
     subscribers: RwLock<AHashMap<String, Vec<Subscriber>>>,
     fix_sessions: Mutex<FixSessions>,
+    /// Per authenticated participant ([`GatewayConfig::participant_rate`]).
+    pacing: Mutex<Pacing>,
+    participant_rate: u32,
     pub counters: GatewayCounters,
 }
 
@@ -195,6 +239,28 @@ impl GatewayHandle {
                 format!("{signer} may not send as {claimed}"),
             )
         })
+    }
+
+    /// Waits until `participant` — one whose key this connection has seen checked: a logon, a
+    /// FIX session, a verified SOAP signature — may submit its next message at its rate. The
+    /// connection waits with it; nothing is refused or lost.
+    pub async fn pace(&self, participant: &str) {
+        if self.shared.participant_rate == 0 {
+            return;
+        }
+        let wait = self
+            .shared
+            .pacing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .wait(
+                participant,
+                f64::from(self.shared.participant_rate),
+                tokio::time::Instant::now(),
+            );
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
     }
 
     /// Submits one message; its answer goes to `reply` tagged with `seq`. Waits while the
@@ -470,6 +536,8 @@ impl Gateway {
             routes: Mutex::new(AHashMap::new()),
             subscribers: RwLock::new(AHashMap::new()),
             fix_sessions: Mutex::new(FixSessions::default()),
+            pacing: Mutex::new(Pacing::default()),
+            participant_rate: config.participant_rate,
             counters: GatewayCounters::default(),
         });
         let (ingress_tx, ingress_rx) = mpsc::channel(config.ingress_capacity.max(1));
@@ -810,6 +878,26 @@ fn push(shared: &Shared, event: &OutboundEvent) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_participant_is_paced_at_its_rate_and_others_are_not() {
+        let mut pacing = Pacing::default();
+        let start = tokio::time::Instant::now();
+        let rate = 1000.0;
+        // A burst of its rate goes at once; then each waits its share of a second.
+        for _ in 0..1000 {
+            assert!(pacing.wait("A", rate, start).is_zero());
+        }
+        let wait = pacing.wait("A", rate, start);
+        assert!((wait.as_secs_f64() - 0.001).abs() < 1e-9, "{wait:?}");
+        let wait = pacing.wait("A", rate, start);
+        assert!((wait.as_secs_f64() - 0.002).abs() < 1e-9, "{wait:?}");
+        // Another participant has its own bucket.
+        assert!(pacing.wait("B", rate, start).is_zero());
+        // A second later the debt is paid and the bucket refilled.
+        let later = start + std::time::Duration::from_secs(2);
+        assert!(pacing.wait("A", rate, later).is_zero());
+    }
 
     #[test]
     fn advices_escape_their_text() {

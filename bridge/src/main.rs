@@ -90,6 +90,10 @@ struct Cli {
     /// sent a correctly signed request), apart from the others.
     #[arg(long, default_value_t = ste_bridge::listener::UNAUTHENTICATED_DEFAULT)]
     max_unauthenticated: usize,
+    /// Messages a second each participant may submit once it has proved who it is (a burst of
+    /// as many); a faster one is slowed, not refused. 0: no bound.
+    #[arg(long, default_value_t = ste_bridge::gateway::PARTICIPANT_RATE_DEFAULT)]
+    participant_rate: u32,
     /// Connections that have not yet logged on, from one source address (an IPv6 /64).
     #[arg(long, default_value_t = ste_bridge::listener::UNAUTHENTICATED_PER_SOURCE_DEFAULT)]
     max_unauthenticated_per_source: usize,
@@ -302,6 +306,7 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
         tolerances: Tolerances::load(cli.profile.as_deref())?,
         cls_out: cli.cls_out.clone(),
         ingress_capacity: GATEWAY_INGRESS_CAPACITY,
+        participant_rate: cli.participant_rate,
     })
 }
 
@@ -659,6 +664,7 @@ fn cluster_gateway(
         tolerances: Tolerances::load(cli.profile.as_deref())?,
         cls_out: None,
         ingress_capacity: GATEWAY_INGRESS_CAPACITY,
+        participant_rate: cli.participant_rate,
     };
     Gateway::start_cluster(ingress, Box::new(copies), stopper, &config, refdata)
         .context("starting the gateway")

@@ -793,17 +793,17 @@ impl Service {
         };
         let (version, envelope) = match parsed {
             Ok(request) => {
-                // A request signed by the participant it names authenticates its connection.
-                if !admission.is_authenticated() {
-                    if let (Some(participant), Some(signature)) =
-                        (request.participant.as_deref(), request.signature.as_ref())
+                // A request signed by the participant it names authenticates its connection,
+                // and goes at that participant's rate.
+                if let (Some(participant), Some(signature)) =
+                    (request.participant.as_deref(), request.signature.as_ref())
+                {
+                    if self
+                        .gateway
+                        .signed_by(participant, &request.message, signature)
                     {
-                        if self
-                            .gateway
-                            .signed_by(participant, &request.message, signature)
-                        {
-                            admission.authenticated();
-                        }
+                        admission.authenticated();
+                        self.gateway.pace(participant).await;
                     }
                 }
                 let refusal = request.participant.as_deref().and_then(|participant| {

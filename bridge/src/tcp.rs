@@ -337,6 +337,10 @@ impl Reader<'_> {
                     } else {
                         self.gateway.impersonation(&sender, &xml, &signature)
                     };
+                    // A participant this connection logged on as goes at its rate.
+                    if self.identities.contains(&sender) {
+                        self.gateway.pace(&sender).await;
+                    }
                     let envelope = Envelope {
                         bytes: xml,
                         sender: Some(sender),

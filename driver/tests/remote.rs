@@ -22,6 +22,7 @@ fn driver_target_tcp_gets_the_expected_outcome() {
         tolerances: Tolerances::from_profile(&MatchingProfile::default()).expect("tolerances"),
         cls_out: None,
         ingress_capacity: 1024,
+        participant_rate: ste_bridge::gateway::PARTICIPANT_RATE_DEFAULT,
     };
     let refdata = RefData::embedded().expect("reference data");
     let keys = KeyRing::generate_for(&refdata);

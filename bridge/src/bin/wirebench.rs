@@ -195,6 +195,7 @@ impl Node {
             tolerances: Tolerances::from_profile(&MatchingProfile::default())?,
             cls_out: None,
             ingress_capacity: 16_384,
+            participant_rate: ste_bridge::gateway::PARTICIPANT_RATE_DEFAULT,
         };
         let gateway = Gateway::start(&config, refdata)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()

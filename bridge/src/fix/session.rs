@@ -950,6 +950,8 @@ async fn handle(
                         rejected_by_session,
                     },
                 );
+            // The session's participant goes at its rate.
+            gateway.pace(participant).await;
             if gateway.submit(envelope, seq, reply).await.is_err() {
                 return Ok(Some("E_SHUTDOWN the engine is shutting down".into()));
             }
