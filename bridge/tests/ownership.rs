@@ -1,7 +1,8 @@
 //! The `engine` binary against participants that hold valid keys and act on trades that are not
 //! theirs: a custodian that settles another firm's trade, strangers that pre-inject ALCs and
-//! SETs into 200 trades to block them, and an attacker that hides the victims' names in the XML
-//! it signs to burn their MsgIds. Each is refused or released while the victims' own 200 trades
+//! SETs into 200 trades to block them (and send ALCs again once the NOEs are in), an attacker
+//! that hides the victims' names in the XML it signs to burn their MsgIds, and a chain of AMDs
+//! past a trade's bound. Each is refused or released while the victims' own 200 trades
 //! match exactly, and a well-behaved participant on another connection completes its trades.
 
 mod common;
@@ -108,6 +109,8 @@ fn strangers_with_valid_keys_cannot_settle_block_or_burn_anothers_trades() {
     let mut attack: Vec<Vec<u8>> = Vec::new();
     let mut expected: Vec<&str> = Vec::new();
     let mut attackers: BTreeSet<String> = BTreeSet::new();
+    // Sent once the trades' NOEs are in: ALCs of the blockers' that can no longer be taken.
+    let mut late_alcs: Vec<Vec<u8>> = Vec::new();
     for (n, trade) in victim_msgs.chunks(7).enumerate() {
         let noe = &trade[0];
         let inv_mgr = noe.inv_mgr.clone().expect("InvMgr");
@@ -155,6 +158,13 @@ fn strangers_with_valid_keys_cannot_settle_block_or_burn_anothers_trades() {
             safekeeping_account: Some("ATTACKER-ACCT".to_owned()),
             ..set.clone()
         };
+        late_alcs.push(
+            encode_msg(&Msg {
+                msg_id: format!("{blocker}-L{n:06}"),
+                ..blocking_alc.clone()
+            })
+            .into_bytes(),
+        );
         for (msg, answer) in [
             (hijack, "E_AUTH"),
             (blocking_alc, "ACK"),
@@ -243,7 +253,39 @@ fn strangers_with_valid_keys_cannot_settle_block_or_burn_anothers_trades() {
     }
     let names: Vec<&str> = parties.iter().map(String::as_str).collect();
     let (mut writer, mut reader) = connect_as(&engine, &refdata, &names, true);
-    for (seq, line) in victims.iter().enumerate() {
+    let is_noe = |line: &Vec<u8>| String::from_utf8_lossy(line).contains("<Type>NOE</Type>");
+    let mut heard = Heard::default();
+    // The NOEs first: each names its investment manager, and releases the blockers' messages.
+    for (seq, line) in victims.iter().enumerate().filter(|(_, l)| is_noe(l)) {
+        writer
+            .send(&message(&refdata, seq as u64, line.clone()))
+            .expect("sends");
+    }
+    writer.flush().expect("flushes");
+    listen(&mut reader, &mut heard, |h| {
+        h.answers.len() == TRADES as usize
+    });
+    // Now a blocker's ALC is refused outright.
+    for line in &late_alcs {
+        attacker_writer
+            .send(&message(&refdata, seq, line.clone()))
+            .expect("sends");
+        seq += 1;
+    }
+    attacker_writer.flush().expect("flushes");
+    let sent = seq as usize;
+    listen(&mut attacker_reader, &mut attackers_heard, |h| {
+        h.answers.len() == sent
+    });
+    for index in sent - late_alcs.len()..sent {
+        assert_eq!(
+            attackers_heard.answers[&(index as u64)],
+            Some(ReasonCode::Auth),
+            "a late ALC of a blocker"
+        );
+    }
+    // Then the rest of the trades.
+    for (seq, line) in victims.iter().enumerate().filter(|(_, l)| !is_noe(l)) {
         writer
             .send(&message(&refdata, seq as u64, line.clone()))
             .expect("sends");
@@ -259,7 +301,6 @@ fn strangers_with_valid_keys_cannot_settle_block_or_burn_anothers_trades() {
             .map(|(id, _)| id.to_owned())
             .unwrap_or_default()
     };
-    let mut heard = Heard::default();
     listen(&mut reader, &mut heard, |h| {
         h.answers.len() == victims.len()
             && h.cls.iter().filter(|x| own.contains(&cls_id(x))).count() == TRADES as usize

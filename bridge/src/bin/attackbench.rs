@@ -12,7 +12,8 @@
 //!    a chain of 10,000 AMDs of one ALC (stopped at the trade's bound, E_LIMIT); 600,000 NOEs
 //!    that never match (stopped at the participant's quota, E_LIMIT); FIX logons of one key,
 //!    logged on and dropped as fast as it can (stopped at its own bound, E_BUSY, while another
-//!    participant still logs on); and wrongly signed SOAP requests for the length of the run
+//!    participant still logs on); 671 ResendRequests for the whole of a full FIX resend store
+//!    (paid from the session's budget, E_BUSY beyond it); and wrongly signed SOAP requests
 //!    (kept within the exception writer's budget). For each: the run's slowdown, what the
 //!    attack got, and the node's resident set and disk growth.
 //!
@@ -612,6 +613,102 @@ fn logon_flood(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
     })
 }
 
+/// A FIX session fills the engine's store of its answers (6,000 NOEs, each answered), then
+/// sends 671 ResendRequests for everything (`7=1 16=0`) at once and reads for 15 s.
+fn resend_flood(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
+    let noe = template_line(refdata, 0)?;
+    let broker = element(&noe, "Sender");
+    let key = refdata.participant_mac(&broker).context("a key")?.1;
+    let mut stream = TcpStream::connect(node.fix)?;
+    stream.set_read_timeout(Some(Duration::from_millis(200)))?;
+    let sending_time = fix::utc_timestamp();
+    stream.write_all(&fix::encode(&[
+        (35, "A".into()),
+        (49, broker.clone()),
+        (56, "STE".into()),
+        (34, "1".into()),
+        (52, sending_time.clone()),
+        (98, "0".into()),
+        (108, "30".into()),
+        (141, "Y".into()),
+        (554, fix::logon_password(key, &sending_time, &broker)),
+    ]))?;
+    let mut seq = 2_u64;
+    let header = |msg_type: &str, seq: u64| {
+        vec![
+            (35, msg_type.to_owned()),
+            (49, broker.clone()),
+            (56, "STE".to_owned()),
+            (34, seq.to_string()),
+            (52, fix::utc_timestamp()),
+        ]
+    };
+    let mut out = Vec::new();
+    for n in 0..6_000_u64 {
+        let line = replace_element(&noe, "TradeRef", &format!("ZR{n:010}"));
+        let line = replace_element(&line, "MsgId", &format!("ZR-{n:010}"));
+        let mut pairs = fix::to_fix(line.as_bytes()).map_err(|r| anyhow::anyhow!("{r}"))?;
+        let msg_type = pairs.remove(0).1;
+        let mut fields = header(&msg_type, seq);
+        fields.extend(pairs);
+        let mut covered = Vec::new();
+        for (tag, value) in &fields {
+            covered.extend_from_slice(format!("{tag}={value}\u{1}").as_bytes());
+        }
+        let signature = hex::encode(ste_engine::sign::sign_keyed(key, &covered));
+        fields.push((93, signature.len().to_string()));
+        fields.push((89, signature));
+        out.extend_from_slice(&fix::encode(&fields));
+        seq += 1;
+    }
+    stream.write_all(&out)?;
+    // Read the answers until the engine falls quiet.
+    let mut chunk = vec![0_u8; 1 << 16];
+    let mut quiet = 0;
+    while quiet < 10 {
+        match stream.read(&mut chunk) {
+            Ok(0) => anyhow::bail!("the engine closed the session"),
+            Ok(_) => quiet = 0,
+            Err(_) => quiet += 1,
+        }
+    }
+    let mut requests = Vec::new();
+    for _ in 0..671 {
+        let mut fields = header("2", seq);
+        fields.extend([(7, "1".to_owned()), (16, "0".to_owned())]);
+        requests.extend_from_slice(&fix::encode(&fields));
+        seq += 1;
+    }
+    stream.write_all(&requests)?;
+    let started = Instant::now();
+    let (mut bytes, mut resent, mut busy) = (0_u64, 0_u64, 0_u64);
+    let count = |haystack: &[u8], needle: &[u8]| {
+        haystack
+            .windows(needle.len())
+            .filter(|w| *w == needle)
+            .count() as u64
+    };
+    while started.elapsed() < Duration::from_secs(15) {
+        if let Ok(read) = stream.read(&mut chunk) {
+            if read == 0 {
+                break;
+            }
+            bytes += read as u64;
+            resent += count(&chunk[..read], b"\x0143=Y\x01");
+            busy += count(&chunk[..read], b"E_BUSY resending");
+        }
+    }
+    Ok(Attacked {
+        accepted: resent,
+        refused: busy,
+        per_s: 671.0 / started.elapsed().as_secs_f64(),
+        note: format!(
+            "{:.1} MiB sent back in 15 s for 671 ResendRequests (counted: messages resent, requests refused E_BUSY)",
+            bytes as f64 / (1024.0 * 1024.0)
+        ),
+    })
+}
+
 /// Wrongly signed SOAP requests of a real message, as fast as one client can post them.
 fn bad_signature_soap(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
     use base64::Engine as _;
@@ -658,10 +755,11 @@ fn participant_attacks(
     trades: usize,
     rounds: usize,
 ) -> anyhow::Result<()> {
-    let attacks: [(&str, Attack); 4] = [
+    let attacks: [(&str, Attack); 5] = [
         ("a chain of 10,000 AMDs of one ALC", amd_chain),
         ("600,000 NOEs that never match", noe_flood),
         ("FIX logons of one key, as fast as it can", logon_flood),
+        ("671 FIX ResendRequests for a full store", resend_flood),
         ("wrongly signed SOAP requests for 10 s", bad_signature_soap),
     ];
     let attackers = [
