@@ -620,17 +620,7 @@ fn logon_at_time(
         .participant_mac(participant)
         .expect("a participant")
         .1;
-    fix::encode(&[
-        (35, "A".into()),
-        (49, participant.into()),
-        (56, "STE".into()),
-        (34, "1".into()),
-        (52, sending_time.into()),
-        (98, "0".into()),
-        (108, "30".into()),
-        (141, "Y".into()),
-        (554, fix::logon_password(key, sending_time, participant)),
-    ])
+    fix::fresh_logon(key, participant, sending_time)
 }
 
 #[test]
@@ -683,18 +673,7 @@ fn a_flood_of_logons_from_one_key_leaves_every_other_logon_answered() {
     // Nor can it log on as itself padded with NUL bytes, which would be another CompID.
     for padded in [format!("{flooder}\0"), format!("{flooder}\0\0\0\0\0")] {
         let key = refdata.participant_mac(flooder).expect("a key").1;
-        let sending_time = fix::utc_timestamp();
-        let logon = fix::encode(&[
-            (35, "A".into()),
-            (49, padded.clone()),
-            (56, "STE".into()),
-            (34, "1".into()),
-            (52, sending_time.clone()),
-            (98, "0".into()),
-            (108, "30".into()),
-            (141, "Y".into()),
-            (554, fix::logon_password(key, &sending_time, &padded)),
-        ]);
+        let logon = fix::fresh_logon(key, &padded, &fix::utc_timestamp());
         let (_, answer) = RawSession::send_logon(&engine, &logon);
         assert_eq!(answer.msg_type(), "5", "{padded:?}: {answer:?}");
     }

@@ -306,20 +306,8 @@ fn main() -> anyhow::Result<()> {
         let bic = &refdata.participants()[session].bic;
         let mut stream = TcpStream::connect(node.fix)?;
         stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-        let sending_time = fix::utc_timestamp();
         let key = refdata.participant_mac(bic).expect("a key").1;
-        let logon = fix::encode(&[
-            (35, "A".into()),
-            (49, bic.clone()),
-            (56, "STE".into()),
-            (34, "1".into()),
-            (52, sending_time.clone()),
-            (98, "0".into()),
-            (108, "30".into()),
-            (141, "Y".into()),
-            (554, fix::logon_password(key, &sending_time, bic)),
-        ]);
-        stream.write_all(&logon)?;
+        stream.write_all(&fix::fresh_logon(key, bic, &fix::utc_timestamp()))?;
         for seq in 10..40_u64 {
             let message = fix::encode(&[
                 (35, "1".into()),
@@ -566,19 +554,8 @@ fn logon_flood(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
     let logon = |bic: &str| -> anyhow::Result<String> {
         let mut stream = TcpStream::connect(node.fix)?;
         stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-        let sending_time = fix::utc_timestamp();
         let key = refdata.participant_mac(bic).context("a key")?.1;
-        stream.write_all(&fix::encode(&[
-            (35, "A".into()),
-            (49, bic.into()),
-            (56, "STE".into()),
-            (34, "1".into()),
-            (52, sending_time.clone()),
-            (98, "0".into()),
-            (108, "30".into()),
-            (141, "Y".into()),
-            (554, fix::logon_password(key, &sending_time, bic)),
-        ]))?;
+        stream.write_all(&fix::fresh_logon(key, bic, &fix::utc_timestamp()))?;
         let mut answer = vec![0_u8; 512];
         let read = stream.read(&mut answer)?;
         Ok(String::from_utf8_lossy(&answer[..read]).into_owned())
@@ -621,18 +598,7 @@ fn resend_flood(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
     let key = refdata.participant_mac(&broker).context("a key")?.1;
     let mut stream = TcpStream::connect(node.fix)?;
     stream.set_read_timeout(Some(Duration::from_millis(200)))?;
-    let sending_time = fix::utc_timestamp();
-    stream.write_all(&fix::encode(&[
-        (35, "A".into()),
-        (49, broker.clone()),
-        (56, "STE".into()),
-        (34, "1".into()),
-        (52, sending_time.clone()),
-        (98, "0".into()),
-        (108, "30".into()),
-        (141, "Y".into()),
-        (554, fix::logon_password(key, &sending_time, &broker)),
-    ]))?;
+    stream.write_all(&fix::fresh_logon(key, &broker, &fix::utc_timestamp()))?;
     let mut seq = 2_u64;
     let header = |msg_type: &str, seq: u64| {
         vec![

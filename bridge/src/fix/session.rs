@@ -42,6 +42,23 @@ pub fn logon_password(key: &KeyedMac, sending_time: &str, participant: &str) -> 
     hex::encode(sign::sign_keyed(key, &covered))
 }
 
+/// A whole Logon (`A`) of `participant` at `sending_time`, with MsgSeqNum 1 and
+/// ResetSeqNumFlag, HeartBtInt 30 and its password under `key`: what a participant that starts
+/// its session afresh sends.
+pub fn fresh_logon(key: &KeyedMac, participant: &str, sending_time: &str) -> Vec<u8> {
+    super::encode(&[
+        (35, "A".into()),
+        (49, participant.into()),
+        (56, ENGINE_COMP_ID.into()),
+        (34, "1".into()),
+        (52, sending_time.into()),
+        (98, "0".into()),
+        (108, "30".into()),
+        (141, "Y".into()),
+        (554, logon_password(key, sending_time, participant)),
+    ])
+}
+
 /// Limits and timers of the FIX listener.
 #[derive(Debug, Clone)]
 pub struct FixConfig {
