@@ -152,6 +152,10 @@ struct Cli {
     /// arrived (embedded and postgres stores).
     #[arg(long, value_name = "DAYS")]
     retention_days: Option<u32>,
+    /// Keep the exceptions of unchecked input (unsigned, wrongly signed, unreadable; they name
+    /// no MsgId) this many days after they arrived; 0 keeps them (embedded and postgres stores).
+    #[arg(long, value_name = "DAYS", default_value_t = ste_engine::pipeline::UNCHECKED_EXCEPTION_DAYS_DEFAULT)]
+    unchecked_exception_days: u32,
     /// MiB a shard's match queue may hold: the backlog of a shard whose store stalls (its
     /// database down), while the other shards go on.
     #[arg(long, value_name = "MIB", default_value_t = ste_engine::pipeline::SHARD_BACKLOG_BYTES_DEFAULT >> 20)]
@@ -298,6 +302,8 @@ fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
             // unconfirmed CLS are emitted again.
             recover: true,
             retention_days: cli.retention_days,
+            unchecked_exception_days: (cli.unchecked_exception_days > 0)
+                .then_some(cli.unchecked_exception_days),
             shard_backlog_bytes: cli.shard_backlog_mib.max(1) << 20,
             aging: aging(cli),
             matcher_memory: matcher_memory(cli),

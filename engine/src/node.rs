@@ -582,6 +582,7 @@ impl ShardOwner {
                         acks,
                         batch_max,
                         retry,
+                        Some(crate::pipeline::UNCHECKED_EXCEPTION_DAYS_DEFAULT),
                     )
                 });
                 Some((handle, exception_stopper))

@@ -331,9 +331,26 @@ fn embedded_retention_deletes_what_expired_and_keeps_undelivered_cls() {
         let after = store.row_counts().expect("counts");
         assert_eq!((after.messages, after.cls, after.trades), (0, 0, 0));
     }
-    // The exception store has its own file, and its own retention.
+    // The exception store has its own file, and its own retention; the exceptions of
+    // unchecked input have theirs besides, on by default.
     let mut exceptions = SqliteStore::open(&dir.path().join("exceptions.sqlite")).expect("reopens");
     assert_eq!(exceptions.row_counts().expect("counts").exceptions, 1);
+    let today = time::OffsetDateTime::now_utc().date();
+    assert_eq!(
+        exceptions
+            .purge_unchecked_exceptions(today)
+            .expect("purges"),
+        0
+    );
+    assert_eq!(exceptions.row_counts().expect("counts").exceptions, 1);
+    let tomorrow = today + time::Duration::days(1);
+    assert_eq!(
+        exceptions
+            .purge_unchecked_exceptions(tomorrow)
+            .expect("purges"),
+        1
+    );
+    assert_eq!(exceptions.row_counts().expect("counts").exceptions, 0);
     exceptions.purge(far_future, 30).expect("purges");
     assert_eq!(exceptions.row_counts().expect("counts").exceptions, 0);
 }

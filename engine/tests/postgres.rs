@@ -477,3 +477,36 @@ fn two_writers_creating_the_same_partition_at_once_both_commit() {
         months as usize
     );
 }
+
+#[test]
+fn exceptions_of_unchecked_input_go_after_their_days_and_remembered_ones_stay() {
+    use ste_engine::reason::ReasonCode;
+    use ste_engine::store::{Batch, ExceptionRow, PgStore, Store};
+    let databases = TempDatabases::create("unchecked", 1);
+    let mut store = PgStore::open(&databases.urls()[0]).expect("opens");
+    let today = time::OffsetDateTime::now_utc().date();
+    let old = today - time::Duration::days(40);
+    let row = |received_on, msg_id: Option<&str>, code| ExceptionRow {
+        received_on,
+        trade_key: None,
+        sender: msg_id.map(|_| "BRKAAU21XXX".to_owned()),
+        msg_id: msg_id.map(str::to_owned),
+        code,
+        detail: "test".to_owned(),
+        raw: b"<Msg/>".to_vec(),
+    };
+    let mut batch = Batch {
+        exceptions: vec![
+            row(old, None, ReasonCode::Sig),
+            row(today, None, ReasonCode::Parse),
+            row(old, Some("M-1"), ReasonCode::Field),
+        ],
+        ..Batch::default()
+    };
+    store.commit(&mut batch).expect("commits");
+    let before = today - time::Duration::days(30);
+    assert_eq!(store.purge_unchecked_exceptions(before).expect("purges"), 1);
+    // Today's unchecked row, and the old one whose MsgId it spent, stay.
+    assert_eq!(store.row_counts().expect("counts").exceptions, 2);
+    assert_eq!(store.purge_unchecked_exceptions(before).expect("purges"), 0);
+}

@@ -87,6 +87,19 @@ impl Node {
     fn rss_mib(&self) -> f64 {
         ste_bridge::bench::rss_bytes(&self.child.id().to_string()) as f64 / (1024.0 * 1024.0)
     }
+
+    /// MiB the node has written to storage so far (`write_bytes` of /proc/PID/io).
+    fn written_mib(&self) -> f64 {
+        std::fs::read_to_string(format!("/proc/{}/io", self.child.id()))
+            .ok()
+            .and_then(|io| {
+                io.lines()
+                    .find_map(|line| line.strip_prefix("write_bytes:"))
+                    .and_then(|value| value.trim().parse::<u64>().ok())
+            })
+            .unwrap_or(0) as f64
+            / (1024.0 * 1024.0)
+    }
 }
 
 impl Drop for Node {
@@ -593,6 +606,16 @@ fn logon_flood(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
 /// A FIX session fills the engine's store of its answers (6,000 NOEs, each answered), then
 /// sends 671 ResendRequests for everything (`7=1 16=0`) at once and reads for 15 s.
 fn resend_flood(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
+    resend_flood_session(node, refdata, 671)
+}
+
+/// [`resend_flood`] with `requests` ResendRequests (none: the session only fills the store, and
+/// logs out).
+fn resend_flood_session(
+    node: &Node,
+    refdata: &RefData,
+    requests_count: u64,
+) -> anyhow::Result<Attacked> {
     let noe = template_line(refdata, 0)?;
     let broker = element(&noe, "Sender");
     let key = refdata.participant_mac(&broker).context("a key")?.1;
@@ -638,8 +661,18 @@ fn resend_flood(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
             Err(_) => quiet += 1,
         }
     }
+    if requests_count == 0 {
+        stream.write_all(&fix::encode(&header("5", seq)))?;
+        let _ = stream.read(&mut chunk);
+        return Ok(Attacked {
+            accepted: 0,
+            refused: 0,
+            per_s: 0.0,
+            note: String::new(),
+        });
+    }
     let mut requests = Vec::new();
-    for _ in 0..671 {
+    for _ in 0..requests_count {
         let mut fields = header("2", seq);
         fields.extend([(7, "1".to_owned()), (16, "0".to_owned())]);
         requests.extend_from_slice(&fix::encode(&fields));
@@ -667,10 +700,181 @@ fn resend_flood(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
     Ok(Attacked {
         accepted: resent,
         refused: busy,
-        per_s: 671.0 / started.elapsed().as_secs_f64(),
+        per_s: requests_count as f64 / started.elapsed().as_secs_f64(),
         note: format!(
-            "{:.1} MiB sent back in 15 s for 671 ResendRequests (counted: messages resent, requests refused E_BUSY)",
+            "{:.1} MiB sent back in 15 s for {requests_count} ResendRequests (counted: messages resent, requests refused E_BUSY)",
             bytes as f64 / (1024.0 * 1024.0)
+        ),
+    })
+}
+
+/// An investment manager that is a party of a trade flips its SET between two mismatches 5,000
+/// times; the victim broker's connection counts the MISMATCHED advices it is pushed.
+fn advice_flood(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
+    let lines: Vec<String> = Generator::new(
+        refdata,
+        GeneratorConfig {
+            seed: 0xADF,
+            ..GeneratorConfig::clean(1)
+        },
+    )
+    .map(|line| {
+        // MsgIds of its own: the run beside it has trades of the same index.
+        let line = String::from_utf8(line)
+            .unwrap_or_default()
+            .replace("-000000000001-", "-ZA000000001-");
+        replace_element(&line, "TradeRef", "ZADVICE00001")
+    })
+    .collect();
+    let broker = element(&lines[0], "Sender");
+    let inv_mgr = element(&lines[1], "Sender");
+    // The broker's side, and its subscription for what it is pushed.
+    let (mut broker_writer, mut broker_reader) = {
+        let logons = [Logon {
+            participant: &broker,
+            key: refdata.participant_mac(&broker).context("a key")?.1,
+            subscribe: true,
+        }];
+        client::connect(node.tcp, &logons)?
+    };
+    let broker_key = refdata.participant_mac(&broker).context("a key")?.1.clone();
+    for (seq, line) in lines
+        .iter()
+        .filter(|l| element(l, "Sender") == broker)
+        .enumerate()
+    {
+        broker_writer.send(&Frame::Message {
+            seq: seq as u64,
+            sender: broker.clone(),
+            signature: ste_engine::sign::sign_keyed(&broker_key, line.as_bytes()),
+            xml: line.clone().into_bytes(),
+        })?;
+    }
+    broker_writer.flush()?;
+    let set = lines
+        .iter()
+        .rfind(|l| element(l, "Type") == "SET")
+        .context("a SET")?
+        .clone();
+    let first_id = element(&set, "MsgId");
+    let others: Vec<String> = lines
+        .iter()
+        .filter(|l| element(l, "Sender") == inv_mgr && **l != set)
+        .cloned()
+        .collect();
+    let flips = 5_000_u64;
+    let message = move |seq: u64| -> Vec<u8> {
+        let seq = seq as usize;
+        if seq < others.len() {
+            return others[seq].clone().into_bytes();
+        }
+        let n = seq - others.len();
+        let bad = if n.is_multiple_of(2) {
+            replace_element(&set, "SettleAmount", "1.00")
+        } else {
+            replace_element(&set, "PaymentType", "FOP")
+        };
+        if n == 0 {
+            return bad.into_bytes();
+        }
+        let named = if n == 1 {
+            first_id.clone()
+        } else {
+            format!("ZV-{:08}", n - 1)
+        };
+        replace_element(&bad, "MsgId", &format!("ZV-{n:08}"))
+            .replace("<Function>NEW</Function>", "<Function>AMD</Function>")
+            .replace(
+                "<Sender>",
+                &format!("<RelatedId>{named}</RelatedId><Sender>"),
+            )
+            .into_bytes()
+    };
+    let mut attacked = send_counting(node, refdata, &inv_mgr, 3 + flips, message)?;
+    broker_reader.set_read_timeout(Some(Duration::from_millis(500)))?;
+    let mut advices = 0;
+    while let Ok(Some(frame)) = broker_reader.next_frame() {
+        if let Frame::Push {
+            class: PushClass::Advice,
+            xml,
+        } = frame
+        {
+            advices += u64::from(String::from_utf8_lossy(&xml).contains("MISMATCHED"));
+        }
+    }
+    attacked.note = format!(
+        "{advices} MISMATCHED advices pushed to the broker for {flips} flips (at most {} a trade)",
+        ste_engine::matcher::ADVICES_PER_TRADE_MAX
+    );
+    Ok(attacked)
+}
+
+/// 64 sockets from each of 16 loopback addresses that never log on, held through the run.
+fn idle_sockets(node: &Node, _refdata: &RefData) -> anyhow::Result<Attacked> {
+    let mut held = Vec::new();
+    let mut refused = 0;
+    let started = Instant::now();
+    for source in 2..18_u8 {
+        let address = std::net::IpAddr::from([127, 0, 0, source]);
+        for _ in 0..64 {
+            let mut socket = socket_from(address, node.tcp)?;
+            socket.set_read_timeout(Some(Duration::from_millis(500)))?;
+            match Frame::read_from(&mut socket) {
+                Ok(Some(Frame::Challenge { .. })) => held.push(socket),
+                _ => refused += 1,
+            }
+        }
+    }
+    let per_s = 1024.0 / started.elapsed().as_secs_f64();
+    // Held until the engine's logon timeout closes them.
+    std::thread::sleep(Duration::from_secs(3));
+    Ok(Attacked {
+        accepted: held.len() as u64,
+        refused,
+        per_s,
+        note: "sockets served (counted as accepted) until the logon timeout, and refused"
+            .to_owned(),
+    })
+}
+
+/// A participant whose FIX store is full logs on 500 times with a MsgSeqNum below the
+/// expected one, each refused: the node must not write its session file for each.
+fn refused_logons(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
+    // Fill the store first, as the ResendRequest flood does, then leave.
+    let _ = resend_flood_session(node, refdata, 0)?;
+    let noe = template_line(refdata, 0)?;
+    let broker = element(&noe, "Sender");
+    let key = refdata.participant_mac(&broker).context("a key")?.1;
+    let written_before = node.written_mib();
+    let started = Instant::now();
+    let mut refused = 0;
+    for _ in 0..500 {
+        let mut stream = TcpStream::connect(node.fix)?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let sending_time = fix::utc_timestamp();
+        stream.write_all(&fix::encode(&[
+            (35, "A".into()),
+            (49, broker.clone()),
+            (56, "STE".into()),
+            (34, "1".into()),
+            (52, sending_time.clone()),
+            (98, "0".into()),
+            (108, "30".into()),
+            (554, fix::logon_password(key, &sending_time, &broker)),
+        ]))?;
+        let mut answer = vec![0_u8; 512];
+        let read = stream.read(&mut answer).unwrap_or(0);
+        refused += u64::from(String::from_utf8_lossy(&answer[..read]).contains("too low"));
+        // One logon of this participant at a time: the refused one is over once closed.
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(Attacked {
+        accepted: 0,
+        refused,
+        per_s: 500.0 / started.elapsed().as_secs_f64(),
+        note: format!(
+            "the node wrote {:.1} MiB meanwhile",
+            node.written_mib() - written_before
         ),
     })
 }
@@ -721,11 +925,20 @@ fn participant_attacks(
     trades: usize,
     rounds: usize,
 ) -> anyhow::Result<()> {
-    let attacks: [(&str, Attack); 5] = [
+    let attacks: [(&str, Attack); 8] = [
         ("a chain of 10,000 AMDs of one ALC", amd_chain),
         ("600,000 NOEs that never match", noe_flood),
         ("FIX logons of one key, as fast as it can", logon_flood),
         ("671 FIX ResendRequests for a full store", resend_flood),
+        (
+            "500 refused FIX logons of a participant with a full store",
+            refused_logons,
+        ),
+        (
+            "5,000 flips of a party's SET between two mismatches",
+            advice_flood,
+        ),
+        ("64 idle sockets from each of 16 addresses", idle_sockets),
         ("wrongly signed SOAP requests for 10 s", bad_signature_soap),
     ];
     let attackers = [
@@ -737,7 +950,7 @@ fn participant_attacks(
     for (index, (name, attack)) in attacks.into_iter().enumerate() {
         let (mut alone, mut beside) = (Vec::new(), Vec::new());
         let mut report = None;
-        let mut alone_grew = (0.0, 0.0);
+        let mut alone_grew = (0.0, 0.0, 0.0);
         for round in 0..rounds {
             // The others' trades: an attacker's quota and bounds are its own, so the trades it
             // is a party of are left out of the run.
@@ -765,16 +978,19 @@ fn participant_attacks(
             let _ = std::fs::remove_dir_all(&data);
             let node = Node::start(&data, keys, &["--store", "embedded"])?;
             let (rss_before, disk_before) = (node.rss_mib(), disk_bytes(&data));
+            let written_before = node.written_mib();
             alone.push(framed_run(&node, refdata, &lines, trades)?);
             alone_grew = (
                 node.rss_mib() - rss_before,
                 (disk_bytes(&data) as f64 - disk_before as f64) / (1024.0 * 1024.0),
+                node.written_mib() - written_before,
             );
             drop(node);
             let data = dir.join(format!("p{index}-{round}"));
             let _ = std::fs::remove_dir_all(&data);
             let node = Node::start(&data, keys, &["--store", "embedded"])?;
             let (rss_before, disk_before) = (node.rss_mib(), disk_bytes(&data));
+            let written_before = node.written_mib();
             let (run, attacked) = std::thread::scope(|scope| {
                 let attacker = scope.spawn(|| attack(&node, refdata));
                 std::thread::sleep(Duration::from_millis(200));
@@ -786,11 +1002,12 @@ fn participant_attacks(
             let grown = (
                 node.rss_mib() - rss_before,
                 (disk_bytes(&data) as f64 - disk_before as f64) / (1024.0 * 1024.0),
+                node.written_mib() - written_before,
             );
             report = Some((attacked, grown));
             drop(node);
         }
-        let (attacked, (rss, disk)) = report.context("at least one round")?;
+        let (attacked, (rss, disk, written)) = report.context("at least one round")?;
         let (alone_s, beside_s) = (median(alone), median(beside));
         println!("    {name}:");
         println!(
@@ -802,8 +1019,8 @@ fn participant_attacks(
             attacked.accepted, attacked.refused, attacked.per_s, attacked.note
         );
         println!(
-            "      the node grew by {rss:.1} MiB resident and {disk:.1} MiB on disk; by {:.1} and {:.1} with the run alone (last round)",
-            alone_grew.0, alone_grew.1
+            "      the node grew by {rss:.1} MiB resident and {disk:.1} MiB on disk, and wrote {written:.1} MiB; by {:.1}, {:.1} and {:.1} with the run alone (last round)",
+            alone_grew.0, alone_grew.1, alone_grew.2
         );
     }
     Ok(())

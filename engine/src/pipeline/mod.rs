@@ -102,6 +102,9 @@ pub enum OutboundEvent {
     Aged(crate::matcher::AgedTrade),
 }
 
+/// Default of [`PipelineConfig::unchecked_exception_days`].
+pub const UNCHECKED_EXCEPTION_DAYS_DEFAULT: u32 = 30;
+
 /// Delivery confirmations from the consumer of the outbound queue. CLS of a shard arrive in
 /// outbox order, so one watermark per shard is enough: confirming outbox id n confirms every CLS
 /// of that shard up to n. Writers record the watermark in their next transaction; a restart
@@ -196,6 +199,9 @@ pub struct PipelineConfig {
     /// whole monthly partitions; embedded: the expired rows), and exceptions this many days
     /// after they arrived. `None` keeps everything.
     pub retention_days: Option<u32>,
+    /// Keep the exceptions of unchecked input (unsigned, wrongly signed, unreadable input that
+    /// names no MsgId) this many days after they arrived, checked once a day; `None` keeps them.
+    pub unchecked_exception_days: Option<u32>,
     /// When unmatched trades age out; `None`: never.
     pub aging: Option<Aging>,
     /// Bytes a shard's match queue may hold: the backlog of a shard whose store stalls (its
@@ -265,6 +271,7 @@ impl Default for PipelineConfig {
             retry: RetryPolicy::default(),
             recover: false,
             retention_days: None,
+            unchecked_exception_days: Some(UNCHECKED_EXCEPTION_DAYS_DEFAULT),
             aging: Some(Aging::default()),
             shard_backlog_bytes: SHARD_BACKLOG_BYTES_DEFAULT,
             matcher_memory: MatcherMemory::default(),
@@ -645,6 +652,7 @@ impl Pipeline {
         let (exception_tx, exception_rx) =
             local::bounded::<RejectedItem>("exceptions", capacity, clock);
         let exception_station = exception_tx.station().clone();
+        let unchecked_exception_days = config.unchecked_exception_days;
         let exception_writer = {
             let acks: Tx<Ack> = Box::new(ack_tx.clone());
             spawn("exception-writer".to_owned(), move || {
@@ -654,6 +662,7 @@ impl Pipeline {
                     acks,
                     batch_max,
                     retry,
+                    unchecked_exception_days,
                 )
             })
         };

@@ -105,16 +105,20 @@ impl Over {
 }
 
 /// Writes the validators' rejections to the exception store; their NAKs go out after commit.
+/// With `keep_days`, once a day (at its first batch of the day) it deletes what it stored
+/// that arrived more than that many days before.
 pub(crate) fn run_exception_writer(
     rx: Rx<RejectedItem>,
     mut store: Box<dyn Store>,
     ack_tx: Tx<Ack>,
     batch_max: usize,
     retry: RetryPolicy,
+    keep_days: Option<u32>,
 ) -> Result<WriterReport, PipelineError> {
     let station = rx.station().clone();
     let mut commit_retries = 0;
     let mut budget = Budget::new(Instant::now());
+    let mut purged_on: Option<time::Date> = None;
     while let Some(merged) = next_batch(&rx, batch_max, Duration::ZERO)? {
         let Merged {
             items,
@@ -124,6 +128,18 @@ pub(crate) fn run_exception_writer(
         let started = Instant::now();
         let dequeued_ns = rx.now_ns();
         let today = OffsetDateTime::now_utc().date();
+        if let Some(days) = keep_days.filter(|_| purged_on != Some(today)) {
+            purged_on = Some(today);
+            let before = today - time::Duration::days(i64::from(days));
+            // A purge that fails is tried again the next day; what it would free waits.
+            match store.purge_unchecked_exceptions(before) {
+                Ok(0) => {}
+                Ok(deleted) => {
+                    tracing::info!(deleted, %before, "exceptions of unchecked input past retention deleted")
+                }
+                Err(error) => tracing::warn!(%error, "exceptions of unchecked input not purged"),
+            }
+        }
         let count = items.len() as u64;
         let mut batch = Batch::default();
         let mut acks = Vec::with_capacity(items.len());

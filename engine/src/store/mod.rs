@@ -146,6 +146,10 @@ pub fn code_is_remembered(code: ReasonCode) -> bool {
     code > ReasonCode::Sig && code != ReasonCode::DupId
 }
 
+/// The exception rows of unchecked input, in SQL: those the exception writer keeps, which name
+/// no MsgId (the shards' writers keep every row that does).
+pub const UNCHECKED_EXCEPTIONS_SQL: &str = "msg_id IS NULL";
+
 /// The condition on `exceptions` rows that [`code_is_remembered`] states, in SQL.
 const REMEMBERED_EXCEPTIONS_SQL: &str =
     "msg_id IS NOT NULL AND sender IS NOT NULL AND code NOT IN ('E_SIZE', 'E_SIG', 'E_DUPID')";
@@ -216,6 +220,12 @@ pub trait Store: Send {
         _visit: &mut dyn FnMut(StoredMessage),
     ) -> Result<u64, StoreError> {
         Err(StoreError::Unsupported("recall needs the PostgreSQL store"))
+    }
+    /// Deletes the exceptions of unchecked input — the exception writer's rows, which name no
+    /// MsgId and so set no verdict ([`UNCHECKED_EXCEPTIONS_SQL`]) — that arrived before
+    /// `before`; how many. The memory store keeps everything.
+    fn purge_unchecked_exceptions(&mut self, _before: Date) -> Result<u64, StoreError> {
+        Ok(0)
     }
     /// Drops what is older than `keep_days` days before `today`. The memory store refuses.
     fn purge(&mut self, _today: Date, _keep_days: u32) -> Result<PurgeReport, StoreError> {

@@ -8,7 +8,8 @@ use super::{
     connect_and_migrate, database_error, io_runtime, outbox_ids_in_order, read_pages,
     remembered_rejections_query, stored_rejections, undelivered_rows, Batch, ClsRow, MessageRow,
     PurgeReport, RejectionRow, RowCounts, Store, StoreError, StoredMessage, StoredRejection,
-    UndeliveredCls, RECOVERY_PAGE_ROWS, REMEMBERED_EXCEPTIONS_SQL, UNDELIVERED_QUERY,
+    UndeliveredCls, RECOVERY_PAGE_ROWS, REMEMBERED_EXCEPTIONS_SQL, UNCHECKED_EXCEPTIONS_SQL,
+    UNDELIVERED_QUERY,
 };
 use crate::matcher::{RecallQuery, Recalled, RecalledTrade, RecalledVerdict, RetiredFact};
 use crate::reason::ReasonCode;
@@ -826,6 +827,19 @@ impl Store for PgStore {
             },
             visit,
         )
+    }
+
+    fn purge_unchecked_exceptions(&mut self, before: Date) -> Result<u64, StoreError> {
+        let result = self.runtime.block_on(
+            sqlx::query(&format!(
+                "DELETE FROM exceptions WHERE received_on < $1 AND {UNCHECKED_EXCEPTIONS_SQL}"
+            ))
+            .bind(before)
+            .execute(&mut self.connection),
+        );
+        Ok(result
+            .map_err(|source| database_error(&self.name, source))?
+            .rows_affected())
     }
 
     fn purge(&mut self, today: Date, keep_days: u32) -> Result<PurgeReport, StoreError> {

@@ -216,6 +216,20 @@ async fn purge_expired(
 }
 
 impl Store for SqliteStore {
+    fn purge_unchecked_exceptions(&mut self, before: Date) -> Result<u64, StoreError> {
+        let result = self.runtime.block_on(
+            sqlx::query(&format!(
+                "DELETE FROM exceptions WHERE received_on < ? AND {}",
+                super::UNCHECKED_EXCEPTIONS_SQL
+            ))
+            .bind(before.to_julian_day())
+            .execute(&mut self.connection),
+        );
+        Ok(result
+            .map_err(|source| self.database_error(source))?
+            .rows_affected())
+    }
+
     fn purge(&mut self, today: Date, keep_days: u32) -> Result<PurgeReport, StoreError> {
         let horizon = today - time::Duration::days(i64::from(keep_days));
         let result = self
