@@ -640,13 +640,7 @@ fn resend_flood_session(
         let msg_type = pairs.remove(0).1;
         let mut fields = header(&msg_type, seq);
         fields.extend(pairs);
-        let mut covered = Vec::new();
-        for (tag, value) in &fields {
-            covered.extend_from_slice(format!("{tag}={value}\u{1}").as_bytes());
-        }
-        let signature = hex::encode(ste_engine::sign::sign_keyed(key, &covered));
-        fields.push((93, signature.len().to_string()));
-        fields.push((89, signature));
+        fix::sign_fields(key, &mut fields);
         out.extend_from_slice(&fix::encode(&fields));
         seq += 1;
     }

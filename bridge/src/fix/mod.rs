@@ -81,7 +81,7 @@ pub use codec::{
 };
 pub use mapping::{from_fix, to_fix, TAGS, T_EXTENSION};
 pub use session::{
-    fresh_logon, logon_password, serve, FixConfig, ENGINE_COMP_ID, HELD_BYTES_MAX,
+    fresh_logon, logon_password, serve, sign_fields, FixConfig, ENGINE_COMP_ID, HELD_BYTES_MAX,
     HELD_MESSAGES_MAX, SEQ_NUM_MAX,
 };
 pub use store::SENT_BYTES_MAX;

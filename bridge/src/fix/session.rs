@@ -42,6 +42,19 @@ pub fn logon_password(key: &KeyedMac, sending_time: &str, participant: &str) -> 
     hex::encode(sign::sign_keyed(key, &covered))
 }
 
+/// Signs an application message's fields (from `35` on, the session header among them) as a
+/// participant does: the HMAC of every `tag=value<SOH>` under `key`, appended as `93`
+/// SignatureLength and `89` Signature (hex).
+pub fn sign_fields(key: &KeyedMac, fields: &mut Vec<(u32, String)>) {
+    let mut covered = Vec::new();
+    for (tag, value) in fields.iter() {
+        covered.extend_from_slice(format!("{tag}={value}\u{1}").as_bytes());
+    }
+    let signature = hex::encode(sign::sign_keyed(key, &covered));
+    fields.push((93, signature.len().to_string()));
+    fields.push((89, signature));
+}
+
 /// A whole Logon (`A`) of `participant` at `sending_time`, with MsgSeqNum 1 and
 /// ResetSeqNumFlag, HeartBtInt 30 and its password under `key`: what a participant that starts
 /// its session afresh sends.

@@ -369,13 +369,7 @@ pub fn signed_fix_fields(
     ];
     fields.extend(pairs);
     tamper(&mut fields);
-    let mut covered = Vec::new();
-    for (tag, value) in &fields {
-        covered.extend_from_slice(format!("{tag}={value}\u{1}").as_bytes());
-    }
-    let signature = hex::encode(ste_engine::sign::sign_keyed(key, &covered));
-    fields.push((93, signature.len().to_string()));
-    fields.push((89, signature));
+    ste_bridge::fix::sign_fields(key, &mut fields);
     fields
 }
 
