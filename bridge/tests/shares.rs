@@ -1,7 +1,7 @@
 //! The `engine` binary against participants with valid keys that try to take more than their
 //! share: open trades past their quota, a party flooding its counterparty with advices, refused
-//! logons that would rewrite a session file, and a flood of wrongly signed requests that would
-//! fill the disk with exceptions. Each is bounded while a well-behaved participant on another
+//! logons that would rewrite a session file, and ResendRequests that would turn a full store into
+//! an endless stream. Each is bounded while a well-behaved participant on another
 //! connection completes its trades.
 
 mod common;
@@ -221,6 +221,74 @@ fn refused_logons_leave_the_session_file_alone_and_it_is_its_owners_only() {
     let metadata = std::fs::metadata(&file).expect("still there");
     assert_eq!(metadata.modified().expect("a time"), modified);
     assert_eq!(std::fs::read(&file).expect("reads"), content);
+    assert_eq!(good.join().expect("the good participant"), (140, 20));
+    assert!(engine.stop().success());
+}
+
+#[test]
+fn resend_requests_for_a_full_store_are_paid_from_a_budget() {
+    use common::signed_fix_fields;
+    let engine = Engine::start(&[]);
+    let refdata = refdata();
+    let good = well_behaved(&engine, &refdata, 20, 706);
+    let noe = String::from_utf8(trade_lines(&refdata, 1, 707).remove(0)).expect("UTF-8");
+    let broker = element(&noe, "Sender");
+    let key = refdata.participant_mac(&broker).expect("a key").1;
+    let (mut session, answer) = RawSession::send_logon(
+        &engine,
+        &fix::fresh_logon(key, &broker, &fix::utc_timestamp()),
+    );
+    assert_eq!(answer.msg_type(), "A", "{answer:?}");
+    // 6,000 NOEs, each answered: the store keeps every answer (about 4 MiB of it).
+    let count = 6_000_u64;
+    let mut out = Vec::new();
+    for n in 0..count {
+        let line = with_element(&noe, "TradeRef", &format!("ZS{n:010}"));
+        let line = with_element(&line, "MsgId", &format!("ZS-{n:010}"));
+        out.extend(fix::encode(&signed_fix_fields(
+            &refdata,
+            n + 2,
+            line.as_bytes(),
+            |_| {},
+        )));
+    }
+    session.send(&out);
+    for _ in 0..count {
+        let answer = session.next_answer().expect("an answer");
+        assert_eq!(answer.msg_type(), "AR", "{answer:?}");
+    }
+    // Twenty ResendRequests for everything, at once.
+    let mut requests = Vec::new();
+    for n in 0..20 {
+        requests.extend(fix::encode(&[
+            (35, "2".into()),
+            (49, broker.clone()),
+            (56, "STE".into()),
+            (34, (count + 2 + n).to_string()),
+            (52, fix::utc_timestamp()),
+            (7, "1".into()),
+            (16, "0".into()),
+        ]));
+    }
+    session.send(&requests);
+    session
+        .stream
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .expect("a timeout");
+    let (mut resent, mut busy, mut gap_fills) = (0, 0, 0);
+    while let Some(message) = session.next() {
+        match message.msg_type() {
+            "AR" if message.get(43) == Some("Y") => resent += 1,
+            "3" if message.get(58).is_some_and(|t| t.starts_with("E_BUSY")) => busy += 1,
+            "4" => gap_fills += 1,
+            _ => {}
+        }
+    }
+    // The budget pays for the whole store twice: two requests answered with every answer again
+    // (and a GapFill over the Logon answer), the other eighteen refused.
+    assert_eq!(busy, 18, "{resent} resent, {gap_fills} gap fills");
+    assert_eq!(resent, 2 * count as usize);
+    assert_eq!(gap_fills, 2);
     assert_eq!(good.join().expect("the good participant"), (140, 20));
     assert!(engine.stop().success());
 }
