@@ -677,7 +677,7 @@ impl Matcher {
         today: Date,
     ) -> Outcome {
         let date = msg.trade_date.unwrap_or(today);
-        self.process_dated(msg, raw, injected_ns, now, date, today, true)
+        self.process_dated(msg, raw, injected_ns, now, date, today, false)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -689,7 +689,7 @@ impl Matcher {
         now: &str,
         date_if_new: Date,
         received_on: Date,
-        enforce_quota: bool,
+        restoring: bool,
     ) -> Outcome {
         let key = message_key(&msg.sender, &msg.msg_id);
         if let Some(seen) = self.answer_seen(key, raw, &msg.sender, &msg.msg_id) {
@@ -717,7 +717,10 @@ impl Matcher {
                 ..Outcome::only(Disposition::Accepted)
             };
         }
-        if let Some(trade) = self.open.get(trade_key.as_str()) {
+        // Taking back what a shard accepted, the checks that a stored message may predate (who
+        // is a party, the bounds, AMDs in another sender's slot) are not made again: what was
+        // accepted stays accepted, and the trade ends as it was.
+        if let Some(trade) = self.open.get(trade_key.as_str()).filter(|_| !restoring) {
             let owner = owner_of(trade, |held| self.is_live(held));
             if let Some(owner) = owner {
                 if !self.is_party(&msg, owner) {
@@ -761,8 +764,7 @@ impl Matcher {
         }
         let opens = !self.open.contains_key(trade_key.as_str());
         let bytes = held_bytes(raw, &trade_key, opens);
-        if enforce_quota && self.held_by(&msg.sender) + u64::from(bytes) > self.participant_held_max
-        {
+        if !restoring && self.held_by(&msg.sender) + u64::from(bytes) > self.participant_held_max {
             let rejection = Rejection::new(
                 ReasonCode::Limit,
                 format!(
@@ -886,8 +888,8 @@ impl Matcher {
         received_on: Date,
     ) -> bool {
         let date = stored_date.or(msg.trade_date).unwrap_or(Date::MIN);
-        // What was accepted stays accepted, whatever the quota is now.
-        let outcome = self.process_dated(msg, raw, injected_ns, "", date, received_on, false);
+        // What was accepted stays accepted, whatever the bounds and rules are now.
+        let outcome = self.process_dated(msg, raw, injected_ns, "", date, received_on, true);
         outcome.disposition == Disposition::Accepted
     }
 

@@ -1501,3 +1501,23 @@ fn a_trade_sends_a_bounded_number_of_mismatched_advices() {
     };
     assert!(outcome_of(&mut matcher, &fixed).cls.is_some());
 }
+
+#[test]
+fn what_a_shard_accepted_is_taken_back_whatever_the_rules_are_now() {
+    // A history written before parties were checked: a stranger's ALC after the NOE.
+    let messages = london_trade(600, 400);
+    let (other, its_custodian) = stranger_of(&messages);
+    let stranger = as_stranger(&messages[1], &other, &its_custodian, &other);
+    let mut live = matcher();
+    process_all(&mut live, &messages[..1]);
+    assert_eq!(
+        code(&process_all(&mut live, std::slice::from_ref(&stranger))[0]),
+        Some(ReasonCode::Auth)
+    );
+    let mut restarted = matcher().with_quota(1);
+    let day = time::macros::date!(2026 - 08 - 04);
+    for msg in [&messages[0], &stranger] {
+        let raw = encode_msg(msg);
+        assert!(restarted.restore(msg.clone(), raw.as_bytes(), 0, None, day));
+    }
+}
