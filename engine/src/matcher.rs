@@ -122,10 +122,12 @@ pub struct Released {
     pub msg_id: String,
 }
 
-/// Accepted messages one trade may hold, whatever they are (NEW, CAN, AMD, live or replaced):
-/// a trade of the largest AllocCount needs 3,001 live messages, and the rest leaves room for
-/// amendments. Beyond it a message is refused E_LIMIT, so that what one trade costs to match
-/// and to rebuild is bounded.
+/// Messages one sender may have held in one trade, whatever they are (NEW, CAN, AMD, live or
+/// replaced): in a trade of the largest AllocCount the investment manager sends 2,000 live
+/// messages and the broker 1,001, and the rest leaves room for amendments. Beyond it a message
+/// is refused E_LIMIT, so that what one trade costs to match and to rebuild is bounded. The
+/// bound is the sender's own: a stranger filling a trade before its NOE arrives cannot use up
+/// the parties' room.
 pub const TRADE_MESSAGES_MAX: u32 = 4096;
 
 /// MISMATCHED advices one trade sends its broker: a party that flips its messages between two
@@ -177,10 +179,9 @@ struct Held {
 
 struct Trade {
     messages: Vec<Held>,
-    /// Messages accepted into the trade, released ones included ([`TRADE_MESSAGES_MAX`]).
-    accepted: u32,
-    /// The investment manager that the trade's live NOE named last: a trade whose NOE was
-    /// cancelled still belongs to its parties.
+    /// The trade's investment manager ([`owner_of`]), worked out again whenever a NOE, or a CAN
+    /// or AMD of one, is accepted — only those change it: a trade whose NOE was cancelled still
+    /// belongs to its parties.
     owner: Option<Box<str>>,
     status: TradeStatus,
     /// Fixed by the trade's first accepted message: the partition its rows are stored in.
@@ -721,8 +722,7 @@ impl Matcher {
         // is a party, the bounds, AMDs in another sender's slot) are not made again: what was
         // accepted stays accepted, and the trade ends as it was.
         if let Some(trade) = self.open.get(trade_key.as_str()).filter(|_| !restoring) {
-            let owner = owner_of(trade, |held| self.is_live(held));
-            if let Some(owner) = owner {
+            if let Some(owner) = trade.owner.as_deref() {
                 if !self.is_party(&msg, owner) {
                     // Who the trade's parties are is not told to a stranger.
                     let rejection = Rejection::new(
@@ -732,10 +732,18 @@ impl Matcher {
                     return self.reject(key, raw, rejection);
                 }
             }
-            if trade.accepted >= TRADE_MESSAGES_MAX {
+            let own = trade
+                .messages
+                .iter()
+                .filter(|held| held.msg.sender == msg.sender)
+                .count();
+            if own >= TRADE_MESSAGES_MAX as usize {
                 let rejection = Rejection::new(
                     ReasonCode::Limit,
-                    format!("trade {trade_key} holds {TRADE_MESSAGES_MAX} messages, its most"),
+                    format!(
+                        "trade {trade_key} holds {TRADE_MESSAGES_MAX} messages of {}, its most",
+                        msg.sender
+                    ),
                 );
                 return self.reject(key, raw, rejection);
             }
@@ -783,7 +791,6 @@ impl Matcher {
                 // One message, then doubling: a trade that never gets a second message (most
                 // of what a flood of unmatched NOEs holds) keeps one slot of 608 bytes, not four.
                 messages: Vec::with_capacity(1),
-                accepted: 0,
                 owner: None,
                 status: TradeStatus::Pending,
                 date: date_if_new,
@@ -802,7 +809,6 @@ impl Matcher {
                 }
             }
         }
-        trade.accepted += 1;
         let names_owner = msg.msg_type == MsgType::Noe;
         trade.messages.push(Held {
             key,
@@ -832,8 +838,8 @@ impl Matcher {
         }
     }
 
-    /// Once a NOE (`names_owner`: the message just accepted is one) names the trade's
-    /// investment manager, removes the messages of every sender that is not a party of the
+    /// Once a NOE (`names_owner`: the message just accepted is one, or a CAN or AMD of one)
+    /// names the trade's investment manager, keeps it on the trade and removes the messages of every sender that is not a party of the
     /// trade — accepted while no NOE said who is, or while another NOE named another investment
     /// manager — and returns them, so that their senders can be told.
     fn release_strangers(&mut self, trade_key: &str, names_owner: bool) -> Vec<Released> {

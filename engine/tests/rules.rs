@@ -1287,10 +1287,10 @@ fn a_trade_holds_a_bounded_number_of_messages() {
     let messages = london_trade(600, 400);
     let mut matcher = matcher();
     process_all(&mut matcher, &messages[..2]);
-    // The investment manager amends its ALC again and again.
+    // The investment manager amends its ALC again and again, to its bound in the trade.
     let mut previous = messages[1].msg_id.clone();
     let mut answers = Vec::new();
-    for n in 3..=TRADE_MESSAGES_MAX {
+    for n in 2..=TRADE_MESSAGES_MAX {
         let amend = Msg {
             msg_id: format!("{}-M{n}", messages[1].msg_id),
             function: Function::Amd,
@@ -1520,4 +1520,38 @@ fn what_a_shard_accepted_is_taken_back_whatever_the_rules_are_now() {
         let raw = encode_msg(msg);
         assert!(restarted.restore(msg.clone(), raw.as_bytes(), 0, None, day));
     }
+}
+
+#[test]
+fn a_stranger_filling_a_trade_before_its_noe_leaves_the_parties_their_room() {
+    use ste_engine::matcher::TRADE_MESSAGES_MAX;
+    let messages = london_trade(600, 400);
+    let (other, its_custodian) = stranger_of(&messages);
+    let mut matcher = matcher();
+    // A stranger's ALC, then AMDs of it to its own bound, before any party has sent anything.
+    let first = as_stranger(&messages[1], &other, &its_custodian, &other);
+    let mut previous = first.msg_id.clone();
+    let mut chain = vec![first.clone()];
+    for n in 1..TRADE_MESSAGES_MAX {
+        let amend = Msg {
+            msg_id: format!("{other}-S{n:05}"),
+            function: Function::Amd,
+            related_id: Some(previous.clone()),
+            ..first.clone()
+        };
+        previous = amend.msg_id.clone();
+        chain.push(amend);
+    }
+    assert!(process_all(&mut matcher, &chain)
+        .iter()
+        .all(|answer| *answer == Disposition::Accepted));
+    // The parties' seven messages all count, and the trade matches.
+    assert_eq!(
+        process_all(&mut matcher, &messages),
+        vec![Disposition::Accepted; 7]
+    );
+    assert_eq!(
+        matcher.status_of(&messages[0].trade_key()),
+        Some(TradeStatus::Matched)
+    );
 }
