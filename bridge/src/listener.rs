@@ -20,13 +20,16 @@ use tracing::{debug, info, warn};
 /// How many connections a listener serves at once: in all, and from one source (an IPv4
 /// address, or an IPv6 /64: one host's share), so that one client cannot take every slot; and,
 /// apart from those, how many of them may not have authenticated yet, in all and from one
-/// source, so that sockets that never log on cannot keep participants out.
+/// source, so that sockets that never log on cannot keep participants out; and how many may be
+/// logged on as one participant, so that a participant with many addresses cannot hold every
+/// slot.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {
     pub total: usize,
     pub per_source: usize,
     pub unauthenticated: usize,
     pub unauthenticated_per_source: usize,
+    pub per_participant: usize,
 }
 
 impl Default for ConnectionLimits {
@@ -36,9 +39,13 @@ impl Default for ConnectionLimits {
             per_source: 64,
             unauthenticated: UNAUTHENTICATED_DEFAULT,
             unauthenticated_per_source: UNAUTHENTICATED_PER_SOURCE_DEFAULT,
+            per_participant: PER_PARTICIPANT_DEFAULT,
         }
     }
 }
+
+/// Default of [`ConnectionLimits::per_participant`].
+pub const PER_PARTICIPANT_DEFAULT: usize = 64;
 
 /// Default of [`ConnectionLimits::unauthenticated`].
 pub const UNAUTHENTICATED_DEFAULT: usize = 256;
@@ -64,6 +71,8 @@ struct Counts {
     by_source: AHashMap<IpAddr, usize>,
     unauthenticated: usize,
     unauthenticated_by_source: AHashMap<IpAddr, usize>,
+    /// Connections logged on as each participant.
+    by_participant: AHashMap<String, usize>,
 }
 
 fn decrement(map: &mut AHashMap<IpAddr, usize>, source: IpAddr) {
@@ -76,23 +85,47 @@ fn decrement(map: &mut AHashMap<IpAddr, usize>, source: IpAddr) {
 }
 
 /// A connection's standing with its listener: it counts as unauthenticated until its protocol
-/// calls [`Admission::authenticated`] (a logon whose proof checked out, or a request whose
-/// signature did).
+/// calls [`Admission::authenticated_as`] (a logon whose proof checked out, or a request whose
+/// signature did), and then against each participant it proved to be.
 #[derive(Clone)]
 pub struct Admission {
     authenticated: Arc<AtomicBool>,
+    /// The participants it counts against.
+    participants: Arc<Mutex<Vec<String>>>,
     counts: Arc<Mutex<Counts>>,
     source: IpAddr,
+    per_participant: usize,
 }
 
 impl Admission {
-    /// The peer proved who it is: the connection no longer counts as unauthenticated.
-    pub fn authenticated(&self) {
+    /// The peer proved it is `participant`: the connection no longer counts as unauthenticated,
+    /// and counts against that participant — unless it already has its most connections, which
+    /// is `Err` with the reason, and the connection should be closed.
+    pub fn authenticated_as(&self, participant: &str) -> Result<(), String> {
+        let mut participants = self
+            .participants
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        if !participants.iter().any(|p| p == participant) {
+            let count = counts
+                .by_participant
+                .entry(participant.to_owned())
+                .or_default();
+            if *count >= self.per_participant {
+                return Err(format!(
+                    "at most {} connections logged on as {participant}",
+                    self.per_participant
+                ));
+            }
+            *count += 1;
+            participants.push(participant.to_owned());
+        }
         if !self.authenticated.swap(true, Ordering::AcqRel) {
-            let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
             counts.unauthenticated -= 1;
             decrement(&mut counts.unauthenticated_by_source, self.source);
         }
+        Ok(())
     }
 
     /// Whether the peer has proved who it is.
@@ -101,7 +134,19 @@ impl Admission {
     }
 
     fn ended(&self) {
+        let participants = self
+            .participants
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        for participant in participants.iter() {
+            if let Some(count) = counts.by_participant.get_mut(participant) {
+                *count -= 1;
+                if *count == 0 {
+                    counts.by_participant.remove(participant);
+                }
+            }
+        }
         counts.all -= 1;
         decrement(&mut counts.by_source, self.source);
         if !self.authenticated.load(Ordering::Acquire) {
@@ -214,8 +259,10 @@ pub async fn accept_loop<F, Fut>(
                 }
                 let admission = Admission {
                     authenticated: Arc::new(AtomicBool::new(false)),
+                    participants: Arc::default(),
                     counts: counts.clone(),
                     source,
+                    per_participant: limits.per_participant,
                 };
                 let serve = serve.clone();
                 let (tls, handshake_timeout) = (accepting.tls.clone(), accepting.handshake_timeout);

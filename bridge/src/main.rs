@@ -94,6 +94,9 @@ struct Cli {
     /// as many); a faster one is slowed, not refused. 0: no bound.
     #[arg(long, default_value_t = ste_bridge::gateway::PARTICIPANT_RATE_DEFAULT)]
     participant_rate: u32,
+    /// Connections each listener serves at once logged on as one participant.
+    #[arg(long, default_value_t = ste_bridge::listener::PER_PARTICIPANT_DEFAULT)]
+    max_connections_per_participant: usize,
     /// Connections that have not yet logged on, from one source address (an IPv6 /64).
     #[arg(long, default_value_t = ste_bridge::listener::UNAUTHENTICATED_PER_SOURCE_DEFAULT)]
     max_unauthenticated_per_source: usize,
@@ -241,6 +244,7 @@ fn connection_limits(cli: &Cli) -> ste_bridge::listener::ConnectionLimits {
         per_source: cli.max_connections_per_source.max(1),
         unauthenticated: cli.max_unauthenticated.max(1),
         unauthenticated_per_source: cli.max_unauthenticated_per_source.max(1),
+        per_participant: cli.max_connections_per_participant.max(1),
     }
 }
 

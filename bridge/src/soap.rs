@@ -802,7 +802,13 @@ impl Service {
                         .gateway
                         .signed_by(participant, &request.message, signature)
                     {
-                        admission.authenticated();
+                        if let Err(why) = admission.authenticated_as(participant) {
+                            return respond(
+                                StatusCode::SERVICE_UNAVAILABLE,
+                                "text/plain",
+                                format!("E_BUSY {why}\n"),
+                            );
+                        }
                         self.gateway.pace(participant).await;
                     }
                 }

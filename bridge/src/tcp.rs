@@ -254,7 +254,9 @@ impl Reader<'_> {
                     {
                         return Some(Closing::new(rejection.code.as_str(), rejection.detail));
                     }
-                    self.admission.authenticated();
+                    if let Err(why) = self.admission.authenticated_as(&participant) {
+                        return Some(Closing::new("E_BUSY", why));
+                    }
                     let again = self.identities.contains(&participant);
                     if !again && self.identities.len() >= IDENTITIES_PER_CONNECTION_MAX {
                         return Some(Closing::new(

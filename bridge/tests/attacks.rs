@@ -715,3 +715,37 @@ fn sockets_from_many_addresses_that_never_log_on_leave_room_for_participants() {
     drop(held);
     assert!(engine.stop().success());
 }
+
+#[test]
+fn one_participant_holds_a_bounded_number_of_connections() {
+    let engine = Engine::start(&["--max-connections-per-participant", "4"]);
+    let refdata = refdata();
+    let good = well_behaved(&engine, &refdata, 20, 513);
+    let bic = refdata.participants()[31].bic.clone();
+    fn logon<'a>(
+        refdata: &'a ste_engine::refdata::RefData,
+        bic: &'a str,
+    ) -> ste_bridge::client::Logon<'a> {
+        ste_bridge::client::Logon {
+            participant: bic,
+            key: refdata.participant_mac(bic).expect("a key").1,
+            subscribe: false,
+        }
+    }
+    // Four connections logged on as one participant (the well-behaved one is the fifth).
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(
+            ste_bridge::client::connect(engine.tcp, &[logon(&refdata, &bic)]).expect("logs on"),
+        );
+    }
+    let refused = ste_bridge::client::connect(engine.tcp, &[logon(&refdata, &bic)]);
+    let error = refused.err().expect("a fifth is refused").to_string();
+    assert!(error.contains("E_BUSY"), "{error}");
+    // Another participant still logs on.
+    let other = refdata.participants()[32].bic.clone();
+    assert!(ste_bridge::client::connect(engine.tcp, &[logon(&refdata, &other)]).is_ok());
+    assert_eq!(good.join().expect("the good participant"), (140, 20));
+    drop(held);
+    assert!(engine.stop().success());
+}

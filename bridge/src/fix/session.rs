@@ -497,11 +497,12 @@ async fn session(
         .filter(|s| (1..=3600).contains(s))
         .map_or(Duration::from_secs(30), Duration::from_secs);
     let connection = gateway.connection_id();
-    let checked = check_logon(&gateway, &logon, &participant);
-    if checked.is_ok() {
-        // Its password checked out: whatever the session's fate, the peer holds the key.
-        admission.authenticated();
-    }
+    // Its password checked out: whatever the session's fate, the peer holds the key.
+    let checked = check_logon(&gateway, &logon, &participant).and_then(|()| {
+        admission
+            .authenticated_as(&participant)
+            .map_err(|why| format!("E_BUSY {why}"))
+    });
     let claimed = checked.and_then(|()| {
         gateway.claim_fix_session(
             &participant,
