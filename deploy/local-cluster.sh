@@ -103,17 +103,15 @@ start_nodes() {
   [ -f "$dir/keys.csv" ] || "$bin/driver" keys --out "$dir/keys.csv" >/dev/null
   local db_args=() url
   while read -r url; do db_args+=(--db "$url"); done < "$dir/urls"
-  # Spare room on each node for the shards and partitions of one that fails.
-  local partitions=4 max_shards=$shards max_validators=4
+  # Spare room on each node for the shards of one that fails.
+  local max_shards=$shards
   if [ "$count" -gt 1 ]; then
     max_shards=$(( (shards + count - 2) / (count - 1) ))
-    max_validators=$(( (partitions + count - 2) / (count - 1) ))
   fi
   for ((node = 1; node <= count; node++)); do
     [ -f "$dir/node-$node.pid" ] && kill -0 "$(cat "$dir/node-$node.pid")" 2>/dev/null && continue
     "$bin/engine" --nats "nats://127.0.0.1:$nats_port" --node-id "node-$node" \
-      --keys "$dir/keys.csv" "${db_args[@]}" --partitions "$partitions" \
-      --max-shards "$max_shards" --validators "$max_validators" \
+      --keys "$dir/keys.csv" "${db_args[@]}" --max-shards "$max_shards" \
       >"$dir/node-$node.log" 2>&1 &
     echo $! > "$dir/node-$node.pid"
   done

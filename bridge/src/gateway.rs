@@ -1,5 +1,5 @@
 //! The gateway between the listeners and the engine: the pipeline in this process, or the
-//! inbound partitions of a cluster.
+//! shards' inbound queues of a cluster.
 //!
 //! Listeners submit messages through a [`GatewayHandle`]; one ingress thread owns the engine's
 //! submitter and batches what the connections send. Every message gets a correlation id that
@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::thread::JoinHandle;
 
 use ahash::{AHashMap, AHashSet};
-use ste_engine::node::Ingress;
+use ste_engine::cluster::Ingress;
 use ste_engine::pipeline::{
     Ack, AckResult, Delivery, Envelope, OutboundEvent, Pipeline, PipelineConfig, PipelineError,
     PipelineReport, Submitter,
@@ -418,7 +418,7 @@ pub struct Gateway {
 enum Engine {
     /// The whole queue network, in this process.
     InProcess(Box<Pipeline>),
-    /// A cluster's inbound partitions, through a gateway number whose ACK queue answers; the
+    /// A cluster's inbound queues, through a gateway number whose subject answers; the
     /// copies of the cluster's CLS it pushes end when `pushes_stop` is used.
     Cluster {
         ingress: Box<Ingress>,

@@ -68,8 +68,8 @@ struct Cli {
     /// Number of shards; with --store postgres, default: the number of database URLs.
     #[arg(long, env = "STE_SHARDS")]
     shards: Option<u32>,
-    /// Number of validators (default 2); in a cluster, the inbound partitions this node
-    /// validates at most (default: every partition).
+    /// Number of validators (default 2), in process; in a cluster each shard's owner runs one
+    /// on the shard's inbound queue.
     #[arg(long, env = "STE_VALIDATORS")]
     validators: Option<u32>,
     /// Folder of the node's files: the embedded store, samples.csv, fix-sessions/ (each FIX
@@ -159,8 +159,9 @@ struct Cli {
     /// no MsgId) this many days after they arrived; 0 keeps them (embedded and postgres stores).
     #[arg(long, value_name = "DAYS", default_value_t = ste_engine::pipeline::UNCHECKED_EXCEPTION_DAYS_DEFAULT)]
     unchecked_exception_days: u32,
-    /// MiB a shard's match queue may hold: the backlog of a shard whose store stalls (its
-    /// database down), while the other shards go on.
+    /// MiB a shard's match queue may hold (in a cluster: its inbound queue, on the NATS
+    /// servers' disks): the backlog of a shard whose store stalls (its database down), while
+    /// the other shards go on.
     #[arg(long, value_name = "MIB", default_value_t = ste_engine::pipeline::SHARD_BACKLOG_BYTES_DEFAULT >> 20)]
     shard_backlog_mib: usize,
     /// Postgres store: message keys and closed trades a shard's matcher keeps exactly in one
@@ -178,7 +179,8 @@ struct Cli {
     #[arg(long, value_name = "MIB", default_value_t = MatcherMemory::default().participant_held_bytes >> 20)]
     participant_held_mib: u64,
     /// Run as a node of a cluster on this NATS JetStream server (e.g. nats://127.0.0.1:4222):
-    /// validators and shard owners take their work from its queues (DESIGN.md section 1a).
+    /// each shard's owner takes the shard's inbound queue and validates, matches and commits
+    /// its messages in process (DESIGN.md section 1a).
     #[arg(long, env = "STE_NATS_URL")]
     nats: Option<String>,
     /// This node's name in the cluster (leases, logs); unique among the nodes. Default: the
@@ -186,9 +188,6 @@ struct Cli {
     /// need a name each.
     #[arg(long, env = "STE_NODE_ID", requires = "nats")]
     node_id: Option<String>,
-    /// Inbound partitions of the cluster; the same on every node.
-    #[arg(long, env = "STE_PARTITIONS", default_value_t = 4, requires = "nats")]
-    partitions: u32,
     /// Shards this node owns at most (cluster); default: every shard.
     #[arg(long, env = "STE_MAX_SHARDS", requires = "nats")]
     max_shards: Option<u32>,
@@ -198,7 +197,7 @@ struct Cli {
     #[arg(long, default_value_t = 3_000, requires = "nats")]
     lease_ttl_ms: u64,
     /// Serve the participants' listeners (framed XML, SOAP, FIX) on this node of a cluster:
-    /// their messages go to the cluster's inbound partitions under a gateway number of the
+    /// their messages go to the cluster's inbound queues under a gateway number of the
     /// node's, their answers come back to it, and copies of the cluster's CLS are pushed to
     /// the connections subscribed for them.
     #[arg(long, requires = "nats")]
@@ -531,7 +530,7 @@ fn serve(
     })
 }
 
-/// A node of a cluster: validators and shard owners on the JetStream queues at `url`, until
+/// A node of a cluster: shard owners on the JetStream queues at `url`, until
 /// SIGTERM or Ctrl-C.
 fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
     let host_name = || {
@@ -562,9 +561,6 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
             urls.len()
         );
     }
-    if cli.partitions == 0 {
-        bail!("--partitions must be at least 1");
-    }
     if cli.keys.is_none() {
         bail!(
             "the nodes of a cluster verify with one shared key set: --keys FILE (or STE_KEYS_FILE)"
@@ -572,17 +568,15 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
     }
     let refdata = refdata_with_keys(cli)?;
     let backlog_bytes = (cli.shard_backlog_mib.max(1) << 20) as i64;
-    let mut layout = ste_engine::node::ClusterLayout {
-        partitions: cli.partitions,
+    let mut layout = ste_engine::cluster::ClusterLayout {
         shards,
         ..Default::default()
     };
-    layout.shard_backlog.bytes_max = backlog_bytes;
-    let config = ste_engine::node::NodeConfig {
+    layout.inbound.bytes_max = backlog_bytes;
+    let config = ste_engine::cluster::NodeConfig {
         node_id: node_id.clone(),
         layout,
         lease_ttl: Duration::from_millis(cli.lease_ttl_ms.max(100)),
-        validators_max: cli.validators.unwrap_or(cli.partitions),
         shards_max: cli.max_shards.unwrap_or(shards),
         database_urls: urls,
         tolerances: Tolerances::load(cli.profile.as_deref())?,
@@ -597,7 +591,7 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
         .with_context(|| format!("connecting to NATS at {url}"))?;
     let layout = config.layout;
     let lease_ttl = config.lease_ttl;
-    let node = ste_engine::node::Node::start(&jetstream, config, refdata.clone())
+    let node = ste_engine::cluster::Node::start(&jetstream, config, refdata.clone())
         .context("starting the node")?;
     info!(node = %node_id, %url, "node started");
     println!("node {node_id}");
@@ -605,7 +599,7 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
     let log_holdings = || {
         let holdings = node.holdings();
         if last.as_ref() != Some(&holdings) {
-            info!(node = %node_id, partitions = ?holdings.partitions, shards = ?holdings.shards, "holding");
+            info!(node = %node_id, shards = ?holdings.shards, "holding");
             last = Some(holdings);
         }
     };
@@ -650,12 +644,12 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The gateway of a cluster node: a gateway number of the node's, the inbound partitions, and
+/// The gateway of a cluster node: a gateway number of the node's, the shards' inbound queues, and
 /// copies of the CLS queue for the connections' pushes.
 fn cluster_gateway(
     cli: &Cli,
     jetstream: &ste_engine::queue::jetstream::JetStream,
-    layout: &ste_engine::node::ClusterLayout,
+    layout: &ste_engine::cluster::ClusterLayout,
     lease_ttl: Duration,
     node_id: &str,
     refdata: Arc<RefData>,
@@ -663,10 +657,12 @@ fn cluster_gateway(
     let leases = Arc::new(
         ste_engine::lease::Leases::open(jetstream, lease_ttl).context("opening the leases")?,
     );
-    let ingress = ste_engine::node::Ingress::open(jetstream, layout, leases, node_id)
+    let ingress = ste_engine::cluster::Ingress::open(jetstream, layout, leases, node_id)
         .context("taking a gateway number")?;
     let copies = jetstream
-        .copies::<ste_engine::pipeline::OutboundEvent>(ste_engine::node::ClusterLayout::CLS_QUEUE)
+        .copies::<ste_engine::pipeline::OutboundEvent>(
+            ste_engine::cluster::ClusterLayout::CLS_QUEUE,
+        )
         .context("listening to the CLS queue")?;
     let stopper = copies.stopper();
     let config = GatewayConfig {
@@ -692,7 +688,7 @@ impl ClusterSink {
         cls_out: Option<&std::path::Path>,
     ) -> anyhow::Result<Self> {
         let mut feed =
-            ste_engine::node::ClsFeed::open(jetstream).context("opening the CLS queue")?;
+            ste_engine::cluster::ClsFeed::open(jetstream).context("opening the CLS queue")?;
         let events = feed.take_events().context("the CLS queue")?;
         let delivery = feed.delivery();
         let sink = ste_sink::Sink::new(cls_out, false).context("opening the CLS output")?;

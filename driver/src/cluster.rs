@@ -1,7 +1,9 @@
-//! `driver --nats URL`: the load of a run put into a cluster's inbound partitions (DESIGN.md
-//! section 1a) as a gateway would, its answers taken off the gateway's ACK queue, its CLS off
-//! the cluster's CLS queue by the sink, and the run summarised from the answers and the shards'
-//! databases as in process.
+//! `driver --nats URL`: the load of a run put into a cluster's inbound queues, one per shard
+//! (DESIGN.md section 1a), as a gateway would, its answers taken off the gateway's subject, its
+//! CLS off the cluster's CLS queue by the sink, and the run summarised from the answers and the
+//! shards' databases as in process. Answers travel on plain NATS: where some stop coming (lost
+//! while a connection was re-made), the driver sends the unanswered messages again, as a
+//! participant would, and is answered as their first sending was.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -9,10 +11,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use ste_engine::cluster::{ClsFeed, ClusterLayout, Ingress};
 use ste_engine::cluster_samples::{MemoryReading, NodeMemory, SampleCollector};
 use ste_engine::generator::RunOutcome;
 use ste_engine::lease::Leases;
-use ste_engine::node::{ClsFeed, ClusterLayout, Ingress};
 use ste_engine::queue::jetstream::JetStream;
 use ste_engine::refdata::RefData;
 use ste_engine::routing::shard_of;
@@ -22,8 +24,8 @@ use ste_sink::Sink;
 
 use super::scale::CpuReading;
 use super::{
-    inject_source, peak_rss_mb, run_seconds, station_summaries, tally_answers, write_run_files,
-    Progress, RunConfig, ShardSummary, Source, Summary, Tally,
+    inject_source, peak_rss_mb, resubmit_unanswered, run_seconds, station_summaries, tally_answers,
+    write_run_files, Progress, RunConfig, ShardSummary, Source, Summary, Tally,
 };
 
 /// Where a cluster is and how its queues are laid out.
@@ -31,19 +33,20 @@ use super::{
 pub struct ClusterTarget {
     /// The NATS server, e.g. `nats://127.0.0.1:4222`.
     pub url: String,
-    /// Inbound partitions: the same number the nodes were started with.
-    pub partitions: u32,
     /// Time to live of the cluster's leases (the gateway number the driver holds).
     pub lease_ttl: Duration,
     /// Longest the driver waits without a new answer before it gives up on the run.
     pub stall_timeout: Duration,
-    /// Before injecting, wait up to this long until every partition and shard has an owner, so
+    /// How long the driver waits without a new answer before it sends the unanswered messages
+    /// again.
+    pub resend_after: Duration,
+    /// Before injecting, wait up to this long until every shard has an owner, so
     /// that the run measures the cluster at work and not its nodes starting (a sweep's levels).
     pub wait_for_owners: Option<Duration>,
 }
 
-/// Waits until every inbound partition and every shard of `layout` is held by a node; returns
-/// how many distinct nodes hold them.
+/// Waits until every shard of `layout` is held by a node; returns how many distinct nodes hold
+/// them.
 fn wait_until_owned(
     leases: &Leases,
     layout: &ClusterLayout,
@@ -52,13 +55,13 @@ fn wait_until_owned(
     use ste_engine::lease::Leased;
     let started = Instant::now();
     loop {
-        let wanted = (0..layout.partitions)
-            .map(Leased::Partition)
-            .chain((0..layout.shards).map(Leased::Shard));
         let mut owners = std::collections::BTreeSet::new();
         let mut all = true;
-        for what in wanted {
-            match leases.holder(what).context("reading the leases")? {
+        for shard in 0..layout.shards {
+            match leases
+                .holder(Leased::Shard(shard))
+                .context("reading the leases")?
+            {
                 Some(owner) => {
                     owners.insert(owner);
                 }
@@ -70,15 +73,17 @@ fn wait_until_owned(
         }
         if started.elapsed() > timeout {
             bail!(
-                "after {} s, not every one of {} partitions and {} shards has an owner: are the nodes running?",
+                "after {} s, not every one of {} shards has an owner: are the nodes running?",
                 timeout.as_secs(),
-                layout.partitions,
                 layout.shards
             );
         }
         std::thread::sleep(DRAIN_POLL);
     }
 }
+
+/// Messages sent again are given up after this many rounds without an answer to each.
+const RESEND_ROUNDS_MAX: u32 = 5;
 
 /// How often the driver looks whether the CLS queue is drained at the end of a run.
 const DRAIN_POLL: Duration = Duration::from_millis(50);
@@ -103,7 +108,6 @@ pub fn run_cluster(
     let jetstream = JetStream::connect(&target.url)
         .with_context(|| format!("connecting to NATS at {}", target.url))?;
     let layout = ClusterLayout {
-        partitions: target.partitions,
         shards: config.shards,
         ..ClusterLayout::default()
     };
@@ -114,10 +118,7 @@ pub fn run_cluster(
         Arc::new(Leases::open(&jetstream, target.lease_ttl).context("opening the leases")?);
     if let Some(timeout) = target.wait_for_owners {
         let owners = wait_until_owned(&leases, &layout, timeout)?;
-        eprintln!(
-            "{} partitions and {} shards owned by {owners} nodes",
-            layout.partitions, layout.shards
-        );
+        eprintln!("{} shards owned by {owners} nodes", layout.shards);
     }
     let node_id = format!("driver-{}", std::process::id());
     let mut ingress =
@@ -134,7 +135,7 @@ pub fn run_cluster(
             SampleCollector::start(
                 &jetstream,
                 &layout,
-                &[ClusterLayout::ack_queue(ingress.number())],
+                &[],
                 &samples_path,
                 config.sample_interval,
                 clock,
@@ -171,8 +172,11 @@ pub fn run_cluster(
     let messages_in = injected?;
 
     // Every message is answered once its commit holds it; the CLS of a commit are on their
-    // queue before its answers are.
+    // queue before its answers are. Where answers stop coming, the unanswered messages are sent
+    // again (an answer may be lost on its way), a few times, before the run is given up.
     let mut last_progress = (tally.acked.load(Ordering::Relaxed), Instant::now());
+    let (mut resend_rounds, mut resent) = (0, 0);
+    let mut last_resend = Instant::now();
     while tally.acked.load(Ordering::Relaxed) < messages_in {
         std::thread::sleep(DRAIN_POLL);
         let acked = tally.acked.load(Ordering::Relaxed);
@@ -180,12 +184,24 @@ pub fn run_cluster(
             last_progress = (acked, Instant::now());
         } else if last_progress.1.elapsed() > target.stall_timeout {
             bail!(
-                "{} of {messages_in} messages were never answered (no answer for {} s): are the \
-                 nodes running, with {} partitions and {} shards?",
+                "{} of {messages_in} messages were never answered (no answer for {} s, {resent} \
+                 sent again): are the nodes running, on {} shards?",
                 messages_in - acked,
                 target.stall_timeout.as_secs(),
-                target.partitions,
                 config.shards
+            );
+        } else if last_progress.1.elapsed() > target.resend_after
+            && last_resend.elapsed() > target.resend_after
+            && resend_rounds < RESEND_ROUNDS_MAX
+        {
+            let mut again = ingress.submitter(clock);
+            let count = resubmit_unanswered(&mut again, &refdata, config, &tally, messages_in)?;
+            resend_rounds += 1;
+            resent += count;
+            last_resend = Instant::now();
+            eprintln!(
+                "no answer for {} s: {count} unanswered messages sent again",
+                target.resend_after.as_secs_f64()
             );
         }
     }
@@ -286,7 +302,7 @@ pub fn run_cluster(
         shards,
         stored_validation_exceptions: 0,
         store: format!("postgres, cluster at {}", target.url),
-        validators: target.partitions,
+        validators: config.shards,
         peak_rss_mb: peak_rss_mb(),
         conserved: messages_in == accepted + duplicates + exceptions_total,
         expected,

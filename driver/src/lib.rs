@@ -190,7 +190,10 @@ pub fn peak_rss_mb() -> f64 {
 
 #[derive(Default)]
 struct Tally {
+    /// Messages answered (each counted once).
     acked: AtomicU64,
+    /// Across nodes, by correlation (the order of injection): whether a message was answered.
+    answered: std::sync::Mutex<Vec<bool>>,
     /// When the last ACK or NAK arrived, on the run clock.
     last_ack_ns: AtomicU64,
     accepted: AtomicU64,
@@ -707,7 +710,6 @@ struct Answers {
 /// is answered once and nothing is kept per message.
 fn tally_answers(acks: Rx<Ack>, tally: &Tally, clock: RunClock, first_only: bool) -> Answers {
     let mut answers = Answers::default();
-    let mut answered: Vec<bool> = Vec::new();
     loop {
         let batch = match ste_engine::queue::receive(&acks) {
             Ok(Some(received)) => {
@@ -723,6 +725,10 @@ fn tally_answers(acks: Rx<Ack>, tally: &Tally, clock: RunClock, first_only: bool
             }
         };
         let mut counted = 0;
+        let mut answered = tally
+            .answered
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         for ack in &batch {
             if first_only {
                 let index = ack.correlation as usize;
@@ -750,6 +756,7 @@ fn tally_answers(acks: Rx<Ack>, tally: &Tally, clock: RunClock, first_only: bool
                 }
             }
         }
+        drop(answered);
         tally.acked.fetch_add(counted, Ordering::Relaxed);
         tally.last_ack_ns.store(clock.now_ns(), Ordering::Relaxed);
     }
@@ -784,6 +791,50 @@ fn inject_source(
             (inject(submitter, refdata, lines, &pacing, submitted), None)
         }
     })
+}
+
+/// Submits again, unpaced, every message of the configured source (the first `messages`) that
+/// has no answer yet: across nodes an answer may be lost on its way, and a message sent again
+/// is answered as its first sending was (DUPLICATE where it was accepted). Returns how many.
+fn resubmit_unanswered(
+    submitter: &mut Submitter,
+    refdata: &RefData,
+    config: &RunConfig,
+    tally: &Tally,
+    messages: u64,
+) -> anyhow::Result<u64> {
+    let unanswered = |index: u64| {
+        let answered = tally
+            .answered
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        !answered.get(index as usize).copied().unwrap_or(false)
+    };
+    let mut resent = 0;
+    let mut again = |index: u64, line: Vec<u8>| -> anyhow::Result<()> {
+        if index < messages && unanswered(index) {
+            submitter
+                .submit_line(refdata, line, index)
+                .context("submitting again")?;
+            resent += 1;
+        }
+        Ok(())
+    };
+    match &config.source {
+        Source::Generated(generator_config) => {
+            for (index, line) in Generator::new(refdata, generator_config.clone()).enumerate() {
+                again(index as u64, line)?;
+            }
+        }
+        Source::File(path) => {
+            let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+            for (index, line) in MessageSetReader::new(BufReader::new(file)).enumerate() {
+                again(index as u64, line.context("reading the message set")?)?;
+            }
+        }
+    }
+    submitter.flush().context("submitting again")?;
+    Ok(resent)
 }
 
 #[cfg(test)]

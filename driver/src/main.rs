@@ -231,16 +231,17 @@ struct RunArgs {
     /// shards' databases (--db, in shard order) give the summary its final states.
     #[arg(long, value_name = "URL", conflicts_with = "target")]
     nats: Option<String>,
-    /// Inbound partitions of the --nats cluster (as its nodes were started with).
-    #[arg(long, env = "STE_PARTITIONS", default_value_t = 4)]
-    partitions: u32,
     /// Before injecting into the --nats cluster, wait up to this many seconds until every
-    /// partition and shard has an owner.
+    /// shard has an owner.
     #[arg(long, value_name = "SECONDS", requires = "nats")]
     wait_for_owners_s: Option<u64>,
     /// Seconds a --nats run waits without any new answer before it gives up.
     #[arg(long, default_value_t = 120)]
     stall_timeout_s: u64,
+    /// Seconds a --nats run waits without any new answer before it sends the unanswered
+    /// messages again (answers travel on plain NATS, and one may be lost on its way).
+    #[arg(long, default_value_t = 5)]
+    resend_after_s: u64,
     /// Connections to the --target engine; a trade's messages share one.
     #[arg(long, default_value_t = 4)]
     connections: usize,
@@ -526,9 +527,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         .clone()
         .map(|url| ste_driver::cluster::ClusterTarget {
             url,
-            partitions: args.partitions.max(1),
             lease_ttl: Duration::from_secs(3),
             stall_timeout: Duration::from_secs(args.stall_timeout_s.max(1)),
+            resend_after: Duration::from_secs(args.resend_after_s.max(1)),
             wait_for_owners: args
                 .wait_for_owners_s
                 .map(|s| Duration::from_secs(s.max(1))),

@@ -25,7 +25,7 @@ use super::{
 /// Messages in flight of a node sweep's closed loop unless --window says otherwise.
 pub const NODE_SWEEP_WINDOW: u64 = 4096;
 
-/// How long a level waits for its nodes to own every partition and shard.
+/// How long a level waits for its nodes to own every shard.
 const OWNERS_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The share of the machine's cores busy from which the cores are the level's bottleneck.
@@ -43,7 +43,6 @@ struct NodePoint {
     platform: &'static str,
     databases: u32,
     nodes: u32,
-    partitions: u32,
     window: u64,
     /// System throughput, messages per second.
     X: f64,
@@ -144,9 +143,8 @@ impl NodePoint {
 ///   loop keeps the cores busy, and the CPU time a run leaves idle (threads waiting for batches
 ///   and for each other) is what the measurement falls short of the model.
 /// - With nodes on machines of their own (as many cores each as this one): the nodes' CPU per
-///   message moves to K stations of `c` servers, the validation share spread over
-///   min(K, partitions) of them and the shard owners' share over min(K, shards) (split as the
-///   busy times of the `in.*` and `match.*` stations), while NATS, PostgreSQL, the driver and
+///   message moves to K stations of `c` servers, spread over min(K, shards) of them (a shard's
+///   owner validates, matches and commits its shard), while NATS, PostgreSQL, the driver and
 ///   the rest stay on one shared machine.
 /// - With every program on machines of its own: the nodes as above, each of the D databases
 ///   with PostgreSQL's CPU / D, NATS, and the driver with the rest of this machine's time.
@@ -158,7 +156,6 @@ struct NodeModel {
     nodes_s: f64,
     nats_s: f64,
     postgres_s: f64,
-    validation_fraction: f64,
 }
 
 impl NodeModel {
@@ -167,15 +164,6 @@ impl NodeModel {
         if messages <= 0.0 || cpu.busy_s <= 0.0 {
             return None;
         }
-        let busy = |part: &str| -> f64 {
-            summary
-                .stations
-                .iter()
-                .filter(|s| s.name.contains(part))
-                .map(|s| s.B_s)
-                .sum()
-        };
-        let (validation, matching) = (busy("/in."), busy("/match."));
         Some(Self {
             cores: cpu.cores.max(1) as u32,
             window: u32::try_from(window.max(1)).unwrap_or(u32::MAX),
@@ -183,11 +171,6 @@ impl NodeModel {
             nodes_s: (cpu.program_s("engine") / messages).min(cpu.busy_s / messages),
             nats_s: cpu.program_s("nats-server") / messages,
             postgres_s: cpu.program_s("postgres") / messages,
-            validation_fraction: if validation + matching > 0.0 {
-                validation / (validation + matching)
-            } else {
-                0.5
-            },
         })
     }
 
@@ -232,25 +215,13 @@ impl NodeModel {
         stations
     }
 
-    /// The nodes' stations: validation spread over min(K, partitions) of them, shard ownership
-    /// over min(K, shards).
+    /// The nodes' stations: the shards' owners, min(K, shards) of them (a node without a
+    /// shard has nothing to do).
     fn node_stations(&self, share: Share) -> Vec<Station> {
-        let validating = share.nodes.min(share.partitions).max(1);
         let owning = share.nodes.min(share.shards).max(1);
-        let mut stations = Vec::new();
-        for node in 0..share.nodes {
-            let mut demand = 0.0;
-            if node < validating {
-                demand += self.nodes_s * self.validation_fraction / f64::from(validating);
-            }
-            if node < owning {
-                demand += self.nodes_s * (1.0 - self.validation_fraction) / f64::from(owning);
-            }
-            if demand > 0.0 {
-                stations.push(self.cores(format!("node {node}"), demand));
-            }
-        }
-        stations
+        (0..owning)
+            .map(|node| self.cores(format!("node {node}"), self.nodes_s / f64::from(owning)))
+            .collect()
     }
 
     /// X and R (s) of `stations` at the window's population.
@@ -298,8 +269,6 @@ pub fn sweep_nodes(
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let window = args.window.unwrap_or(NODE_SWEEP_WINDOW).max(1);
     args.window = Some(window);
-    let most_nodes = nodes.iter().copied().max().unwrap_or(1);
-    let partitions = args.partitions.max(most_nodes);
     let platform = match &compose {
         Some(file) => Platform::Compose(Compose::find(file)?),
         None => {
@@ -350,14 +319,13 @@ pub fn sweep_nodes(
             let level = points.len();
             let share = Share {
                 nodes: k,
-                partitions,
                 shards: databases,
             };
             let name = format!("level-{level}-dbs-{databases}-nodes-{k}");
             let dir = out.join(&name);
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             eprintln!(
-                "sweep level {level}: {k} nodes on {databases} databases ({partitions} partitions, {window} messages in flight)"
+                "sweep level {level}: {k} nodes on {databases} databases ({window} messages in flight)"
             );
             let (summary, cpu) = match &platform {
                 Platform::Local {
@@ -380,7 +348,7 @@ pub fn sweep_nodes(
                     },
                 )?,
                 Platform::Compose(compose) => {
-                    let driver_args = compose_driver_args(&args, partitions, window, &name);
+                    let driver_args = compose_driver_args(&args, window, &name);
                     compose.level(share, &driver_args)?
                 }
             };
@@ -410,7 +378,6 @@ pub fn sweep_nodes(
                 },
                 databases,
                 nodes: k,
-                partitions,
                 window,
                 X: x,
                 X_per_node: x / f64::from(k),
@@ -488,13 +455,13 @@ fn run_local(
         let config = run_config(level_args)?;
         let target = ste_driver::cluster::ClusterTarget {
             url: cluster.nats_url.clone(),
-            partitions: spec.share.partitions,
             lease_ttl: Duration::from_secs(3),
             stall_timeout: Duration::from_secs(args.stall_timeout_s.max(1)),
+            resend_after: Duration::from_secs(args.resend_after_s.max(1)),
             wait_for_owners: Some(OWNERS_TIMEOUT),
         };
         let summary = ste_driver::cluster::run_cluster(&config, &target, refdata.clone())?;
-        // From the first injection, once every partition and shard is owned, to the last answer.
+        // From the first injection, once every shard is owned, to the last answer.
         let cpu = summary
             .cpu
             .clone()
@@ -508,7 +475,7 @@ fn run_local(
 }
 
 /// The compose file driver's arguments for one level.
-fn compose_driver_args(args: &RunArgs, partitions: u32, window: u64, name: &str) -> Vec<String> {
+fn compose_driver_args(args: &RunArgs, window: u64, name: &str) -> Vec<String> {
     let g = &args.generation;
     let mut list = vec![
         "--trades".to_owned(),
@@ -521,8 +488,6 @@ fn compose_driver_args(args: &RunArgs, partitions: u32, window: u64, name: &str)
         window.to_string(),
         "--nats".to_owned(),
         "nats://nats:4222".to_owned(),
-        "--partitions".to_owned(),
-        partitions.to_string(),
         "--wait-for-owners-s".to_owned(),
         OWNERS_TIMEOUT.as_secs().to_string(),
         "--run-dir".to_owned(),

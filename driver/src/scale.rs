@@ -137,20 +137,15 @@ fn process_cpu(pid: u32) -> Option<(String, f64)> {
     Some((program, ticks / USER_HZ))
 }
 
-/// How a level's nodes split the cluster's work: each takes at most its share of the inbound
-/// partitions and of the shards, so that once all are owned every node has its part.
+/// How a level's nodes split the cluster's work: each takes at most its share of the shards,
+/// so that once all are owned every node (up to one per shard) has its part.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Share {
     pub nodes: u32,
-    pub partitions: u32,
     pub shards: u32,
 }
 
 impl Share {
-    pub fn max_validators(self) -> u32 {
-        self.partitions.div_ceil(self.nodes.max(1))
-    }
-
     pub fn max_shards(self) -> u32 {
         self.shards.div_ceil(self.nodes.max(1))
     }
@@ -259,9 +254,7 @@ impl LocalCluster {
                         .iter()
                         .flat_map(|url| ["--db", url.as_str()]),
                 )
-                .args(["--partitions", &spec.share.partitions.to_string()])
                 .args(["--max-shards", &spec.share.max_shards().to_string()])
-                .args(["--validators", &spec.share.max_validators().to_string()])
                 .args(spec.node_args)
                 .env(
                     "RUST_LOG",
@@ -364,12 +357,7 @@ impl Compose {
                     .collect::<Vec<_>>()
                     .join(","),
             )
-            .env("STE_COMPOSE_PARTITIONS", share.partitions.to_string())
-            .env("STE_COMPOSE_MAX_SHARDS", share.max_shards().to_string())
-            .env(
-                "STE_COMPOSE_MAX_VALIDATORS",
-                share.max_validators().to_string(),
-            );
+            .env("STE_COMPOSE_MAX_SHARDS", share.max_shards().to_string());
         command
     }
 
@@ -395,7 +383,6 @@ impl Compose {
     pub fn down(&self) -> anyhow::Result<()> {
         let share = Share {
             nodes: 1,
-            partitions: 1,
             shards: 1,
         };
         self.run(share, &["down", "-v", "--remove-orphans"])
@@ -453,24 +440,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_share_spreads_partitions_and_shards_over_the_nodes() {
-        let share = |nodes, shards| Share {
-            nodes,
-            partitions: 8,
-            shards,
-        };
-        assert_eq!(
-            (share(1, 4).max_validators(), share(1, 4).max_shards()),
-            (8, 4)
-        );
-        assert_eq!(
-            (share(3, 4).max_validators(), share(3, 4).max_shards()),
-            (3, 2)
-        );
-        assert_eq!(
-            (share(8, 1).max_validators(), share(8, 1).max_shards()),
-            (1, 1)
-        );
+    fn a_share_spreads_the_shards_over_the_nodes() {
+        let share = |nodes, shards| Share { nodes, shards };
+        assert_eq!(share(1, 4).max_shards(), 4);
+        assert_eq!(share(3, 4).max_shards(), 2);
+        assert_eq!(share(8, 1).max_shards(), 1);
     }
 
     #[test]

@@ -156,7 +156,7 @@ impl Cluster {
             .collect()
     }
 
-    /// Starts node `id`: at most two shards and two partitions each.
+    /// Starts node `id`: at most two shards.
     fn start_node(&mut self, id: &str) {
         self.start_node_with(id, &[]);
     }
@@ -194,7 +194,7 @@ impl Cluster {
             .args(if extra.contains(&"--max-shards") {
                 &[][..]
             } else {
-                &["--max-shards", "2", "--validators", "2"][..]
+                &["--max-shards", "2"][..]
             })
             .args(["--lease-ttl-ms", &LEASE_TTL_MS.to_string()])
             // Small generations: the matchers retire what their shards committed many times a
@@ -241,7 +241,7 @@ impl Cluster {
         assert!(status.success());
     }
 
-    /// A cluster of three nodes, each shard and partition held.
+    /// A cluster of three nodes, each shard held.
     fn of_three_nodes(label: &str) -> Self {
         Self::start(label).with_three_nodes()
     }
@@ -259,20 +259,16 @@ impl Cluster {
         Leases::open(&jetstream, Duration::from_millis(LEASE_TTL_MS)).expect("leases")
     }
 
-    /// Waits until every shard and every partition has a holder.
+    /// Waits until every shard has a holder.
     fn wait_until_held(&self, leases: &Leases) {
         let started = Instant::now();
         loop {
-            let shards =
-                (0..SHARDS).all(|k| matches!(leases.holder(Leased::Shard(k)), Ok(Some(_))));
-            let partitions =
-                (0..4).all(|p| matches!(leases.holder(Leased::Partition(p)), Ok(Some(_))));
-            if shards && partitions {
+            if (0..SHARDS).all(|k| matches!(leases.holder(Leased::Shard(k)), Ok(Some(_)))) {
                 return;
             }
             assert!(
                 started.elapsed() < Duration::from_secs(30),
-                "the nodes did not take every shard and partition"
+                "the nodes did not take every shard"
             );
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -660,7 +656,7 @@ fn participants_connected_to_a_node_get_every_answer_and_their_cls_from_the_clus
     let jetstream = JetStream::connect(&cluster.nats.url).expect("connects");
     let since = Instant::now();
     while jetstream
-        .queue_len(ste_engine::node::ClusterLayout::CLS_QUEUE)
+        .queue_len(ste_engine::cluster::ClusterLayout::CLS_QUEUE)
         .expect("the CLS queue")
         > 0
     {
@@ -718,24 +714,21 @@ fn a_node_told_to_stop_while_its_server_is_gone_does_not_wait_the_outage_out() {
 #[test]
 fn nodes_that_join_a_running_cluster_get_shards_handed_over() {
     let mut cluster = Cluster::start("cluster_balance");
-    cluster.start_node_with("node-a", &["--max-shards", "4", "--validators", "4"]);
+    cluster.start_node_with("node-a", &["--max-shards", "4"]);
     cluster.wait_until_held(&cluster.leases());
     let leases = cluster.leases();
-    let held = |leased: fn(u32) -> Leased, node: &str| {
+    let held_by = |node: &str| {
         (0..4)
-            .filter(|&k| leases.holder(leased(k)).ok().flatten().as_deref() == Some(node))
+            .filter(|&k| leases.holder(Leased::Shard(k)).ok().flatten().as_deref() == Some(node))
             .count()
     };
-    let held_by = |node: &str| held(Leased::Shard, node);
-    let validated_by = |node: &str| held(Leased::Partition, node);
     assert_eq!(held_by("node-a"), 4, "alone, node-a owns every shard");
-    assert_eq!(validated_by("node-a"), 4, "and validates every partition");
     let driver = cluster.paced_driver(6000);
     std::thread::sleep(Duration::from_secs(2));
     for id in ["node-b", "node-c"] {
         cluster.start_node(id);
     }
-    // node-a hands shards and partitions over, one at a time, during the run.
+    // node-a hands shards over, one at a time, during the run.
     let since = Instant::now();
     // Four over three nodes: each holds at least one, none more than two.
     let shared = |count: &dyn Fn(&str) -> usize| {
@@ -743,22 +736,19 @@ fn nodes_that_join_a_running_cluster_get_shards_handed_over() {
             .iter()
             .all(|node| (1..=2).contains(&count(node)))
     };
-    while !(shared(&held_by) && shared(&validated_by)) {
+    while !shared(&held_by) {
         assert!(
             since.elapsed() < Duration::from_secs(40),
-            "not shared: shards a {}, b {}, c {}; partitions a {}, b {}, c {}\n{}",
+            "not shared: shards a {}, b {}, c {}\n{}",
             held_by("node-a"),
             held_by("node-b"),
             held_by("node-c"),
-            validated_by("node-a"),
-            validated_by("node-b"),
-            validated_by("node-c"),
             cluster.log("node-a")
         );
         std::thread::sleep(Duration::from_millis(200));
     }
     eprintln!(
-        "shards and partitions shared {} ms after the two nodes started",
+        "shards shared {} ms after the two nodes started",
         since.elapsed().as_millis()
     );
     let output = driver.wait_with_output().expect("the driver ends");
@@ -834,20 +824,15 @@ fn headless_chromium_shows_every_node_and_every_jetstream_queue_of_a_running_clu
             "{node} runs no station: {row}"
         );
     }
-    // Every shard's match queue and every inbound partition, as JetStream holds them.
+    // Every shard's inbound queue and the CLS queue, as JetStream holds them.
     let queues = table("jetstream");
     for shard in 0..SHARDS {
         assert!(
-            queues.contains(&format!("<td>jetstream/match.{shard}</td>")),
+            queues.contains(&format!("<td>jetstream/in.{shard}</td>")),
             "{queues}"
         );
     }
-    for partition in 0..4 {
-        assert!(
-            queues.contains(&format!("<td>jetstream/in.{partition}</td>")),
-            "{queues}"
-        );
-    }
+    assert!(queues.contains("<td>jetstream/cls</td>"), "{queues}");
     assert!(dom.contains("Run in progress"));
     browser::assert_rendered(&screenshot);
     let output = driver.wait_with_output().expect("the driver ends");

@@ -2,7 +2,7 @@
 //! cumulative counters and its resident memory on the plain subject `ste.samples.<node>`; a
 //! collector (the driver of a run) writes them into one `samples.csv`, station names prefixed
 //! with the node (`n1/match.2`), beside the JetStream queues' own lengths
-//! (`jetstream/match.2`, in batches), so that the monitor reads a cluster's run as it reads an
+//! (`jetstream/in.2`, in batches), so that the monitor reads a cluster's run as it reads an
 //! in-process one.
 //!
 //! Counters are cumulative, so a lost notice costs resolution, not correctness. A station that
@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::node::ClusterLayout;
+use crate::cluster::ClusterLayout;
 use crate::queue::jetstream::{wall_ns, JetStream};
 use crate::station::{RunClock, Station};
 use crate::stations::sampler::{write_row, SAMPLES_HEADER};

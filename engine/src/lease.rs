@@ -83,14 +83,13 @@ pub struct Leases {
     ttl: Duration,
 }
 
-/// What a lease is for: a shard (its matcher and writer), an inbound partition (its
-/// validator: one at a time keeps a trade's messages in order), a gateway number (the ACK
-/// queue `ack.<n>` its answers come back on), or a member number (a node that lives: the
+/// What a lease is for: a shard (its inbound queue, validator, matcher and writers: one owner
+/// at a time keeps a trade's messages in order and fences its database), a gateway number (the
+/// subject `ack.<n>` its answers come back on), or a member number (a node that lives: the
 /// nodes count each other through these).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Leased {
     Shard(u32),
-    Partition(u32),
     Gateway(u32),
     Member(u32),
 }
@@ -99,7 +98,6 @@ impl Leased {
     fn key(self) -> String {
         match self {
             Self::Shard(shard) => format!("shard.{shard}"),
-            Self::Partition(partition) => format!("partition.{partition}"),
             Self::Gateway(number) => format!("gateway.{number}"),
             Self::Member(number) => format!("member.{number}"),
         }
@@ -109,7 +107,7 @@ impl Leased {
 /// Member numbers a cluster has room for: nodes beyond this many run, but are not counted.
 pub const MEMBERS_MAX: u32 = 64;
 
-/// A shard or partition this node holds, as long as it renews in time.
+/// A shard, gateway number or member number this node holds, as long as it renews in time.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
     pub what: Leased,

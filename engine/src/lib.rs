@@ -2,8 +2,10 @@
 //!
 //! The pure parts (codec, validator, matcher, routing) do no I/O and read no clock; the queue
 //! network in [`pipeline`] wires them together with bounded channels, instrumented stations and
-//! batched stores.
+//! batched stores in one process; [`cluster`] wires the same stations across the nodes of a
+//! cluster on NATS JetStream.
 
+pub mod cluster;
 pub mod cluster_samples;
 pub mod codec;
 pub mod generator;
@@ -11,7 +13,6 @@ pub mod keys;
 pub mod lease;
 pub mod matcher;
 pub mod model;
-pub mod node;
 pub mod pipeline;
 pub mod profile;
 pub mod queue;

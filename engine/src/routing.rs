@@ -45,7 +45,12 @@ pub fn shard_of_parts(broker: &str, trade_ref: &str, shards: u32) -> u32 {
 
 /// The shard of a trade key over `shards` shards.
 pub fn shard_of(trade_key: &str, shards: u32) -> u32 {
-    jump_consistent_hash(fnv1a_64(trade_key.as_bytes()), shards)
+    shard_of_bytes(trade_key.as_bytes(), shards)
+}
+
+/// The shard of a trade key given as bytes (`Broker/TradeRef`, as a message's bytes spell it).
+pub fn shard_of_bytes(trade_key: &[u8], shards: u32) -> u32 {
+    jump_consistent_hash(fnv1a_64(trade_key), shards)
 }
 
 #[cfg(test)]

@@ -13,21 +13,12 @@ use ste_engine::matcher::MatcherMemory;
 use ste_engine::queue::jetstream::{JetStream, QueueLimits};
 use ste_engine::queue::{BatchReceiver, BatchSender, QueueError};
 use ste_engine::refdata::RefData;
-use ste_engine::validate::validate;
 
-/// A cluster of `partitions` and `shards` whose queues are all [`ROOMY`], made on `jetstream`.
-fn roomy_layout(
-    jetstream: &JetStream,
-    partitions: u32,
-    shards: u32,
-) -> ste_engine::node::ClusterLayout {
-    let layout = ste_engine::node::ClusterLayout {
-        partitions,
+/// A cluster of `shards` whose queues are all [`ROOMY`], made on `jetstream`.
+fn roomy_layout(jetstream: &JetStream, shards: u32) -> ste_engine::cluster::ClusterLayout {
+    let layout = ste_engine::cluster::ClusterLayout {
         shards,
         inbound: ROOMY,
-        shard_backlog: ROOMY,
-        exceptions: ROOMY,
-        acks: ROOMY,
         cls: ROOMY,
     };
     layout.ensure(jetstream).expect("streams");
@@ -305,143 +296,152 @@ fn a_shard_lease_is_held_by_one_node_renewed_and_won_by_another_once_it_expires(
         .is_some());
 }
 
+/// The configuration of `node`'s ownership of `shard` of `shards`, on `database_url`.
+fn owner_config(
+    node: &str,
+    shard: u32,
+    shards: u32,
+    database_url: &str,
+) -> ste_engine::cluster::ShardOwnerConfig {
+    ste_engine::cluster::ShardOwnerConfig {
+        node_id: node.to_owned(),
+        shard,
+        shards,
+        database_url: database_url.to_owned(),
+        tolerances: ste_engine::profile::Tolerances::default(),
+        aging: None,
+        batch_max_messages: 64,
+        retry: ste_engine::pipeline::RetryPolicy::default(),
+        // Small generations: what the shard commits is soon only in the filter and the store.
+        matcher_memory: MatcherMemory {
+            generation_entries: 16,
+            filter_bytes: 4096,
+            ..MatcherMemory::default()
+        },
+    }
+}
+
+/// Every answer on `acks` until `count` messages are answered (30 s at most), by correlation.
+fn answers_of(
+    acks: &impl BatchReceiver<ste_engine::pipeline::Ack>,
+    count: usize,
+) -> std::collections::BTreeMap<u64, Vec<ste_engine::pipeline::AckResult>> {
+    let mut results: std::collections::BTreeMap<u64, Vec<_>> = Default::default();
+    let started = Instant::now();
+    while results.len() < count {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{} of {count} answered: {results:?}",
+            results.len()
+        );
+        if let Some(received) = acks
+            .recv_until(Some(Instant::now() + Duration::from_millis(50)))
+            .expect("answers")
+        {
+            for ack in received.items {
+                results.entry(ack.correlation).or_default().push(ack.result);
+            }
+        }
+    }
+    results
+}
+
 #[test]
-fn validators_on_jetstream_queues_route_every_message_as_the_in_process_validator_decides() {
+fn a_shard_owner_checks_every_signature_itself_and_sends_another_shards_trade_on() {
     use std::sync::Arc;
+    use ste_engine::cluster::{ClusterLayout, ShardOwner};
     use ste_engine::generator::{Generator, GeneratorConfig};
-    use ste_engine::node::{ClusterLayout, Validators};
-    use ste_engine::pipeline::{inbound_index, sign_line, Envelope};
-    use ste_engine::routing::shard_of;
-    use ste_engine::stations::{RejectedItem, Validated};
+    use ste_engine::pipeline::{inbound_index, sign_line, Ack, AckResult, Envelope};
+    use ste_engine::reason::ReasonCode;
+    use ste_engine::store::{PgStore, Store};
 
     let server = NatsServer::start();
+    let databases = common::TempDatabases::create("owner_checks", 2);
+    let urls = databases.urls();
     let jetstream = JetStream::connect(&server.url).expect("connects");
-    let layout = roomy_layout(&jetstream, 2, 3);
+    roomy_layout(&jetstream, 2);
+    let leases = Arc::new(Leases::open(&jetstream, Duration::from_secs(5)).expect("leases"));
     let refdata = Arc::new(
         RefData::embedded()
             .expect("reference data")
             .with_generated_keys(),
     );
-    let lines: Vec<Vec<u8>> = Generator::new(
-        &refdata,
-        GeneratorConfig {
-            trades: 200,
-            seed: 11,
-            fault_rate: 0.3,
-            shuffle: true,
-        },
-    )
-    .collect();
-    let envelopes: Vec<Envelope> = lines
-        .into_iter()
-        .enumerate()
-        .map(|(index, line)| sign_line(&refdata, line, index as u64, 0))
-        .collect();
-    let passes = envelopes
-        .iter()
-        .filter(|envelope| {
-            validate(
-                &refdata,
-                &envelope.bytes,
-                envelope.sender.as_deref(),
-                envelope.signature.as_ref().map(|s| s.as_slice()),
+    let lines: Vec<Vec<u8>> = Generator::new(&refdata, GeneratorConfig::clean(40)).collect();
+    let of_shard = |shard: usize| {
+        lines
+            .iter()
+            .filter(move |line| inbound_index(line, 2) == shard)
+            .cloned()
+    };
+    let mut own = of_shard(0);
+    let signed = |line: Vec<u8>, correlation: u64| sign_line(&refdata, line, correlation, 0);
+    // 0: shard 0's own; 1: shard 1's trade, put on shard 0's queue (as a gateway whose scan of
+    // the bytes saw another key would); 2: a forged signature; 3: no signature at all.
+    let mut forged = signed(own.next().expect("a line"), 2);
+    if let Some(signature) = forged.signature.as_mut() {
+        signature[0] ^= 1;
+    }
+    let mut unsigned = signed(own.next().expect("a line"), 3);
+    unsigned.signature = None;
+    let batch: Vec<Envelope> = vec![
+        signed(own.next().expect("a line"), 0),
+        signed(of_shard(1).next().expect("a line"), 1),
+        forged,
+        unsigned,
+    ];
+    // Answers to gateway number 0 (the envelopes' origin), heard before anything is sent.
+    let acks = jetstream
+        .plain_receiver::<Ack>(&ClusterLayout::ack_topic(0), "acks")
+        .expect("subscribes");
+    jetstream
+        .sender::<Envelope>(&ClusterLayout::inbound_queue(0))
+        .send(batch)
+        .expect("publishes straight onto shard 0's inbound queue");
+    let owners: Vec<ShardOwner> = (0..2)
+        .map(|shard| {
+            ShardOwner::take_over(
+                &jetstream,
+                leases.clone(),
+                &owner_config("node-a", shard, 2, &urls[shard as usize]),
+                refdata.clone(),
+                Duration::from_secs(10),
             )
-            .is_ok()
-        })
-        .count();
-    let senders: Vec<_> = (0..layout.partitions)
-        .map(|p| jetstream.sender::<Envelope>(&ClusterLayout::inbound_queue(p)))
-        .collect();
-    let mut batches: Vec<Vec<Envelope>> = vec![Vec::new(); layout.partitions as usize];
-    for envelope in envelopes.iter().cloned() {
-        let partition = inbound_index(&envelope.bytes, layout.partitions as usize);
-        batches[partition].push(envelope);
-        if batches[partition].len() == 64 {
-            senders[partition]
-                .send(std::mem::take(&mut batches[partition]))
-                .expect("publishes");
-        }
-    }
-    for (partition, batch) in batches.into_iter().enumerate() {
-        senders[partition].send(batch).expect("publishes");
-    }
-
-    let leases = Arc::new(Leases::open(&jetstream, Duration::from_secs(5)).expect("leases"));
-    let validators = Validators::start(
-        &jetstream,
-        &layout,
-        &leases,
-        "node-a",
-        &[0, 1],
-        refdata.clone(),
-    )
-    .expect("validators");
-    assert_eq!(validators.partitions(), &[0, 1]);
-    // One validator per partition in the cluster: another node gets none of them.
-    let elsewhere = Validators::start(
-        &jetstream,
-        &layout,
-        &leases,
-        "node-b",
-        &[0, 1],
-        refdata.clone(),
-    )
-    .expect("validators");
-    assert!(elsewhere.partitions().is_empty());
-    elsewhere.stop().expect("stops");
-    let shards: Vec<_> = (0..layout.shards)
-        .map(|k| {
-            jetstream
-                .receiver::<Validated>(&ClusterLayout::match_queue(k), "owner", false)
-                .expect("consumer")
+            .expect("takes over")
+            .expect("wins the shard")
         })
         .collect();
-    let exceptions = jetstream
-        .receiver::<RejectedItem>(ClusterLayout::EXCEPTIONS_QUEUE, "writer", false)
-        .expect("consumer");
-    let (mut routed, mut passed, mut rejected) = (0, 0, 0);
-    let started = Instant::now();
-    while routed + rejected < envelopes.len() {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "{routed} routed and {rejected} rejected of {}",
-            envelopes.len()
-        );
-        for (shard, receiver) in shards.iter().enumerate() {
-            if let Some(received) = receiver
-                .recv_until(Some(Instant::now() + Duration::from_millis(20)))
-                .expect("receives")
-            {
-                for item in &received.items {
-                    assert_eq!(shard_of(&item.trade_key(), layout.shards), shard as u32);
-                    passed += usize::from(item.passed());
-                }
-                routed += received.items.len();
-                received.receipt.ack().expect("acks");
-            }
-        }
-        if let Some(received) = exceptions
-            .recv_until(Some(Instant::now() + Duration::from_millis(20)))
-            .expect("receives")
-        {
-            rejected += received.items.len();
-            received.receipt.ack().expect("acks");
-        }
+    let answers = answers_of(&acks, 4);
+    assert_eq!(answers[&0], vec![AckResult::Accepted]);
+    assert_eq!(answers[&1], vec![AckResult::Accepted], "sent on to shard 1");
+    assert_eq!(answers[&2], vec![AckResult::Rejected(ReasonCode::Sig)]);
+    assert_eq!(answers[&3], vec![AckResult::Rejected(ReasonCode::Sig)]);
+    for owner in owners {
+        owner.stop().writer.expect("the owner stops cleanly");
     }
-    assert_eq!(routed + rejected, envelopes.len());
-    assert_eq!(passed, passes);
-    assert!(
-        rejected > 0 && passed < routed,
-        "the fault mix reaches both paths"
+    let rows = |shard: usize| {
+        PgStore::open(&urls[shard])
+            .expect("opens")
+            .row_counts()
+            .expect("counts")
+    };
+    let (zero, one) = (rows(0), rows(1));
+    assert_eq!(
+        (zero.messages, zero.exceptions),
+        (1, 2),
+        "shard 0 keeps its own"
     );
-    validators.stop().expect("the validators stop cleanly");
-    // Every inbound batch was acknowledged once its output was held by the server.
-    for partition in 0..layout.partitions {
+    assert_eq!(
+        (one.messages, one.exceptions),
+        (1, 0),
+        "shard 1 holds its trade"
+    );
+    for shard in 0..2 {
         assert_eq!(
             jetstream
-                .queue_len(&ClusterLayout::inbound_queue(partition))
+                .queue_len(&ClusterLayout::inbound_queue(shard))
                 .expect("info"),
-            0
+            0,
+            "every batch acknowledged once committed"
         );
     }
 }
@@ -450,17 +450,16 @@ fn validators_on_jetstream_queues_route_every_message_as_the_in_process_validato
 fn a_shard_taken_over_after_its_owner_stopped_ends_with_one_cls_per_trade_and_nothing_twice() {
     use std::collections::{BTreeMap, BTreeSet};
     use std::sync::Arc;
+    use ste_engine::cluster::{ClusterLayout, ShardOwner};
     use ste_engine::generator::{Generator, GeneratorConfig};
-    use ste_engine::node::{ClusterLayout, ShardOwner, ShardOwnerConfig, Validators};
-    use ste_engine::pipeline::{sign_line, Ack, AckResult, Envelope, OutboundEvent, RetryPolicy};
-    use ste_engine::profile::Tolerances;
+    use ste_engine::pipeline::{sign_line, Ack, AckResult, Envelope, OutboundEvent};
     use ste_engine::store::{PgStore, Store};
 
     let server = NatsServer::start();
     let databases = common::TempDatabases::create("takeover", 1);
     let database_url = databases.urls()[0].clone();
     let jetstream = JetStream::connect(&server.url).expect("connects");
-    let layout = roomy_layout(&jetstream, 1, 1);
+    roomy_layout(&jetstream, 1);
     let leases = Arc::new(Leases::open(&jetstream, Duration::from_secs(1)).expect("leases"));
     let refdata = Arc::new(
         RefData::embedded()
@@ -472,47 +471,29 @@ fn a_shard_taken_over_after_its_owner_stopped_ends_with_one_cls_per_trade_and_no
         .enumerate()
         .map(|(index, line)| sign_line(&refdata, line, index as u64, 0))
         .collect();
+    // Envelopes published here carry gateway number 0: their answers come back on ack.0.
+    let ack_rx = jetstream
+        .plain_receiver::<Ack>(&ClusterLayout::ack_topic(0), "acks")
+        .expect("subscribes");
     let inbound = jetstream.sender::<Envelope>(&ClusterLayout::inbound_queue(0));
     for batch in envelopes.chunks(64) {
         inbound.send(batch.to_vec()).expect("publishes");
     }
-    let validators = Validators::start(
-        &jetstream,
-        &layout,
-        &leases,
-        "node-v",
-        &[0],
-        refdata.clone(),
-    )
-    .expect("validators");
-
-    // Envelopes published here carry gateway number 0: their answers come back on ack.0.
-    jetstream
-        .ensure_queue(&ClusterLayout::ack_queue(0), ROOMY)
-        .expect("stream");
-    let ack_rx = jetstream
-        .receiver::<Ack>(&ClusterLayout::ack_queue(0), "test", false)
-        .expect("consumer");
     let out_rx = jetstream
         .receiver::<OutboundEvent>(ClusterLayout::CLS_QUEUE, "test", false)
         .expect("consumer");
-    let config = |node: &str| ShardOwnerConfig {
-        node_id: node.to_owned(),
-        shard: 0,
-        database_url: database_url.clone(),
-        tolerances: Tolerances::default(),
-        aging: None,
-        batch_max_messages: 64,
-        retry: RetryPolicy::default(),
-        // Small generations: what the shard commits is soon only in the filter and the store.
-        matcher_memory: MatcherMemory {
-            generation_entries: 16,
-            filter_bytes: 4096,
-            ..MatcherMemory::default()
-        },
-    };
+    let config = |node: &str| owner_config(node, 0, 1, &database_url);
     let mut cls: BTreeSet<String> = BTreeSet::new();
-    let collect = |cls: &mut BTreeSet<String>| {
+    let mut results: BTreeMap<u64, Vec<AckResult>> = BTreeMap::new();
+    let collect = |cls: &mut BTreeSet<String>, results: &mut BTreeMap<u64, Vec<AckResult>>| {
+        while let Some(received) = ack_rx
+            .recv_until(Some(Instant::now() + Duration::from_millis(5)))
+            .expect("answers")
+        {
+            for ack in received.items {
+                results.entry(ack.correlation).or_default().push(ack.result);
+            }
+        }
         while let Some(received) = out_rx
             .recv_until(Some(Instant::now() + Duration::from_millis(20)))
             .expect("outbound")
@@ -543,7 +524,7 @@ fn a_shard_taken_over_after_its_owner_stopped_ends_with_one_cls_per_trade_and_no
             started.elapsed() < Duration::from_secs(30),
             "node-a made no progress"
         );
-        collect(&mut cls);
+        collect(&mut cls, &mut results);
     }
     // node-a stops mid-run without giving the lease back, as a node that died would.
     let first_report = first.stop();
@@ -559,24 +540,20 @@ fn a_shard_taken_over_after_its_owner_stopped_ends_with_one_cls_per_trade_and_no
             "{} CLS of {trades}",
             cls.len()
         );
-        collect(&mut cls);
+        collect(&mut cls, &mut results);
     }
     let second_report = second.stop();
     second_report
         .writer
         .expect("node-b's writer stopped cleanly");
-    validators.stop().expect("validators stop");
-    collect(&mut cls);
+    let started = Instant::now();
+    while results.len() < envelopes.len() && started.elapsed() < Duration::from_secs(10) {
+        collect(&mut cls, &mut results);
+    }
     assert_eq!(cls.len() as u64, trades, "one CLS per trade");
 
     // Every message answered, accepted exactly once (a batch node-a committed and did not
     // acknowledge came back to node-b, which knew it from the shard: duplicate).
-    let mut results: BTreeMap<u64, Vec<AckResult>> = BTreeMap::new();
-    for ack in
-        ste_engine::queue::drain(&(Box::new(ack_rx) as ste_engine::queue::Rx<Ack>)).expect("acks")
-    {
-        results.entry(ack.correlation).or_default().push(ack.result);
-    }
     assert_eq!(results.len(), envelopes.len(), "every message answered");
     let accepted = results
         .values()

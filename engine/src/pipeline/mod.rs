@@ -30,13 +30,13 @@ use crate::queue::local::{self, LocalReceiver};
 use crate::queue::{QueueError, Rx, Tx};
 use crate::reason::{ReasonCode, Rejection};
 use crate::refdata::RefData;
-use crate::routing::fnv1a_64;
+use crate::routing::shard_of_bytes;
 use crate::sign::{self, SIGNATURE_LEN};
 use crate::station::{RunClock, Station};
 use crate::stations::exceptions::run_exception_writer;
 use crate::stations::matcher::{run_matcher, Recall};
 use crate::stations::sampler::run_sampler;
-use crate::stations::validator::run_validator;
+use crate::stations::validator::{run_validator, Routes};
 use crate::stations::writer::{run_writer, WriterContext};
 use crate::stations::{RejectedItem, ToStore, Validated, WriterReport};
 use crate::store::{MemoryStore, PgStore, RowCounts, SqliteStore, Store, StoreError};
@@ -426,8 +426,11 @@ pub fn sign_line(
     }
 }
 
-/// The inbound queue of a message: by trade key when the bytes name one, so that a trade's
-/// messages stay in order; queue 0 otherwise.
+/// The inbound queue of a message: the shard of the trade its bytes name, over `queues`
+/// ([`crate::routing`]), so that a trade's messages stay in order and, where there is one
+/// inbound queue per shard (a cluster), a message's queue is its shard's; queue 0 when the
+/// bytes name no trade. The bytes are scanned, not parsed: a validator that parses them to
+/// another trade sends the message on ([`crate::stations::validator`]).
 pub fn inbound_index(bytes: &[u8], queues: usize) -> usize {
     let text_of = |tag_open: &[u8], tag_close: &[u8]| -> Option<&[u8]> {
         let start = sign::find(bytes, tag_open)? + tag_open.len();
@@ -443,7 +446,7 @@ pub fn inbound_index(bytes: &[u8], queues: usize) -> usize {
             key.extend_from_slice(broker);
             key.push(b'/');
             key.extend_from_slice(trade_ref);
-            (fnv1a_64(&key) % queues as u64) as usize
+            shard_of_bytes(&key, queues as u32) as usize
         }
         _ => 0,
     }
@@ -712,10 +715,10 @@ impl Pipeline {
             inbound_stations.push(tx.station().clone());
             inbound.push(Box::new(tx));
             let refdata = refdata.clone();
-            let match_txs = match_txs.clone();
+            let routes = Routes::Every(match_txs.clone());
             let exception_tx: Tx<RejectedItem> = Box::new(exception_tx.clone());
             validator_handles.push(spawn(format!("validator-{index}"), move || {
-                run_validator(Box::new(rx), &refdata, &match_txs, &exception_tx)
+                run_validator(Box::new(rx), &refdata, &routes, &exception_tx)
             }));
         }
         drop(match_txs);

@@ -291,18 +291,36 @@ impl JetStream {
         })
     }
 
-    /// Copies of the batches published onto `queue` from now on ([`CopyReceiver`]).
+    /// Copies of the batches published onto `queue` from now on ([`PlainReceiver`]).
     pub fn copies<T: DeserializeOwned + Send + 'static>(
         &self,
         queue: &str,
-    ) -> Result<CopyReceiver<T>, QueueError> {
-        Ok(CopyReceiver {
-            queue: queue.to_owned(),
-            listener: std::sync::Mutex::new(self.listen(queue)?),
-            station: Station::new(format!("{queue}.copies")),
+    ) -> Result<PlainReceiver<T>, QueueError> {
+        self.plain_receiver(queue, format!("{queue}.copies"))
+    }
+
+    /// The batches published on the plain subject `ste.<topic>` from now on, counted on a
+    /// station named `station` ([`PlainReceiver`]).
+    pub fn plain_receiver<T: DeserializeOwned + Send + 'static>(
+        &self,
+        topic: &str,
+        station: impl Into<String>,
+    ) -> Result<PlainReceiver<T>, QueueError> {
+        Ok(PlainReceiver {
+            queue: topic.to_owned(),
+            listener: std::sync::Mutex::new(self.listen(topic)?),
+            station: Station::new(station),
             stopped: Arc::new(AtomicBool::new(false)),
             _items: std::marker::PhantomData,
         })
+    }
+
+    /// Publishes `items` as one batch on the plain subject `ste.<topic>`, not persisted: for
+    /// what may be lost because whoever misses it asks again (a gateway's answers). `Err` when
+    /// the connection does not take it within a second.
+    pub fn publish_plain<T: Serialize>(&self, topic: &str, items: &[T]) -> Result<(), QueueError> {
+        let payload = postcard::to_allocvec(items).map_err(|error| carrier(topic, error))?;
+        self.notify(topic, payload)
     }
 
     /// A sender onto `queue`, whose stream must exist.
@@ -646,12 +664,13 @@ impl StopReceiving {
     }
 }
 
-/// Copies of the batches published onto a queue, taken off its subject by a plain
-/// subscription as they are published ([`JetStream::copies`]): for a gateway that pushes CLS to
-/// the participants connected to it while the sink, alone, consumes the queue. A copy is never
-/// acknowledged and may be missed (the client's subscription buffer is bounded and drops what a
-/// slow reader leaves); the queue itself loses nothing.
-pub struct CopyReceiver<T> {
+/// Batches taken off a plain subject by a subscription as they are published: copies of a
+/// queue's batches ([`JetStream::copies`]), for a gateway that pushes CLS to the participants
+/// connected to it while the sink, alone, consumes the queue; or a gateway's answers
+/// ([`JetStream::plain_receiver`]). A batch is never acknowledged and may be missed (the
+/// client's subscription buffer is bounded and drops what a slow reader leaves, and nothing is
+/// kept for a subscriber that is reconnecting); whoever relies on it must be able to ask again.
+pub struct PlainReceiver<T> {
     queue: String,
     listener: std::sync::Mutex<Listener>,
     station: Arc<Station>,
@@ -659,7 +678,7 @@ pub struct CopyReceiver<T> {
     _items: std::marker::PhantomData<fn() -> T>,
 }
 
-impl<T> CopyReceiver<T> {
+impl<T> PlainReceiver<T> {
     /// A handle that stops this receiver.
     pub fn stopper(&self) -> StopReceiving {
         StopReceiving(self.stopped.clone())
@@ -672,7 +691,7 @@ const NOTICE_WAIT_MAX: Duration = Duration::from_secs(1);
 /// How long one wait for a copy lasts at most, so that a stopped receiver notices.
 const COPY_WAIT_MAX: Duration = Duration::from_millis(200);
 
-impl<T: DeserializeOwned + Send + 'static> BatchReceiver<T> for CopyReceiver<T> {
+impl<T: DeserializeOwned + Send + 'static> BatchReceiver<T> for PlainReceiver<T> {
     fn recv_until(&self, deadline: Option<Instant>) -> Result<Option<Received<T>>, QueueError> {
         loop {
             if self.stopped.load(Ordering::Relaxed) {

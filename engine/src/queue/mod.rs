@@ -59,6 +59,39 @@ impl Receipt {
         self.acks.extend(other.acks);
     }
 
+    /// Splits this receipt into `parts` (at least one), for a station that hands one batch on
+    /// in several parts: what this one stands for is acknowledged once every part is. A part
+    /// dropped unacknowledged leaves it unacknowledged (the carrier delivers it again).
+    pub fn split(self, parts: usize) -> Vec<Receipt> {
+        let parts = parts.max(1);
+        if self.acks.is_empty() || parts == 1 {
+            let mut split = Vec::with_capacity(parts);
+            split.push(self);
+            split.resize_with(parts, Receipt::none);
+            return split;
+        }
+        let whole = Arc::new(std::sync::Mutex::new((parts, Some(self))));
+        (0..parts)
+            .map(|_| {
+                let whole = whole.clone();
+                Receipt::from_fn(move || {
+                    let last = {
+                        let mut whole = whole
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        whole.0 -= 1;
+                        if whole.0 == 0 {
+                            whole.1.take()
+                        } else {
+                            None
+                        }
+                    };
+                    last.map_or(Ok(()), Receipt::ack)
+                })
+            })
+            .collect()
+    }
+
     /// Acknowledges every batch this receipt stands for.
     pub fn ack(self) -> Result<(), QueueError> {
         self.acks.into_iter().try_for_each(|ack| ack())
@@ -168,5 +201,42 @@ pub fn drain<T>(rx: &Rx<T>) -> Result<Vec<T>, QueueError> {
             Ok(None) | Err(QueueError::Closed { .. }) => return Ok(items),
             Err(error) => return Err(error),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    #[test]
+    fn a_split_receipt_acknowledges_once_every_part_is() {
+        let acked = Arc::new(AtomicU32::new(0));
+        let counter = acked.clone();
+        let receipt = Receipt::from_fn(move || {
+            counter.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        });
+        let mut parts = receipt.split(3).into_iter();
+        parts.next().expect("a part").ack().expect("acks");
+        parts.next().expect("a part").ack().expect("acks");
+        assert_eq!(acked.load(Ordering::SeqCst), 0, "one part is still out");
+        parts.next().expect("a part").ack().expect("acks");
+        assert_eq!(acked.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_part_dropped_unacknowledged_leaves_the_whole_unacknowledged() {
+        let acked = Arc::new(AtomicU32::new(0));
+        let counter = acked.clone();
+        let receipt = Receipt::from_fn(move || {
+            counter.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        });
+        let mut parts = receipt.split(2).into_iter();
+        parts.next().expect("a part").ack().expect("acks");
+        drop(parts);
+        assert_eq!(acked.load(Ordering::SeqCst), 0);
+        assert_eq!(Receipt::none().split(4).len(), 4);
     }
 }

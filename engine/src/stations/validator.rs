@@ -1,35 +1,70 @@
 //! The validator: stateless, any number of them.
+//!
+//! In process ([`Routes::Every`]) it hands what passes to any shard's match queue. In a cluster
+//! it runs inside the owner of one shard ([`Routes::Owner`]), on that shard's inbound queue:
+//! nothing it consumes is trusted because of where it came from, and a message whose bytes
+//! parse to another shard's trade (its sender formatted it so that the gateway's scan of the
+//! bytes saw another key) goes on, as it came, to that shard's inbound queue.
 
 use std::time::Instant;
 
 use super::{complete, queue_error, Refused, RejectedItem, Validated};
 use crate::pipeline::{Envelope, PipelineError};
+use crate::queue::Receipt;
 use crate::queue::{receive, Rx, Tx};
 use crate::reason::ReasonCode;
 use crate::refdata::RefData;
 use crate::routing::shard_of_parts;
 use crate::validate::{validate_message, Refusal};
 
+/// Where a validator hands on what it validated.
+pub(crate) enum Routes {
+    /// Every shard's match queue, in shard order (in process).
+    Every(Vec<Tx<Validated>>),
+    /// The owner of `shard` among `shards` in a cluster: its own match queue, and the inbound
+    /// queue of every shard (in shard order) for a message that names another shard's trade.
+    Owner {
+        shard: u32,
+        to_match: Tx<Validated>,
+        inbound: Vec<Tx<Envelope>>,
+    },
+}
+
+impl Routes {
+    fn shards(&self) -> u32 {
+        match self {
+            Self::Every(match_txs) => match_txs.len() as u32,
+            Self::Owner { inbound, .. } => inbound.len() as u32,
+        }
+    }
+}
+
 /// Validates inbound batches: what passes goes to its shard's match queue, a rejection after
 /// the signature checked out too (its shard remembers the MsgId), the rest to the exception
-/// writer.
+/// writer. The batch taken is acknowledged once every part handed on is.
 pub(crate) fn run_validator(
     rx: Rx<Envelope>,
     refdata: &RefData,
-    match_txs: &[Tx<Validated>],
+    routes: &Routes,
     exception_tx: &Tx<RejectedItem>,
 ) -> Result<(), PipelineError> {
-    let shards = match_txs.len() as u32;
+    let shards = routes.shards();
+    let own_queues = match routes {
+        Routes::Every(_) => shards as usize,
+        Routes::Owner { .. } => 1,
+    };
     while let Some(received) = receive(&rx).map_err(queue_error)? {
         let envelopes = received.items;
         let enqueued_ns = received.enqueued_ns;
         let started = Instant::now();
         let count = envelopes.len() as u64;
-        let mut to_match: Vec<Vec<Validated>> = (0..match_txs.len()).map(|_| Vec::new()).collect();
+        let mut to_match: Vec<Vec<Validated>> = (0..own_queues).map(|_| Vec::new()).collect();
+        let mut elsewhere: Vec<Vec<Envelope>> = Vec::new();
         let mut rejected = Vec::new();
-        for envelope in envelopes {
-            let refused_by_listener = envelope.refusal.is_some();
-            let result = match envelope.refusal {
+        for mut envelope in envelopes {
+            let refusal = envelope.refusal.take();
+            let refused_by_listener = refusal.is_some();
+            let result = match refusal {
                 Some(rejection) => Err(Refusal {
                     rejection,
                     identity: None,
@@ -74,8 +109,19 @@ pub(crate) fn run_validator(
                 Ok(msg) => (&msg.broker, &msg.trade_ref),
                 Err(refused) => (&refused.identity.broker, &refused.identity.trade_ref),
             };
-            let shard = shard_of_parts(broker, trade_ref, shards) as usize;
-            to_match[shard].push(Validated {
+            let shard = shard_of_parts(broker, trade_ref, shards);
+            let queue = match routes {
+                Routes::Every(_) => shard as usize,
+                Routes::Owner { shard: own, .. } if shard == *own => 0,
+                Routes::Owner { .. } => {
+                    if elsewhere.is_empty() {
+                        elsewhere.resize_with(shards as usize, Vec::new);
+                    }
+                    elsewhere[shard as usize].push(envelope);
+                    continue;
+                }
+            };
+            to_match[queue].push(Validated {
                 verdict,
                 bytes: envelope.bytes,
                 correlation: envelope.correlation,
@@ -84,18 +130,37 @@ pub(crate) fn run_validator(
             });
         }
         let busy_ns = started.elapsed().as_nanos() as u64;
-        // Every shard's part on its way at once, then the acknowledgements: one round trip to
-        // a network carrier instead of one a shard. A shard's queue still gets this
-        // partition's batches in order (the next is sent only once this one is held).
-        let mut sending = Vec::with_capacity(match_txs.len() + 1);
-        for (shard, batch) in to_match.into_iter().enumerate() {
-            sending.push(match_txs[shard].start_send(batch).map_err(queue_error)?);
+        let parts = to_match.len() + 1 + elsewhere.len();
+        let mut receipts = received.receipt.split(parts).into_iter();
+        let mut part = || receipts.next().unwrap_or_else(Receipt::none);
+        match routes {
+            Routes::Every(match_txs) => {
+                for (batch, tx) in to_match.into_iter().zip(match_txs) {
+                    tx.forward(batch, part()).map_err(queue_error)?;
+                }
+            }
+            Routes::Owner {
+                to_match: tx,
+                inbound,
+                ..
+            } => {
+                for batch in to_match {
+                    tx.forward(batch, part()).map_err(queue_error)?;
+                }
+                for (batch, tx) in elsewhere.into_iter().zip(inbound) {
+                    if !batch.is_empty() {
+                        tracing::debug!(
+                            messages = batch.len(),
+                            "messages naming another shard's trade sent on to its inbound queue"
+                        );
+                    }
+                    tx.forward(batch, part()).map_err(queue_error)?;
+                }
+            }
         }
-        sending.push(exception_tx.start_send(rejected).map_err(queue_error)?);
-        for send in sending {
-            send.wait().map_err(queue_error)?;
-        }
-        received.receipt.ack().map_err(queue_error)?;
+        exception_tx
+            .forward(rejected, part())
+            .map_err(queue_error)?;
         complete(&rx, count, busy_ns, enqueued_ns);
     }
     Ok(())

@@ -1,0 +1,171 @@
+//! Where messages enter a cluster and answers leave it: a gateway's (or the driver's) side of
+//! the inbound queues and of its answers, the router that sends each answer to its gateway,
+//! and the sink's side of the CLS queue.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::ClusterLayout;
+use crate::lease::{DeliveryBook, LeaseKeeper, Leased, Leases};
+use crate::pipeline::{Ack, Delivery, Envelope, OutboundEvent, PipelineError, Submitter};
+use crate::queue::jetstream::{JetStream, JetStreamReceiver, PlainReceiver, StopReceiving};
+use crate::queue::{BatchSender, QueueError, Receipt, Rx, Tx};
+use crate::station::RunClock;
+
+/// Sends each ACK, after the commit that holds its message, to the plain subject of the
+/// gateway its message came through (`ack.<origin>`). Not persisted: an answer lost on its way
+/// (its gateway reconnecting, or too slow to take it) costs the participant a resend, which the
+/// shard answers as a duplicate; the commit is the record.
+#[derive(Clone)]
+pub struct AckRouter {
+    jetstream: JetStream,
+}
+
+impl AckRouter {
+    /// A router publishing through `jetstream`.
+    pub fn new(jetstream: &JetStream) -> Self {
+        Self {
+            jetstream: jetstream.clone(),
+        }
+    }
+}
+
+impl BatchSender<Ack> for AckRouter {
+    fn forward(&self, items: Vec<Ack>, receipt: Receipt) -> Result<(), QueueError> {
+        let mut by_origin: BTreeMap<u32, Vec<Ack>> = BTreeMap::new();
+        for ack in items {
+            by_origin.entry(ack.origin).or_default().push(ack);
+        }
+        for (origin, acks) in by_origin {
+            let topic = ClusterLayout::ack_topic(origin);
+            if let Err(error) = self.jetstream.publish_plain(&topic, &acks) {
+                tracing::warn!(gateway = origin, count = acks.len(), %error, "answers lost on their way: their senders ask again");
+            }
+        }
+        receipt.ack()
+    }
+
+    fn clone_sender(&self) -> Tx<Ack> {
+        Box::new(self.clone())
+    }
+}
+
+/// Gateway numbers a cluster has room for.
+pub const GATEWAYS_MAX: u32 = 1024;
+
+/// Where a gateway (or the driver) puts messages into a cluster and hears their answers: the
+/// shards' inbound queues, and the answers' subject of the gateway number it holds a lease on.
+pub struct Ingress {
+    number: u32,
+    keeper: LeaseKeeper,
+    inbound: Vec<Tx<Envelope>>,
+    acks: Option<PlainReceiver<Ack>>,
+    stopper: StopReceiving,
+}
+
+impl Ingress {
+    /// Takes the lowest free gateway number for `node_id`, listens to its answers (before
+    /// anything is sent, so that none is missed) and opens the shards' inbound queues.
+    pub fn open(
+        jetstream: &JetStream,
+        layout: &ClusterLayout,
+        leases: Arc<Leases>,
+        node_id: &str,
+    ) -> Result<Self, PipelineError> {
+        let won = leases
+            .take_lowest(Leased::Gateway, GATEWAYS_MAX, node_id)
+            .map_err(PipelineError::Queue)?;
+        let Some((number, lease)) = won else {
+            return Err(PipelineError::Config(format!(
+                "all {GATEWAYS_MAX} gateway numbers are taken"
+            )));
+        };
+        let topic = ClusterLayout::ack_topic(number);
+        let acks = jetstream
+            .plain_receiver::<Ack>(&topic, topic.clone())
+            .map_err(PipelineError::Queue)?;
+        let stopper = acks.stopper();
+        let keeper = LeaseKeeper::start(leases, lease, node_id.to_owned(), || {
+            tracing::error!("this gateway lost its number: answers may go to another one");
+        });
+        let inbound = (0..layout.shards)
+            .map(|shard| {
+                Box::new(jetstream.sender::<Envelope>(&ClusterLayout::inbound_queue(shard)))
+                    as Tx<Envelope>
+            })
+            .collect();
+        tracing::info!(gateway = number, node = node_id, "gateway number taken");
+        Ok(Self {
+            number,
+            keeper,
+            inbound,
+            acks: Some(acks),
+            stopper,
+        })
+    }
+
+    /// The gateway number: every envelope submitted here carries it, and its answers come back
+    /// on `ack.<number>`.
+    pub fn number(&self) -> u32 {
+        self.number
+    }
+
+    /// A submitter onto the shards' inbound queues (a message goes to its trade's shard),
+    /// stamping envelopes with this gateway's number.
+    pub fn submitter(&self, clock: RunClock) -> Submitter {
+        Submitter::new(self.inbound.clone(), clock, self.number)
+    }
+
+    /// The answers to what was submitted here (once; `None` afterwards). It ends once
+    /// [`Ingress::stop`] is called.
+    pub fn take_acks(&mut self) -> Option<Rx<Ack>> {
+        self.acks.take().map(|acks| Box::new(acks) as Rx<Ack>)
+    }
+
+    /// Stops the answers' receiver and the renewal of the gateway number.
+    pub fn stop(self) {
+        self.stopper.stop();
+        self.keeper.stop();
+    }
+}
+
+/// The sink's side of a cluster: the CLS queue and the delivery book its confirmations go to.
+pub struct ClsFeed {
+    events: Option<JetStreamReceiver<OutboundEvent>>,
+    stopper: StopReceiving,
+    book: Arc<DeliveryBook>,
+}
+
+impl ClsFeed {
+    /// Opens the CLS queue through the sink's durable consumer (one sink per cluster); the
+    /// cluster's queues exist ([`ClusterLayout::ensure`]).
+    pub fn open(jetstream: &JetStream) -> Result<Self, PipelineError> {
+        let events = jetstream
+            .receiver::<OutboundEvent>(ClusterLayout::CLS_QUEUE, "sink", true)
+            .map_err(PipelineError::Queue)?;
+        let stopper = events.stopper();
+        let book = Arc::new(DeliveryBook::open(jetstream).map_err(PipelineError::Queue)?);
+        Ok(Self {
+            events: Some(events),
+            stopper,
+            book,
+        })
+    }
+
+    /// The events (once), for the sink.
+    pub fn take_events(&mut self) -> Option<Rx<OutboundEvent>> {
+        self.events
+            .take()
+            .map(|events| Box::new(events) as Rx<OutboundEvent>)
+    }
+
+    /// Where the sink confirms delivery.
+    pub fn delivery(&self) -> Delivery {
+        Delivery::cluster(self.book.clone())
+    }
+
+    /// A handle that ends the events' receiver.
+    pub fn stopper(&self) -> StopReceiving {
+        self.stopper.clone()
+    }
+}

@@ -1,0 +1,92 @@
+//! The queue network of DESIGN.md section 1a, across the nodes of a cluster: the sibling of
+//! [`crate::pipeline`], which wires the same stations ([`crate::stations`]) in one process.
+//!
+//! ```text
+//! gateway g ──► in.k ─────────────► owner of shard k, in process:
+//!   (the routing hash     JetStream    validator k ─► matcher k ─► writer k ─commit─► PostgreSQL k
+//!    of the trade key                      └─ rejected ─► exception writer k ─commit─┘
+//!    picks k)            after commit:  ACKs ─► ack.g (plain NATS) ─► gateway g
+//!                                       CLS and advices ─► cls (JetStream) ─► sink ─► delivery book
+//! ```
+//!
+//! - One hop in: a message crosses NATS once on its way to its commit, as part of a batch that
+//!   stays whole from the gateway to the shard's owner. The owner checks every participant
+//!   signature itself; nothing it consumes is trusted because of where it came from. A message
+//!   whose bytes parse to another shard's trade goes on to that shard's inbound queue.
+//! - Each shard's owner keeps its rejected messages in its own database.
+//! - The database commit is the record of durability: an inbound batch is acknowledged once
+//!   everything made from it is committed. ACKs travel on plain NATS after the commit (a lost
+//!   one costs the participant a resend, answered DUPLICATE); CLS on a JetStream queue, and
+//!   they stay in the shard's outbox until the sink confirms them.
+//!
+//! [`owner`] holds a shard, [`ingress`] is where a gateway (or the driver) puts messages in and
+//! hears their answers, [`node`] contends for shards and keeps them balanced between nodes.
+
+pub mod ingress;
+pub mod node;
+pub mod owner;
+
+pub use ingress::{AckRouter, ClsFeed, Ingress, GATEWAYS_MAX};
+pub use node::{Holdings, Node, NodeConfig};
+pub use owner::{OwnershipReport, ShardOwner, ShardOwnerConfig};
+
+use crate::queue::jetstream::{JetStream, QueueLimits};
+use crate::queue::QueueError;
+
+/// The queues of a cluster and their bounds.
+#[derive(Debug, Clone, Copy)]
+pub struct ClusterLayout {
+    /// Shards, each with its inbound queue and its database.
+    pub shards: u32,
+    /// Bounds of each shard's inbound queue: the backlog a stalled shard may hold on disk.
+    pub inbound: QueueLimits,
+    /// Bounds of the CLS queue: a sink that falls behind by this much holds the writers.
+    pub cls: QueueLimits,
+}
+
+impl Default for ClusterLayout {
+    fn default() -> Self {
+        const MIB: i64 = 1 << 20;
+        Self {
+            shards: 4,
+            inbound: QueueLimits {
+                batches_max: 65_536,
+                bytes_max: (crate::pipeline::SHARD_BACKLOG_BYTES_DEFAULT as i64),
+            },
+            cls: QueueLimits {
+                batches_max: 65_536,
+                bytes_max: 256 * MIB,
+            },
+        }
+    }
+}
+
+impl ClusterLayout {
+    /// The inbound queue of `shard`.
+    pub fn inbound_queue(shard: u32) -> String {
+        format!("in.{shard}")
+    }
+
+    /// The plain subject (after `ste.`) on which gateway number `gateway` hears its answers.
+    pub fn ack_topic(gateway: u32) -> String {
+        format!("ack.{gateway}")
+    }
+
+    /// The queue of CLS and advices after commit.
+    pub const CLS_QUEUE: &'static str = "cls";
+
+    /// Every queue of the layout with its bounds.
+    pub fn queues(&self) -> Vec<(String, QueueLimits)> {
+        (0..self.shards)
+            .map(|shard| (Self::inbound_queue(shard), self.inbound))
+            .chain([(Self::CLS_QUEUE.to_owned(), self.cls)])
+            .collect()
+    }
+
+    /// Creates every queue's stream that does not exist yet.
+    pub fn ensure(&self, jetstream: &JetStream) -> Result<(), QueueError> {
+        self.queues()
+            .iter()
+            .try_for_each(|(queue, limits)| jetstream.ensure_queue(queue, *limits))
+    }
+}
