@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # What distribution costs on this machine: alternated runs of the same load through the
 # in-process engine on 4 PostgreSQL instances, through a cluster of 1, 2 and 3 engine nodes on
-# NATS JetStream and 4 PostgreSQL instances, and the raw JetStream rate of the same batches
-# (jsbench), ROUNDS times in turn, every run on fresh instances.
+# three NATS JetStream servers (deploy/local-cluster.sh; STE_CLUSTER_NATS_SERVERS=1 for one)
+# and 4 PostgreSQL instances, and the raw JetStream rate of the same batches (jsbench), ROUNDS
+# times in turn, every run on fresh instances. STE_NATS_REPLICAS=3 runs the streams with three
+# copies each.
 #
 #   bench/cluster.sh TRADES ROUNDS [NODES...]     e.g.  bench/cluster.sh 100000 3 1 2 3
 #   bench/cluster.sh memory TRADES [NODES]        e.g.  bench/cluster.sh memory 1000000 3
@@ -67,6 +69,12 @@ fresh_cluster() {
     2>/dev/null | paste -sd,
 }
 
+# The driver's --nats and --nats-placement for the cluster deploy/local-cluster.sh started.
+nats_args() {
+  echo "--nats $(deploy/local-cluster.sh nats --dir "$dir" | sed -n 1p)" \
+    "--nats-placement $(deploy/local-cluster.sh nats --dir "$dir" | sed -n 2p)"
+}
+
 db_args() {
   tr ',' '\n' <<<"$1" | sed 's/^/--db /' | paste -sd' '
 }
@@ -106,7 +114,7 @@ if [ "${1:-}" = memory ]; then
   run_dir="runs/bench-cluster-memory-$trades-$nodes-$stamp"
   # Progress on stderr, the summary in the run directory, each node's memory printed at the end.
   # shellcheck disable=SC2046
-  ./target/release/driver --trades "$trades" --nats "nats://127.0.0.1:$nats_port" \
+  ./target/release/driver --trades "$trades" $(nats_args) \
     --keys "$dir/keys.csv" $(db_args "$urls") --run-dir "$run_dir" --json >"$run_dir.json"
   printf 'msg/s %s, CLS p50 %s ms, p99 %s ms, %s\n' \
     "$(field "$run_dir.json" "round(s['throughput_msg_s'])")" \
@@ -135,7 +143,7 @@ for round in $(seq 1 "$rounds"); do
     run_dir="runs/bench-cluster-$stamp-r$round-$nodes"
     # shellcheck disable=SC2046
     timed_run "$nodes node(s)" "$run_dir" --trades "$trades" \
-      --nats "nats://127.0.0.1:$nats_port" --keys "$dir/keys.csv" $(db_args "$urls")
+      $(nats_args) --keys "$dir/keys.csv" $(db_args "$urls")
   done
   deploy/local-cluster.sh down --dir "$dir" >/dev/null 2>&1
   echo "jsbench, round $round:"

@@ -64,9 +64,9 @@ if [ "$mode" = sweep ]; then
   exit 0
 fi
 
-echo "== up: nats, 4 shards, keys, $nodes nodes, monitor"
+echo "== up: 3 NATS servers, 4 shards, keys, $nodes nodes, monitor"
 "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
-"${compose[@]}" up -d --no-build --scale node="$nodes" nats shard-0 shard-1 shard-2 shard-3 keys node monitor
+"${compose[@]}" up -d --no-build --scale node="$nodes" nats-0 nats-1 nats-2 shard-0 shard-1 shard-2 shard-3 keys node monitor
 "${compose[@]}" ps
 
 echo "== driver: $trades trades, one node killed mid-run"

@@ -1,27 +1,32 @@
 #!/usr/bin/env bash
 # Starts or stops N local PostgreSQL instances, one per STE shard, natively (initdb + pg_ctl as
-# the postgres user), on consecutive ports; with --nodes K, also a NATS JetStream server (its
-# own data folder and port) and K engine nodes of a cluster on it.
+# the postgres user), on consecutive ports; with --nodes K, also a cluster of NATS JetStream
+# servers (three by default, each with its own data folder, port and placement tag) and K
+# engine nodes of an STE cluster on them.
 #
-#   deploy/local-cluster.sh up N [--nodes K] [--dir DIR] [--port FIRST_PORT] [--nats-port PORT]
+#   deploy/local-cluster.sh up N [--nodes K] [--nats-servers S] [--dir DIR] [--port FIRST_PORT] [--nats-port PORT]
 #   deploy/local-cluster.sh down [--dir DIR]          (nodes, NATS and the instances)
 #   deploy/local-cluster.sh urls [--dir DIR]
+#   deploy/local-cluster.sh nats [--dir DIR]      (the NATS URLs and placement tags, two lines)
 #   deploy/local-cluster.sh crash K [--dir DIR]   (stop shard K's instance abruptly; `up N` restarts it)
 #   deploy/local-cluster.sh reset [--dir DIR]     (drop and recreate every shard's database)
 #
 # `up` prints the shard URLs, one per line, in shard order; pass them to the driver as
 # `--db URL` each, or comma-separated in STE_DATABASE_URLS. Data lives under DIR
 # (default /tmp/ste-cluster); each instance listens on 127.0.0.1 only, with trust auth.
-# With --nodes, the nodes' logs are DIR/node-I.log, their shared key set DIR/keys.csv, and
-# how to drive them is printed on stderr. The engine and driver binaries come from STE_BIN
-# (default target/release; build them with cargo build --release).
+# With --nodes, the NATS servers listen on PORT, PORT+1, … (routes on PORT+10…, monitoring on
+# PORT+20…), tagged ste:0, ste:1, …, the shards' streams spread over them by those tags; the
+# nodes' logs are DIR/node-I.log, their shared key set DIR/keys.csv, and how to drive them is
+# printed on stderr. The engine and driver binaries come from STE_BIN (default target/release;
+# build them with cargo build --release); nats-server from STE_NATS_SERVER, else the pinned
+# release scripts/nats-server.sh installs.
 #
 # STE_PG_OPTIONS adds server settings to every instance started, e.g.
 # STE_PG_OPTIONS="-c shared_buffers=1GB".
 set -euo pipefail
 
 usage() {
-  sed -n '2,19p' "$0" >&2
+  sed -n '2,25p' "$0" >&2
   exit 2
 }
 
@@ -44,11 +49,13 @@ dir=${STE_CLUSTER_DIR:-/tmp/ste-cluster}
 first_port=${STE_CLUSTER_PORT:-55432}
 nats_port=${STE_CLUSTER_NATS_PORT:-14222}
 nodes=0
+nats_servers=${STE_CLUSTER_NATS_SERVERS:-3}
 while [ $# -gt 0 ]; do
   case "$1" in
     --dir) dir=$2; shift 2 ;;
     --port) first_port=$2; shift 2 ;;
     --nats-port) nats_port=$2; shift 2 ;;
+    --nats-servers) nats_servers=$2; [[ "$nats_servers" =~ ^[1-9]$ ]] || usage; shift 2 ;;
     --nodes) nodes=$2; [[ "$nodes" =~ ^[0-9]+$ ]] || usage; shift 2 ;;
     *) usage ;;
   esac
@@ -87,19 +94,62 @@ stop_pid_file() {
   rm -f "$file"
 }
 
+# The NATS servers of the cluster ($nats_servers of them), clustered where more than one, each
+# tagged ste:I; writes $dir/nats (line 1: the client URLs, line 2: the tags).
+start_nats() {
+  local nats_bin=${STE_NATS_SERVER:-}
+  [ -n "$nats_bin" ] || nats_bin=$("$(dirname "$0")/../scripts/nats-server.sh")
+  local urls=() tags=() routes=() i
+  for ((i = 0; i < nats_servers; i++)); do
+    urls+=("nats://127.0.0.1:$((nats_port + i))")
+    tags+=("ste:$i")
+    routes+=("nats-route://127.0.0.1:$((nats_port + 10 + i))")
+  done
+  for ((i = 0; i < nats_servers; i++)); do
+    if [ -f "$dir/nats-$i.pid" ] && kill -0 "$(cat "$dir/nats-$i.pid")" 2>/dev/null; then
+      continue
+    fi
+    mkdir -p "$dir/nats-$i"
+    {
+      echo "server_name: ste-nats-$i"
+      echo "listen: 127.0.0.1:$((nats_port + i))"
+      echo "http: 127.0.0.1:$((nats_port + 20 + i))"
+      echo "server_tags: [\"ste:$i\"]"
+      echo "jetstream { store_dir: \"$dir/nats-$i\" }"
+      if [ "$nats_servers" -gt 1 ]; then
+        echo "cluster { name: ste, listen: 127.0.0.1:$((nats_port + 10 + i)), routes: [$(IFS=,; echo "${routes[*]}")] }"
+      fi
+    } >"$dir/nats-$i.conf"
+    "$nats_bin" -c "$dir/nats-$i.conf" >"$dir/nats-$i.log" 2>&1 &
+    echo $! > "$dir/nats-$i.pid"
+  done
+  # Ready once every server answers its health check, which in a cluster waits for JetStream's
+  # meta leader: before that, no stream can be made.
+  for ((i = 0; i < nats_servers; i++)); do
+    python3 - "$((nats_port + 20 + i))" <<'PY' || { echo "NATS server $i is not healthy (see $dir/nats-$i.log)" >&2; exit 1; }
+import sys, time, urllib.request
+for _ in range(300):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/healthz", timeout=1)
+        sys.exit(0)
+    except Exception:
+        time.sleep(0.1)
+sys.exit(1)
+PY
+  done
+  { (IFS=,; echo "${urls[*]}"); (IFS=,; echo "${tags[*]}"); } >"$dir/nats"
+}
+
 # NATS and K engine nodes on the shards whose URLs are in $dir/urls.
 start_nodes() {
   local count=$1 shards=$2
-  command -v nats-server >/dev/null || { echo "nats-server is not installed (Debian: apt-get install nats-server)" >&2; exit 1; }
   for binary in engine driver; do
     [ -x "$bin/$binary" ] || { echo "$bin/$binary is missing: cargo build --release (or set STE_BIN)" >&2; exit 1; }
   done
-  if [ ! -f "$dir/nats.pid" ] || ! kill -0 "$(cat "$dir/nats.pid")" 2>/dev/null; then
-    mkdir -p "$dir/nats"
-    nats-server -js -a 127.0.0.1 -p "$nats_port" -sd "$dir/nats" >"$dir/nats.log" 2>&1 &
-    echo $! > "$dir/nats.pid"
-    for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$nats_port") 2>/dev/null && break; sleep 0.1; done
-  fi
+  start_nats
+  local nats_urls placement
+  nats_urls=$(sed -n 1p "$dir/nats")
+  placement=$(sed -n 2p "$dir/nats")
   [ -f "$dir/keys.csv" ] || "$bin/driver" keys --out "$dir/keys.csv" >/dev/null
   local db_args=() url
   while read -r url; do db_args+=(--db "$url"); done < "$dir/urls"
@@ -110,15 +160,15 @@ start_nodes() {
   fi
   for ((node = 1; node <= count; node++)); do
     [ -f "$dir/node-$node.pid" ] && kill -0 "$(cat "$dir/node-$node.pid")" 2>/dev/null && continue
-    "$bin/engine" --nats "nats://127.0.0.1:$nats_port" --node-id "node-$node" \
+    "$bin/engine" --nats "$nats_urls" --nats-placement "$placement" --node-id "node-$node" \
       --keys "$dir/keys.csv" "${db_args[@]}" --max-shards "$max_shards" \
       >"$dir/node-$node.log" 2>&1 &
     echo $! > "$dir/node-$node.pid"
   done
   {
-    echo "cluster: NATS on nats://127.0.0.1:$nats_port, $count nodes (logs $dir/node-*.log), $shards shards"
+    echo "cluster: NATS on $nats_urls, $count nodes (logs $dir/node-*.log), $shards shards"
     echo "drive it with:"
-    echo "  $bin/driver --trades 250000 --nats nats://127.0.0.1:$nats_port --keys $dir/keys.csv ${db_args[*]}"
+    echo "  $bin/driver --trades 250000 --nats $nats_urls --nats-placement $placement --keys $dir/keys.csv ${db_args[*]}"
     echo "stop it with: $0 down --dir $dir"
   } >&2
 }
@@ -147,6 +197,9 @@ case "$command" in
       start_nodes "$nodes" "$count"
     fi
     ;;
+  nats)
+    cat "$dir/nats"
+    ;;
   urls)
     for port_file in $(ls "$dir"/shard-*.port 2>/dev/null | sort -V); do
       url_of "$(cat "$port_file")"
@@ -164,7 +217,7 @@ case "$command" in
     ;;
   down)
     for pid_file in "$dir"/node-*.pid; do stop_pid_file "$pid_file"; done
-    stop_pid_file "$dir/nats.pid"
+    for pid_file in "$dir"/nats-*.pid "$dir/nats.pid"; do stop_pid_file "$pid_file"; done
     for data in $(ls -d "$dir"/shard-* 2>/dev/null | grep -v '\.' | sort -V); do
       if as_postgres "$bindir/pg_ctl" -D "$data" status >/dev/null 2>&1; then
         as_postgres "$bindir/pg_ctl" -D "$data" -m fast -w stop >/dev/null

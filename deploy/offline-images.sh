@@ -6,7 +6,8 @@
 #                        and wget: the base of the three below
 #   postgres:15          PostgreSQL 15 with an entrypoint that honours POSTGRES_USER, POSTGRES_DB
 #                        and POSTGRES_HOST_AUTH_METHOD as the public image does
-#   nats:2.9.10-alpine   Debian's nats-server 2.9.10 (arguments as the public image takes them)
+#   nats:2.15.1-alpine   nats-server 2.15.1, the pinned release scripts/nats-server.sh installs
+#                        and checks (arguments as the public image takes them)
 #   ste:0.1              the engine, driver and monitor release binaries (cargo's target dir)
 #
 #   deploy/offline-images.sh           # builds the release binaries first (cargo build --release)
@@ -74,14 +75,16 @@ CMD ["postgres"]
 EOF
 docker build -q --network none -t postgres:15 "$work/postgres" >/dev/null
 
-echo "== nats:2.9.10-alpine"
-mkdir -p "$work/nats"
+echo "== nats:2.15.1-alpine"
+rm -rf "$work/nats" && mkdir -p "$work/nats"
+cp "$(scripts/nats-server.sh)" "$work/nats/nats-server"
 cat >"$work/nats/Dockerfile" <<EOF
 FROM $base
-EXPOSE 4222 8222
-ENTRYPOINT ["nats-server"]
+COPY nats-server /usr/local/bin/nats-server
+EXPOSE 4222 6222 8222
+ENTRYPOINT ["/usr/local/bin/nats-server"]
 EOF
-docker build -q --network none -t nats:2.9.10-alpine "$work/nats" >/dev/null
+docker build -q --network none -t nats:2.15.1-alpine "$work/nats" >/dev/null
 
 echo "== ste:0.1"
 rm -rf "$work/ste" && mkdir -p "$work/ste"

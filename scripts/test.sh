@@ -2,6 +2,8 @@
 # The test command: installs and starts what the tests talk to, then runs `cargo test --workspace`
 # (extra arguments go to cargo test). On a fresh Debian machine, as root:
 #   - PostgreSQL on 127.0.0.1:5432 (started if it is installed but not running);
+#   - NATS: Debian's nats-server for the tests of the JetStream carrier, and the pinned release
+#     a cluster runs on (scripts/nats-server.sh) for the cluster's tests;
 #   - Debian's chromium, for the dashboard's browser test;
 #   - zeep, simplefix and quickfix from PyPI, the third-party SOAP and FIX clients of the bridge's
 #     tests (quickfix builds its C++ engine from source the first time, several minutes; pip keeps
@@ -31,6 +33,11 @@ if ! command -v nats-server >/dev/null 2>&1; then
   apt_install nats-server
 fi
 nats-server --version
+
+echo "== the NATS release a cluster runs on (scripts/nats-server.sh: pinned, checked)"
+STE_NATS_SERVER=$(scripts/nats-server.sh)
+export STE_NATS_SERVER
+"$STE_NATS_SERVER" --version
 
 echo "== browser for the dashboard test (Debian's chromium)"
 if [ -z "${STE_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then

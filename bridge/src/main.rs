@@ -196,6 +196,15 @@ struct Cli {
     /// others this long after its last renewal.
     #[arg(long, default_value_t = 3_000, requires = "nats")]
     lease_ttl_ms: u64,
+    /// The placement tags of the cluster's NATS servers, one per server, separated by commas
+    /// (e.g. ste:0,ste:1,ste:2): shard k's inbound stream goes to the server of tag k mod the
+    /// count, so that no server carries every message. The same on every node and driver.
+    #[arg(long, env = "STE_NATS_PLACEMENT", value_name = "TAGS", requires = "nats")]
+    nats_placement: Option<String>,
+    /// Copies of each stream of the cluster: 1 (default: the database commit is the record of
+    /// durability, and a stream whose server is down waits for it) or 3.
+    #[arg(long, env = "STE_NATS_REPLICAS", default_value_t = 1, requires = "nats")]
+    nats_replicas: usize,
     /// Serve the participants' listeners (framed XML, SOAP, FIX) on this node of a cluster:
     /// their messages go to the cluster's inbound queues under a gateway number of the
     /// node's, their answers come back to it, and copies of the cluster's CLS are pushed to
@@ -587,8 +596,14 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
         // Published on ste.samples.<node> for whoever collects them (the driver of a run).
         sample_interval: Duration::from_millis(cli.sample_ms),
     };
+    let placement = ste_engine::queue::jetstream::Placement::parse(
+        cli.nats_placement.as_deref(),
+        cli.nats_replicas,
+    )
+    .map_err(anyhow::Error::msg)?;
     let jetstream = ste_engine::queue::jetstream::JetStream::connect(url)
-        .with_context(|| format!("connecting to NATS at {url}"))?;
+        .with_context(|| format!("connecting to NATS at {url}"))?
+        .with_placement(placement);
     let layout = config.layout;
     let lease_ttl = config.lease_ttl;
     let node = ste_engine::cluster::Node::start(&jetstream, config, refdata.clone())

@@ -15,7 +15,7 @@ use ste_engine::cluster::{ClsFeed, ClusterLayout, Ingress};
 use ste_engine::cluster_samples::{MemoryReading, NodeMemory, SampleCollector};
 use ste_engine::generator::RunOutcome;
 use ste_engine::lease::Leases;
-use ste_engine::queue::jetstream::JetStream;
+use ste_engine::queue::jetstream::{JetStream, Placement};
 use ste_engine::refdata::RefData;
 use ste_engine::routing::shard_of;
 use ste_engine::station::RunClock;
@@ -40,6 +40,10 @@ pub struct ClusterTarget {
     /// How long the driver waits without a new answer before it sends the unanswered messages
     /// again.
     pub resend_after: Duration,
+    /// Where the cluster's streams go among its NATS servers.
+    pub placement: Placement,
+    /// Messages in one batch of a shard's inbound stream.
+    pub batch_messages: usize,
     /// Before injecting, wait up to this long until every shard has an owner, so
     /// that the run measures the cluster at work and not its nodes starting (a sweep's levels).
     pub wait_for_owners: Option<Duration>,
@@ -106,9 +110,11 @@ pub fn run_cluster(
     std::fs::create_dir_all(&config.run_dir)
         .with_context(|| format!("creating {}", config.run_dir.display()))?;
     let jetstream = JetStream::connect(&target.url)
-        .with_context(|| format!("connecting to NATS at {}", target.url))?;
+        .with_context(|| format!("connecting to NATS at {}", target.url))?
+        .with_placement(target.placement.clone());
     let layout = ClusterLayout {
         shards: config.shards,
+        inbound_batch_messages: target.batch_messages,
         ..ClusterLayout::default()
     };
     layout

@@ -231,6 +231,16 @@ struct RunArgs {
     /// shards' databases (--db, in shard order) give the summary its final states.
     #[arg(long, value_name = "URL", conflicts_with = "target")]
     nats: Option<String>,
+    /// The placement tags of the --nats cluster's servers, one per server (as its nodes were
+    /// started with).
+    #[arg(long, env = "STE_NATS_PLACEMENT", value_name = "TAGS")]
+    nats_placement: Option<String>,
+    /// Messages in one batch of a shard's inbound stream of the --nats cluster.
+    #[arg(long, value_name = "MESSAGES", default_value_t = ste_engine::cluster::INBOUND_BATCH_MESSAGES_DEFAULT)]
+    nats_batch: usize,
+    /// Copies of each stream of the --nats cluster: 1 or 3 (as its nodes were started with).
+    #[arg(long, env = "STE_NATS_REPLICAS", default_value_t = 1)]
+    nats_replicas: usize,
     /// Before injecting into the --nats cluster, wait up to this many seconds until every
     /// shard has an owner.
     #[arg(long, value_name = "SECONDS", requires = "nats")]
@@ -522,6 +532,11 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         return run_remote(args, target, refdata);
     }
     let dashboard_address = args.dashboard.clone();
+    let placement = ste_engine::queue::jetstream::Placement::parse(
+        args.nats_placement.as_deref(),
+        args.nats_replicas,
+    )
+    .map_err(anyhow::Error::msg)?;
     let cluster = args
         .nats
         .clone()
@@ -530,6 +545,8 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             lease_ttl: Duration::from_secs(3),
             stall_timeout: Duration::from_secs(args.stall_timeout_s.max(1)),
             resend_after: Duration::from_secs(args.resend_after_s.max(1)),
+            batch_messages: args.nats_batch.max(1),
+            placement,
             wait_for_owners: args
                 .wait_for_owners_s
                 .map(|s| Duration::from_secs(s.max(1))),

@@ -34,6 +34,9 @@ const CORES_SATURATED: f64 = 0.9;
 /// The compose file's shards.
 const COMPOSE_SHARDS: u32 = 4;
 
+/// The compose file's NATS servers, as its containers reach them.
+const COMPOSE_NATS: &str = "nats://nats-0:4222,nats://nats-1:4222,nats://nats-2:4222";
+
 /// One level of a node sweep.
 #[derive(Serialize)]
 #[allow(non_snake_case)]
@@ -458,6 +461,12 @@ fn run_local(
             lease_ttl: Duration::from_secs(3),
             stall_timeout: Duration::from_secs(args.stall_timeout_s.max(1)),
             resend_after: Duration::from_secs(args.resend_after_s.max(1)),
+            placement: ste_engine::queue::jetstream::Placement::parse(
+                Some(&cluster.nats_placement),
+                1,
+            )
+            .map_err(anyhow::Error::msg)?,
+            batch_messages: args.nats_batch.max(1),
             wait_for_owners: Some(OWNERS_TIMEOUT),
         };
         let summary = ste_driver::cluster::run_cluster(&config, &target, refdata.clone())?;
@@ -487,7 +496,7 @@ fn compose_driver_args(args: &RunArgs, window: u64, name: &str) -> Vec<String> {
         "--window".to_owned(),
         window.to_string(),
         "--nats".to_owned(),
-        "nats://nats:4222".to_owned(),
+        COMPOSE_NATS.to_owned(),
         "--wait-for-owners-s".to_owned(),
         OWNERS_TIMEOUT.as_secs().to_string(),
         "--run-dir".to_owned(),

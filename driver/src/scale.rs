@@ -156,13 +156,15 @@ fn sweep_database(index: usize) -> String {
     format!("ste_sweep_{index}")
 }
 
-/// A level's cluster as processes of this machine: its own `nats-server` (fresh streams and
-/// leases in `dir`), K `engine` nodes, and fresh databases `ste_sweep_<k>` on the servers of
-/// the given URLs (dropped again by [`LocalCluster::stop`]).
+/// A level's cluster as processes of this machine: its own NATS servers (three in one
+/// cluster, fresh streams and leases in `dir`), K `engine` nodes, and fresh databases
+/// `ste_sweep_<k>` on the servers of the given URLs (dropped again by [`LocalCluster::stop`]).
 pub struct LocalCluster {
-    nats: Child,
+    nats: NatsCluster,
     nodes: Vec<(String, Child)>,
     pub nats_url: String,
+    /// The NATS servers' placement tags, separated by commas.
+    pub nats_placement: String,
     pub db_urls: Vec<String>,
 }
 
@@ -179,8 +181,200 @@ pub struct LocalSpec<'a> {
     pub node_args: &'a [String],
 }
 
-/// Where the programs a local cluster runs are: `engine` beside this executable, and
-/// `nats-server` on the PATH or in the system's sbin.
+/// The pinned NATS server release a cluster runs on: `STE_NATS_SERVER`, else where
+/// `scripts/nats-server.sh` installs it (`$STE_TOOLS`, default `~/.cache/ste`).
+pub fn pinned_nats_server() -> anyhow::Result<PathBuf> {
+    let path = match std::env::var_os("STE_NATS_SERVER") {
+        Some(path) => PathBuf::from(path),
+        None => std::env::var_os("STE_TOOLS")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/ste")
+            })
+            .join(format!("nats-server-{NATS_RELEASE}/nats-server")),
+    };
+    if !path.exists() {
+        bail!(
+            "{} is missing: scripts/nats-server.sh installs the pinned NATS release ({NATS_RELEASE})",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// The NATS server release a cluster runs on (`scripts/nats-server.sh`).
+pub const NATS_RELEASE: &str = "2.15.1";
+
+/// NATS servers with JetStream in one cluster on this machine, each with a store folder, a
+/// port and the placement tag `ste:<index>` of its own, killed when dropped. Ready once every
+/// server reports itself healthy, which in a cluster includes knowing JetStream's meta leader.
+pub struct NatsCluster {
+    binary: PathBuf,
+    servers: Vec<NatsMember>,
+    /// Every server's client URL, separated by commas.
+    pub url: String,
+    /// The servers' placement tags, separated by commas (`--nats-placement`).
+    pub placement: String,
+}
+
+/// One server of a [`NatsCluster`].
+struct NatsMember {
+    child: Option<Child>,
+    config: PathBuf,
+    log: PathBuf,
+    monitor_port: u16,
+}
+
+impl NatsCluster {
+    /// Starts `count` servers of `binary` with their configurations, stores and logs in `dir`.
+    pub fn start(binary: &Path, count: usize, dir: &Path) -> anyhow::Result<Self> {
+        let ports = (0..count)
+            .map(|_| Ok([free_port()?, free_port()?, free_port()?]))
+            .collect::<anyhow::Result<Vec<[u16; 3]>>>()?;
+        let routes: Vec<String> = ports
+            .iter()
+            .map(|[_, route, _]| format!("nats-route://127.0.0.1:{route}"))
+            .collect();
+        let mut servers = Vec::with_capacity(count);
+        for (index, [client, route, monitor]) in ports.iter().enumerate() {
+            let store = dir.join(format!("nats-{index}"));
+            std::fs::create_dir_all(&store)
+                .with_context(|| format!("creating {}", store.display()))?;
+            let cluster = if count > 1 {
+                format!(
+                    "cluster {{ name: ste, listen: 127.0.0.1:{route}, routes: [{}] }}\n",
+                    routes.join(", ")
+                )
+            } else {
+                String::new()
+            };
+            let config = dir.join(format!("nats-{index}.conf"));
+            std::fs::write(
+                &config,
+                format!(
+                    "server_name: ste-nats-{index}\nlisten: 127.0.0.1:{client}\n\
+                     http: 127.0.0.1:{monitor}\nserver_tags: [\"ste:{index}\"]\n\
+                     jetstream {{ store_dir: \"{}\" }}\n{cluster}",
+                    store.display()
+                ),
+            )
+            .with_context(|| format!("writing {}", config.display()))?;
+            servers.push(NatsMember {
+                child: None,
+                config,
+                log: dir.join(format!("nats-{index}.log")),
+                monitor_port: *monitor,
+            });
+        }
+        let mut cluster = Self {
+            binary: binary.to_owned(),
+            servers,
+            url: ports
+                .iter()
+                .map(|[client, _, _]| format!("nats://127.0.0.1:{client}"))
+                .collect::<Vec<_>>()
+                .join(","),
+            placement: (0..count)
+                .map(|index| format!("ste:{index}"))
+                .collect::<Vec<_>>()
+                .join(","),
+        };
+        for index in 0..count {
+            cluster.spawn(index)?;
+        }
+        for index in 0..count {
+            cluster.wait_healthy(index)?;
+        }
+        Ok(cluster)
+    }
+
+    fn spawn(&mut self, index: usize) -> anyhow::Result<()> {
+        let member = &mut self.servers[index];
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&member.log)
+            .with_context(|| format!("opening {}", member.log.display()))?;
+        member.child = Some(
+            Command::new(&self.binary)
+                .arg("-c")
+                .arg(&member.config)
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .with_context(|| format!("starting {}", self.binary.display()))?,
+        );
+        Ok(())
+    }
+
+    /// Waits (30 s at most) until server `index` answers its health check with 200.
+    fn wait_healthy(&self, index: usize) -> anyhow::Result<()> {
+        use std::io::{Read, Write};
+        let port = self.servers[index].monitor_port;
+        let started = Instant::now();
+        loop {
+            let healthy = std::net::TcpStream::connect(("127.0.0.1", port))
+                .and_then(|mut stream| {
+                    stream.write_all(b"GET /healthz HTTP/1.0\r\n\r\n")?;
+                    let mut answer = String::new();
+                    stream.read_to_string(&mut answer)?;
+                    Ok(answer.starts_with("HTTP/1.0 200") || answer.starts_with("HTTP/1.1 200"))
+                })
+                .unwrap_or(false);
+            if healthy {
+                return Ok(());
+            }
+            if started.elapsed() > Duration::from_secs(30) {
+                bail!(
+                    "NATS server {index} is not healthy after 30 s (see {})",
+                    self.servers[index].log.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Kills server `index` (SIGKILL, as a crash).
+    pub fn kill(&mut self, index: usize) {
+        if let Some(mut child) = self.servers[index].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts server `index` again on its port and store, and waits until it is healthy.
+    pub fn start_again(&mut self, index: usize) -> anyhow::Result<()> {
+        self.spawn(index)?;
+        self.wait_healthy(index)
+    }
+
+    /// Stops every server (SIGTERM, as an operator would) and waits until they have gone.
+    pub fn stop(&mut self) {
+        for member in &mut self.servers {
+            if let Some(mut child) = member.child.take() {
+                let _ = Command::new("kill").arg(child.id().to_string()).status();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+impl Drop for NatsCluster {
+    fn drop(&mut self) {
+        for member in &mut self.servers {
+            if let Some(mut child) = member.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+/// NATS servers of a local cluster.
+pub const LOCAL_NATS_SERVERS: usize = 3;
+
+/// Where the programs a local cluster runs are: `engine` beside this executable, and the
+/// pinned `nats-server` ([`pinned_nats_server`]).
 pub fn local_programs() -> anyhow::Result<(PathBuf, PathBuf)> {
     let engine = std::env::current_exe()
         .context("locating the driver's executable")?
@@ -191,12 +385,7 @@ pub fn local_programs() -> anyhow::Result<(PathBuf, PathBuf)> {
             engine.display()
         );
     }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let nats = std::env::split_paths(&path)
-        .chain(["/usr/sbin".into(), "/usr/local/sbin".into()])
-        .map(|dir| dir.join("nats-server"))
-        .find(|candidate| candidate.exists())
-        .context("nats-server is not installed (Debian: apt-get install nats-server)")?;
+    let nats = pinned_nats_server()?;
     Ok((engine, nats))
 }
 
@@ -214,38 +403,21 @@ impl LocalCluster {
                     .with_context(|| format!("making shard {index}'s database"))?,
             );
         }
-        let port = free_port()?;
-        let data = spec.dir.join("nats");
-        std::fs::create_dir_all(&data).with_context(|| format!("creating {}", data.display()))?;
-        let log = std::fs::File::create(spec.dir.join("nats.log")).context("nats.log")?;
-        let nats = Command::new(spec.nats_server)
-            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-            .arg(&data)
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("starting {}", spec.nats_server.display()))?;
-        let nats_url = format!("nats://127.0.0.1:{port}");
+        let nats = NatsCluster::start(spec.nats_server, LOCAL_NATS_SERVERS, spec.dir)?;
         let mut cluster = Self {
+            nats_url: nats.url.clone(),
+            nats_placement: nats.placement.clone(),
             nats,
             nodes: Vec::new(),
-            nats_url,
             db_urls,
         };
-        let started = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if started.elapsed() > Duration::from_secs(20) {
-                cluster.stop()?;
-                bail!("nats-server did not listen on port {port} within 20 s");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
         for node in 1..=spec.share.nodes {
             let id = format!("node-{node}");
             let log = std::fs::File::create(spec.dir.join(format!("{id}.log")))
                 .with_context(|| format!("{id}.log"))?;
             let child = Command::new(spec.engine)
                 .args(["--nats", &cluster.nats_url, "--node-id", &id])
+                .args(["--nats-placement", &cluster.nats.placement])
                 .arg("--keys")
                 .arg(spec.keys)
                 .args(
@@ -295,8 +467,7 @@ impl LocalCluster {
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
-        let _ = self.nats.kill();
-        let _ = self.nats.wait();
+        self.nats.stop();
         for (index, url) in self.db_urls.iter().enumerate() {
             PgStore::recreate_database(url, &sweep_database(index), false)
                 .with_context(|| format!("dropping shard {index}'s database"))?;

@@ -1,6 +1,7 @@
-//! A cluster of engine nodes (the `engine` binary with `--nats`) on a `nats-server` of the
-//! test's own and four PostgreSQL databases, loaded by `driver --nats`: the outcome, the
-//! routing of every shard, and what survives nodes killed, stalled and a server restarted.
+//! A cluster of engine nodes (the `engine` binary with `--nats`) on a cluster of three NATS
+//! servers of the test's own (the pinned release) and four PostgreSQL databases, loaded by
+//! `driver --nats`: the outcome, the routing of every shard, and what survives nodes killed and
+//! stalled, a NATS server killed and a database stopped.
 //!
 //! The engine binary is the workspace's (`cargo test --workspace` builds it beside the
 //! driver's).
@@ -13,7 +14,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{block_on, NatsServer, TempDatabases};
+use common::{block_on, TempDatabases};
+use ste_driver::scale::NatsCluster;
 use sqlx::{Connection, PgConnection};
 use ste_engine::lease::{Leased, Leases};
 use ste_engine::queue::jetstream::JetStream;
@@ -34,7 +36,7 @@ fn engine_binary() -> PathBuf {
 
 /// Nodes, their NATS server and their shards' databases.
 struct Cluster {
-    nats: NatsServer,
+    nats: NatsCluster,
     databases: Databases,
     dir: tempfile::TempDir,
     keys: PathBuf,
@@ -128,8 +130,15 @@ impl Cluster {
 
     fn on(databases: Databases) -> Self {
         let one = one_cluster();
-        let nats = NatsServer::start();
         let dir = tempfile::tempdir().expect("a folder");
+        let nats_dir = dir.path().join("nats");
+        std::fs::create_dir_all(&nats_dir).expect("a folder");
+        let nats = NatsCluster::start(
+            &ste_driver::scale::pinned_nats_server().expect("the pinned NATS release"),
+            3,
+            &nats_dir,
+        )
+        .expect("three NATS servers");
         let keys = dir.path().join("keys.csv");
         let status = Command::new(env!("CARGO_BIN_EXE_driver"))
             .args(["keys", "--out"])
@@ -188,6 +197,7 @@ impl Cluster {
         let log = std::fs::File::create(self.dir.path().join(format!("{id}.log"))).expect("log");
         Command::new(engine_binary())
             .args(["--nats", &self.nats.url, "--node-id", id])
+            .args(["--nats-placement", &self.nats.placement])
             .arg("--keys")
             .arg(&self.keys)
             .args(self.db_args())
@@ -293,6 +303,7 @@ impl Cluster {
         Command::new(env!("CARGO_BIN_EXE_driver"))
             .args(args)
             .args(["--nats", &self.nats.url, "--quiet", "--json"])
+            .args(["--nats-placement", &self.nats.placement])
             .arg("--keys")
             .arg(&self.keys)
             .arg("--run-dir")
@@ -521,14 +532,17 @@ fn nodes_killed_three_times_mid_run_leave_one_cls_per_trade_and_nothing_stored_t
 }
 
 #[test]
-fn a_nats_server_restarted_mid_run_loses_nothing_and_stores_nothing_twice() {
-    let mut cluster = Cluster::of_three_nodes("cluster_nats_restart");
+fn one_nats_server_of_three_killed_mid_run_and_restarted_loses_nothing_and_stores_nothing_twice() {
+    let mut cluster = Cluster::of_three_nodes("cluster_nats_kill");
     let driver = cluster.paced_driver(4000);
     std::thread::sleep(Duration::from_secs(3));
+    // Server 1 holds shard 1's inbound stream (placement ste:1) and a copy of the leases.
+    cluster.nats.kill(1);
+    std::thread::sleep(Duration::from_secs(3));
     let restarted_at = Instant::now();
-    cluster.nats.restart();
+    cluster.nats.start_again(1).expect("server 1 starts again");
     eprintln!(
-        "nats-server restarted in {} ms",
+        "NATS server 1 killed for 3 s, healthy again {} ms after its start",
         restarted_at.elapsed().as_millis()
     );
     let output = driver.wait_with_output().expect("the driver ends");
@@ -538,6 +552,8 @@ fn a_nats_server_restarted_mid_run_loses_nothing_and_stores_nothing_twice() {
         .sum();
     eprintln!("queues taken again after a lost delivery: {taken_again}");
     summary_after_failures(&output, &cluster);
+    assert_routed(&cluster);
+    assert_eq!(cluster.stored_twice(), 0);
 }
 
 #[test]

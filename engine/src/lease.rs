@@ -60,7 +60,7 @@ fn open_bucket(
             deny_delete: true,
             allow_direct: true,
             discard: stream::DiscardPolicy::New,
-            num_replicas: 1,
+            num_replicas: jetstream.placement().bucket_replicas(),
             ..Default::default()
         };
         let stream = context

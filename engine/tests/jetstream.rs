@@ -20,6 +20,7 @@ fn roomy_layout(jetstream: &JetStream, shards: u32) -> ste_engine::cluster::Clus
         shards,
         inbound: ROOMY,
         cls: ROOMY,
+        ..Default::default()
     };
     layout.ensure(jetstream).expect("streams");
     layout

@@ -57,6 +57,7 @@ pub const GATEWAYS_MAX: u32 = 1024;
 /// shards' inbound queues, and the answers' subject of the gateway number it holds a lease on.
 pub struct Ingress {
     number: u32,
+    batch_messages: usize,
     keeper: LeaseKeeper,
     inbound: Vec<Tx<Envelope>>,
     acks: Option<PlainReceiver<Ack>>,
@@ -97,6 +98,7 @@ impl Ingress {
         tracing::info!(gateway = number, node = node_id, "gateway number taken");
         Ok(Self {
             number,
+            batch_messages: layout.inbound_batch_messages,
             keeper,
             inbound,
             acks: Some(acks),
@@ -114,6 +116,7 @@ impl Ingress {
     /// stamping envelopes with this gateway's number.
     pub fn submitter(&self, clock: RunClock) -> Submitter {
         Submitter::new(self.inbound.clone(), clock, self.number)
+            .with_batch_messages(self.batch_messages)
     }
 
     /// The answers to what was submitted here (once; `None` afterwards). It ends once

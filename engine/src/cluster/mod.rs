@@ -33,6 +33,10 @@ pub use owner::{OwnershipReport, ShardOwner, ShardOwnerConfig};
 use crate::queue::jetstream::{JetStream, QueueLimits};
 use crate::queue::QueueError;
 
+/// Default of [`ClusterLayout::inbound_batch_messages`]: 256 messages of about 700 bytes with
+/// their envelopes, some 180 KB, well below a server's payload limit (1 MiB).
+pub const INBOUND_BATCH_MESSAGES_DEFAULT: usize = 256;
+
 /// The queues of a cluster and their bounds.
 #[derive(Debug, Clone, Copy)]
 pub struct ClusterLayout {
@@ -42,6 +46,10 @@ pub struct ClusterLayout {
     pub inbound: QueueLimits,
     /// Bounds of the CLS queue: a sink that falls behind by this much holds the writers.
     pub cls: QueueLimits,
+    /// Messages a gateway (or the driver) puts in one batch of a shard's inbound queue: one
+    /// message of the queue's server, stored, read and deleted as one, and kept whole to the
+    /// shard's commit.
+    pub inbound_batch_messages: usize,
 }
 
 impl Default for ClusterLayout {
@@ -57,6 +65,7 @@ impl Default for ClusterLayout {
                 batches_max: 65_536,
                 bytes_max: 256 * MIB,
             },
+            inbound_batch_messages: INBOUND_BATCH_MESSAGES_DEFAULT,
         }
     }
 }
@@ -83,10 +92,15 @@ impl ClusterLayout {
             .collect()
     }
 
-    /// Creates every queue's stream that does not exist yet.
+    /// Creates every queue's stream that does not exist yet, spread over the NATS servers by
+    /// the connection's [`crate::queue::jetstream::Placement`]: shard k's inbound queue on the
+    /// server of index k, the CLS queue on the next one after the last shard's.
     pub fn ensure(&self, jetstream: &JetStream) -> Result<(), QueueError> {
         self.queues()
             .iter()
-            .try_for_each(|(queue, limits)| jetstream.ensure_queue(queue, *limits))
+            .enumerate()
+            .try_for_each(|(index, (queue, limits))| {
+                jetstream.ensure_queue_placed(queue, *limits, Some(index))
+            })
     }
 }

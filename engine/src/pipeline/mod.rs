@@ -328,6 +328,7 @@ pub struct Submitter {
     pending: Vec<Vec<Envelope>>,
     clock: RunClock,
     origin: u32,
+    batch_messages: usize,
 }
 
 impl Clone for Submitter {
@@ -337,6 +338,7 @@ impl Clone for Submitter {
             pending: vec![Vec::new(); self.inbound.len()],
             clock: self.clock,
             origin: self.origin,
+            batch_messages: self.batch_messages,
         }
     }
 }
@@ -350,7 +352,16 @@ impl Submitter {
             inbound,
             clock,
             origin,
+            batch_messages: INBOUND_BATCH_MESSAGES,
         }
+    }
+
+    /// This submitter, sending batches of up to `messages` (at least one) instead of
+    /// [`INBOUND_BATCH_MESSAGES`]: across nodes a batch is what a queue's server stores, reads
+    /// and deletes as one.
+    pub fn with_batch_messages(mut self, messages: usize) -> Self {
+        self.batch_messages = messages.max(1);
+        self
     }
 
     /// The run clock, for stamping `injected_ns`.
@@ -364,7 +375,7 @@ impl Submitter {
         envelope.origin = self.origin;
         let index = inbound_index(&envelope.bytes, self.inbound.len());
         self.pending[index].push(envelope);
-        if self.pending[index].len() >= INBOUND_BATCH_MESSAGES {
+        if self.pending[index].len() >= self.batch_messages {
             self.send(index)?;
         }
         Ok(())
@@ -394,7 +405,7 @@ impl Submitter {
     fn send(&mut self, index: usize) -> Result<(), PipelineError> {
         let batch = std::mem::replace(
             &mut self.pending[index],
-            Vec::with_capacity(INBOUND_BATCH_MESSAGES),
+            Vec::with_capacity(self.batch_messages),
         );
         self.inbound[index]
             .send(batch)

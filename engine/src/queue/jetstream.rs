@@ -125,13 +125,75 @@ pub struct QueueLimits {
     pub bytes_max: i64,
 }
 
-/// A connection to a JetStream server, through which a node opens its queues.
+/// Where the streams of a cluster go among its NATS servers, and how many copies each keeps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// One placement tag per server (its `server_tags`), in order: a queue placed by index `i`
+    /// goes to the server tagged `tags[i % len]`, so that the shards' streams are spread and
+    /// no server carries every message. Empty: the servers place the streams themselves.
+    pub tags: Vec<String>,
+    /// Copies of each queue's stream: 1 (the database commit is the record of durability; a
+    /// queue whose server is down waits for it) or 3 (the queue survives a server's loss).
+    pub replicas: usize,
+}
+
+impl Default for Placement {
+    fn default() -> Self {
+        Self {
+            tags: Vec::new(),
+            replicas: 1,
+        }
+    }
+}
+
+impl Placement {
+    /// Copies of each key-value bucket (the leases, the delivery book): three where the
+    /// cluster has three servers or more, so that losing one server does not stop every owner
+    /// from renewing its lease.
+    pub fn bucket_replicas(&self) -> usize {
+        if self.tags.len() >= 3 {
+            3
+        } else {
+            1
+        }
+    }
+
+    /// A placement from a list of tags separated by commas (none: the servers place the
+    /// streams) and the copies of each queue's stream, 1 or 3.
+    pub fn parse(tags: Option<&str>, replicas: usize) -> Result<Self, String> {
+        let tags: Vec<String> = tags
+            .unwrap_or_default()
+            .split(',')
+            .map(str::trim)
+            .filter(|tag| !tag.is_empty())
+            .map(str::to_owned)
+            .collect();
+        if replicas != 1 && replicas != 3 {
+            return Err(format!("a stream keeps 1 or 3 copies, not {replicas}"));
+        }
+        Ok(Self { tags, replicas })
+    }
+
+    /// The placement of the stream placed by `index`: by tag where its stream keeps one copy
+    /// (three copies need three servers, and the servers spread the streams' leaders).
+    fn of(&self, index: Option<usize>) -> Option<stream::Placement> {
+        let index = index?;
+        (!self.tags.is_empty() && self.replicas == 1).then(|| stream::Placement {
+            cluster: None,
+            tags: vec![self.tags[index % self.tags.len()].clone()],
+        })
+    }
+}
+
+/// A connection to a JetStream server (or to one of a cluster's), through which a node opens
+/// its queues.
 #[derive(Clone)]
 pub struct JetStream {
     runtime: Arc<tokio::runtime::Runtime>,
     client: async_nats::Client,
     context: jetstream::Context,
     stopping: Arc<AtomicBool>,
+    placement: Arc<Placement>,
 }
 
 impl std::fmt::Debug for JetStream {
@@ -158,8 +220,20 @@ pub fn subject(queue: &str) -> String {
 }
 
 impl JetStream {
-    /// Connects to the server at `url` (e.g. `nats://127.0.0.1:4222`).
+    /// Connects to the server at `url` (e.g. `nats://127.0.0.1:4222`), or to one of a
+    /// cluster's given as URLs separated by commas (the client learns the others from it, and
+    /// moves to another when its server goes).
     pub fn connect(url: &str) -> Result<Self, QueueError> {
+        let servers = url
+            .split(',')
+            .map(str::trim)
+            .filter(|server| !server.is_empty())
+            .map(|server| {
+                server
+                    .parse::<async_nats::ServerAddr>()
+                    .map_err(|error| carrier("connect", format!("{server}: {error}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("jetstream")
@@ -167,7 +241,7 @@ impl JetStream {
             .build()
             .map_err(|error| carrier("connect", error))?;
         let client = runtime
-            .block_on(async_nats::connect(url))
+            .block_on(async_nats::connect(servers))
             .map_err(|error| carrier("connect", format!("{url}: {error}")))?;
         // The context spawns its own tasks on the runtime.
         let context = runtime.block_on(async { jetstream::new(client.clone()) });
@@ -176,7 +250,19 @@ impl JetStream {
             context,
             stopping: Arc::default(),
             runtime: Arc::new(runtime),
+            placement: Arc::default(),
         })
+    }
+
+    /// This connection, making the streams it creates by `placement`.
+    pub fn with_placement(mut self, placement: Placement) -> Self {
+        self.placement = Arc::new(placement);
+        self
+    }
+
+    /// Where the streams this connection creates go.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
     }
 
     /// From now on a failing server is not waited out: publishes and pulls through this
@@ -198,7 +284,20 @@ impl JetStream {
 
     /// Creates the stream of `queue` with `limits` where it does not exist yet.
     pub fn ensure_queue(&self, queue: &str, limits: QueueLimits) -> Result<(), QueueError> {
+        self.ensure_queue_placed(queue, limits, None)
+    }
+
+    /// Creates the stream of `queue` with `limits` where it does not exist yet, on the server
+    /// that [`Placement`] gives index `index` (where it is `None`, the servers choose).
+    pub fn ensure_queue_placed(
+        &self,
+        queue: &str,
+        limits: QueueLimits,
+        index: Option<usize>,
+    ) -> Result<(), QueueError> {
         let config = stream::Config {
+            num_replicas: self.placement.replicas.max(1),
+            placement: self.placement.of(index),
             name: stream_name(queue),
             subjects: vec![subject(queue)],
             retention: stream::RetentionPolicy::WorkQueue,
