@@ -199,11 +199,21 @@ struct Cli {
     /// The placement tags of the cluster's NATS servers, one per server, separated by commas
     /// (e.g. ste:0,ste:1,ste:2): shard k's inbound stream goes to the server of tag k mod the
     /// count, so that no server carries every message. The same on every node and driver.
-    #[arg(long, env = "STE_NATS_PLACEMENT", value_name = "TAGS", requires = "nats")]
+    #[arg(
+        long,
+        env = "STE_NATS_PLACEMENT",
+        value_name = "TAGS",
+        requires = "nats"
+    )]
     nats_placement: Option<String>,
     /// Copies of each stream of the cluster: 1 (default: the database commit is the record of
     /// durability, and a stream whose server is down waits for it) or 3.
-    #[arg(long, env = "STE_NATS_REPLICAS", default_value_t = 1, requires = "nats")]
+    #[arg(
+        long,
+        env = "STE_NATS_REPLICAS",
+        default_value_t = 1,
+        requires = "nats"
+    )]
     nats_replicas: usize,
     /// Serve the participants' listeners (framed XML, SOAP, FIX) on this node of a cluster:
     /// their messages go to the cluster's inbound queues under a gateway number of the

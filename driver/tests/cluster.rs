@@ -15,8 +15,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{block_on, TempDatabases};
-use ste_driver::scale::NatsCluster;
 use sqlx::{Connection, PgConnection};
+use ste_driver::scale::NatsCluster;
 use ste_engine::lease::{Leased, Leases};
 use ste_engine::queue::jetstream::JetStream;
 use ste_engine::routing::shard_of;
