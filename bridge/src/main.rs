@@ -629,7 +629,11 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
         }
     };
     let sink = if cli.sink {
-        Some(ClusterSink::start(&jetstream, cli.cls_out.as_deref())?)
+        Some(ClusterSink::start(
+            &jetstream,
+            &layout,
+            cli.cls_out.as_deref(),
+        )?)
     } else {
         None
     };
@@ -710,10 +714,11 @@ struct ClusterSink {
 impl ClusterSink {
     fn start(
         jetstream: &ste_engine::queue::jetstream::JetStream,
+        layout: &ste_engine::cluster::ClusterLayout,
         cls_out: Option<&std::path::Path>,
     ) -> anyhow::Result<Self> {
-        let mut feed =
-            ste_engine::cluster::ClsFeed::open(jetstream).context("opening the CLS queue")?;
+        let mut feed = ste_engine::cluster::ClsFeed::open(jetstream, layout)
+            .context("opening the CLS queue")?;
         let events = feed.take_events().context("the CLS queue")?;
         let delivery = feed.delivery();
         let sink = ste_sink::Sink::new(cls_out, false).context("opening the CLS output")?;

@@ -129,7 +129,7 @@ pub fn run_cluster(
     let node_id = format!("driver-{}", std::process::id());
     let mut ingress =
         Ingress::open(&jetstream, &layout, leases, &node_id).context("taking a gateway number")?;
-    let mut feed = ClsFeed::open(&jetstream).context("opening the CLS queue")?;
+    let mut feed = ClsFeed::open(&jetstream, &layout).context("opening the CLS queue")?;
     let clock = RunClock::start();
     let started = Instant::now();
     // The nodes' stations and the queues' lengths, in one samples.csv.

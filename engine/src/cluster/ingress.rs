@@ -91,8 +91,11 @@ impl Ingress {
         });
         let inbound = (0..layout.shards)
             .map(|shard| {
-                Box::new(jetstream.sender::<Envelope>(&ClusterLayout::inbound_queue(shard)))
-                    as Tx<Envelope>
+                Box::new(
+                    jetstream
+                        .placed(ClusterLayout::inbound_placement(shard))
+                        .sender::<Envelope>(&ClusterLayout::inbound_queue(shard)),
+                ) as Tx<Envelope>
             })
             .collect();
         tracing::info!(gateway = number, node = node_id, "gateway number taken");
@@ -140,10 +143,11 @@ pub struct ClsFeed {
 }
 
 impl ClsFeed {
-    /// Opens the CLS queue through the sink's durable consumer (one sink per cluster); the
-    /// cluster's queues exist ([`ClusterLayout::ensure`]).
-    pub fn open(jetstream: &JetStream) -> Result<Self, PipelineError> {
+    /// Opens the CLS queue of `layout` through the sink's durable consumer (one sink per
+    /// cluster); the cluster's queues exist ([`ClusterLayout::ensure`]).
+    pub fn open(jetstream: &JetStream, layout: &ClusterLayout) -> Result<Self, PipelineError> {
         let events = jetstream
+            .placed(layout.cls_placement())
             .receiver::<OutboundEvent>(ClusterLayout::CLS_QUEUE, "sink", true)
             .map_err(PipelineError::Queue)?;
         let stopper = events.stopper();

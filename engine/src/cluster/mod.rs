@@ -84,6 +84,17 @@ impl ClusterLayout {
     /// The queue of CLS and advices after commit.
     pub const CLS_QUEUE: &'static str = "cls";
 
+    /// The index by which shard `shard`'s inbound queue is placed among the NATS servers
+    /// ([`ClusterLayout::ensure`], [`JetStream::placed`]).
+    pub fn inbound_placement(shard: u32) -> usize {
+        shard as usize
+    }
+
+    /// The index by which the CLS queue is placed: the server after the last shard's.
+    pub fn cls_placement(&self) -> usize {
+        self.shards as usize
+    }
+
     /// Every queue of the layout with its bounds.
     pub fn queues(&self) -> Vec<(String, QueueLimits)> {
         (0..self.shards)
@@ -94,7 +105,8 @@ impl ClusterLayout {
 
     /// Creates every queue's stream that does not exist yet, spread over the NATS servers by
     /// the connection's [`crate::queue::jetstream::Placement`]: shard k's inbound queue on the
-    /// server of index k, the CLS queue on the next one after the last shard's.
+    /// server of index k, the CLS queue on the next one after the last shard's (the order of
+    /// [`ClusterLayout::queues`]).
     pub fn ensure(&self, jetstream: &JetStream) -> Result<(), QueueError> {
         self.queues()
             .iter()

@@ -135,6 +135,7 @@ impl ShardOwner {
         let mut exception_store: Box<dyn Store> = Box::new(PgStore::open(&config.database_url)?);
         exception_store.fence(token)?;
         let receiver = jetstream
+            .placed(ClusterLayout::inbound_placement(shard))
             .receiver::<Envelope>(
                 &ClusterLayout::inbound_queue(shard),
                 &owner_consumer(shard),
@@ -150,8 +151,11 @@ impl ShardOwner {
         }
         let held = keeper.held();
         let ack_tx: Tx<Ack> = Box::new(AckRouter::new(jetstream));
-        let out_tx: Tx<OutboundEvent> =
-            Box::new(jetstream.sender::<OutboundEvent>(ClusterLayout::CLS_QUEUE));
+        let out_tx: Tx<OutboundEvent> = Box::new(
+            jetstream
+                .placed(config.shards as usize)
+                .sender::<OutboundEvent>(ClusterLayout::CLS_QUEUE),
+        );
         let delivered = Arc::new(AtomicI64::new(
             book.delivered_through(shard).unwrap_or_default(),
         ));
@@ -234,8 +238,11 @@ impl ShardOwner {
             to_match: Box::new(match_tx),
             inbound: (0..config.shards.max(shard + 1))
                 .map(|other| {
-                    Box::new(jetstream.sender::<Envelope>(&ClusterLayout::inbound_queue(other)))
-                        as Tx<Envelope>
+                    Box::new(
+                        jetstream
+                            .placed(ClusterLayout::inbound_placement(other))
+                            .sender::<Envelope>(&ClusterLayout::inbound_queue(other)),
+                    ) as Tx<Envelope>
                 })
                 .collect(),
         };

@@ -194,6 +194,10 @@ pub struct JetStream {
     context: jetstream::Context,
     stopping: Arc<AtomicBool>,
     placement: Arc<Placement>,
+    /// Given several servers: a connection to each, in the order of their URLs (which is the
+    /// order of their placement tags), so that a queue's traffic goes straight to the server
+    /// that holds its stream instead of through another server's route ([`JetStream::placed`]).
+    near: Arc<Vec<(async_nats::Client, jetstream::Context)>>,
 }
 
 impl std::fmt::Debug for JetStream {
@@ -241,17 +245,52 @@ impl JetStream {
             .build()
             .map_err(|error| carrier("connect", error))?;
         let client = runtime
-            .block_on(async_nats::connect(servers))
+            .block_on(async_nats::connect(servers.clone()))
             .map_err(|error| carrier("connect", format!("{url}: {error}")))?;
         // The context spawns its own tasks on the runtime.
         let context = runtime.block_on(async { jetstream::new(client.clone()) });
+        let mut near = Vec::new();
+        if servers.len() > 1 {
+            for first in 0..servers.len() {
+                // This server first, the others after it in order, should it be away.
+                let mut order = servers.clone();
+                order.rotate_left(first);
+                let client = runtime
+                    .block_on(
+                        async_nats::ConnectOptions::new()
+                            .retain_servers_order()
+                            .connect(order),
+                    )
+                    .map_err(|error| carrier("connect", format!("{url}: {error}")))?;
+                let context = runtime.block_on(async { jetstream::new(client.clone()) });
+                near.push((client, context));
+            }
+        }
         Ok(Self {
             client,
             context,
             stopping: Arc::default(),
             runtime: Arc::new(runtime),
             placement: Arc::default(),
+            near: Arc::new(near),
         })
+    }
+
+    /// This connection as it reaches the queue placed by `index` ([`Placement`]): through the
+    /// connection to the server that holds the queue's stream, where the servers were given one
+    /// URL each in the order of their placement tags and the streams keep one copy; else this
+    /// connection as it is.
+    pub fn placed(&self, index: usize) -> JetStream {
+        let mut placed = self.clone();
+        if self.placement.replicas == 1
+            && !self.near.is_empty()
+            && self.near.len() == self.placement.tags.len()
+        {
+            let (client, context) = &self.near[index % self.near.len()];
+            placed.client = client.clone();
+            placed.context = context.clone();
+        }
+        placed
     }
 
     /// This connection, making the streams it creates by `placement`.
