@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use serde::Serialize;
-use ste_driver::scale::{local_programs, Compose, CpuUse, LocalCluster, LocalSpec, Share};
+use ste_driver::scale::{
+    local_programs, Compose, CpuUse, LocalCluster, LocalSpec, Share, LOCAL_NATS_SERVERS,
+};
 use ste_driver::Summary;
 use ste_engine::keys::KeyRing;
 use ste_engine::refdata::RefData;
@@ -201,8 +203,9 @@ impl NodeModel {
         stations
     }
 
-    /// Every program on machines of its own: K nodes, each of the D databases, NATS, and the
-    /// driver (with the rest of this machine's busy time, to err on the slow side).
+    /// Every program on machines of its own: K nodes, each of the D databases, the NATS
+    /// servers (the shards' streams spread over min(3, D) of them by placement), and the driver
+    /// (with the rest of this machine's busy time, to err on the slow side).
     fn spread(&self, share: Share) -> Vec<Station> {
         let databases = share.shards.max(1);
         let mut stations = self.node_stations(share);
@@ -212,7 +215,12 @@ impl NodeModel {
                 self.postgres_s / f64::from(databases),
             )
         }));
-        stations.push(self.cores("nats".to_owned(), self.nats_s));
+        let servers = (LOCAL_NATS_SERVERS as u32).min(databases).max(1);
+        stations.extend(
+            (0..servers).map(|server| {
+                self.cores(format!("nats {server}"), self.nats_s / f64::from(servers))
+            }),
+        );
         let rest = self.total_s - self.nodes_s - self.postgres_s - self.nats_s;
         stations.push(self.cores("driver".to_owned(), rest.max(0.0)));
         stations
