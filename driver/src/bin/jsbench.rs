@@ -5,7 +5,11 @@
 //! envelopes in batches of 64 (the inbound batch) through one queue of a `nats-server -js` it
 //! starts itself (its own port and store folder, file storage, as a cluster runs): first
 //! publish only, then consume only (acknowledging each batch), then both at once. Prints
-//! messages and batches per second and the bytes of a batch.
+//! messages and batches per second and the bytes of a batch. Then the answers: the same
+//! number of ACKs, in batches of 256 (one commit's), through a JetStream queue (publish,
+//! consume, acknowledge) and as plain NATS messages to a subscription, with the server's CPU
+//! per ACK for each. The server is `STE_NATS_SERVER` where set (the pinned release a cluster
+//! runs on), else the `nats-server` on the PATH.
 //!
 //! `cargo run --release -p ste-driver --bin jsbench -- --trades 50000`
 
@@ -17,7 +21,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use ste_bridge::bench::arg;
 use ste_engine::generator::{Generator, GeneratorConfig};
-use ste_engine::pipeline::{sign_line, Envelope, INBOUND_BATCH_MESSAGES};
+use ste_engine::pipeline::{sign_line, Ack, AckResult, Envelope, INBOUND_BATCH_MESSAGES};
 use ste_engine::queue::jetstream::{JetStream, QueueLimits};
 use ste_engine::queue::{BatchReceiver, BatchSender};
 use ste_engine::refdata::RefData;
@@ -37,7 +41,7 @@ impl Server {
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let store = std::env::temp_dir().join(format!("jsbench-{}", std::process::id()));
         std::fs::create_dir_all(&store)?;
-        let child = Command::new("nats-server")
+        let child = Command::new(server_binary())
             .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
             .arg(&store)
             .stdout(Stdio::null())
@@ -147,7 +151,107 @@ fn main() -> anyhow::Result<()> {
             batches.len() as f64 / seconds
         );
     }
+    let [queued, plain] = answers(&server, &jetstream, envelopes.len())?;
+    println!(
+        "  answers: {} ACKs in batches of 256 (one commit's)",
+        envelopes.len()
+    );
+    for (what, (seconds, server_s, arrived)) in [
+        ("through a JetStream queue (publish, pull, ack)", queued),
+        ("as plain NATS messages to a subscription", plain),
+    ] {
+        println!(
+            "  {what:<48} {:>10.0} ACKs/s, server CPU {:.3} us an ACK, {arrived} arrived",
+            arrived as f64 / seconds,
+            server_s * 1e6 / messages
+        );
+    }
     Ok(())
+}
+
+/// The server this benchmark runs.
+fn server_binary() -> std::ffi::OsString {
+    std::env::var_os("STE_NATS_SERVER").unwrap_or_else(|| "nats-server".into())
+}
+
+/// CPU seconds process `pid` has used (user and system).
+fn cpu_s(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let fields: Vec<&str> = stat[stat.rfind(')')? + 2..].split_whitespace().collect();
+            let ticks: f64 =
+                fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+            Some(ticks / 100.0)
+        })
+        .unwrap_or(0.0)
+}
+
+/// ACKs in batches of one commit, through a JetStream queue and as plain messages: seconds and
+/// server CPU seconds of each, and how many plain ACKs arrived.
+fn answers(
+    server: &Server,
+    jetstream: &JetStream,
+    count: usize,
+) -> anyhow::Result<[(f64, f64, usize); 2]> {
+    const COMMIT: usize = 256;
+    let batches: Vec<Vec<Ack>> = (0..count as u64)
+        .map(|correlation| Ack {
+            correlation,
+            origin: 0,
+            result: AckResult::Accepted,
+        })
+        .collect::<Vec<_>>()
+        .chunks(COMMIT)
+        .map(<[Ack]>::to_vec)
+        .collect();
+    let pid = server.child.id();
+
+    jetstream.ensure_queue("bench.acks", LIMITS)?;
+    let (cpu, started) = (cpu_s(pid), Instant::now());
+    std::thread::scope(|scope| -> anyhow::Result<()> {
+        let consumer = scope.spawn(|| -> anyhow::Result<()> {
+            let receiver = jetstream.receiver::<Ack>("bench.acks", "gateway", false)?;
+            for _ in 0..batches.len() {
+                let received = receiver
+                    .recv_until(Some(Instant::now() + Duration::from_secs(30)))?
+                    .context("a batch within 30 s")?;
+                received.receipt.ack()?;
+            }
+            Ok(())
+        });
+        let sender = jetstream.sender::<Ack>("bench.acks");
+        for batch in &batches {
+            sender.send(batch.clone())?;
+        }
+        consumer
+            .join()
+            .map_err(|_| anyhow::anyhow!("the consumer panicked"))?
+    })?;
+    let queued = (started.elapsed().as_secs_f64(), cpu_s(pid) - cpu, count);
+
+    let receiver = jetstream.plain_receiver::<Ack>("bench.plain", "gateway")?;
+    let (cpu, started) = (cpu_s(pid), Instant::now());
+    let heard = std::thread::scope(|scope| -> anyhow::Result<usize> {
+        let listener = scope.spawn(|| {
+            let mut heard = 0;
+            while heard < count {
+                match receiver.recv_until(Some(Instant::now() + Duration::from_secs(2))) {
+                    Ok(Some(received)) => heard += received.items.len(),
+                    _ => break,
+                }
+            }
+            heard
+        });
+        for batch in &batches {
+            jetstream.publish_plain("bench.plain", batch)?;
+        }
+        listener
+            .join()
+            .map_err(|_| anyhow::anyhow!("the listener panicked"))
+    })?;
+    let plain = (started.elapsed().as_secs_f64(), cpu_s(pid) - cpu, heard);
+    Ok([queued, plain])
 }
 
 fn postcard_bytes(batch: &[Envelope]) -> usize {
@@ -155,7 +259,7 @@ fn postcard_bytes(batch: &[Envelope]) -> usize {
 }
 
 fn server_version() -> String {
-    Command::new("nats-server")
+    Command::new(server_binary())
         .arg("--version")
         .output()
         .ok()
