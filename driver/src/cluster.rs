@@ -140,8 +140,11 @@ pub fn run_cluster(
         Some(
             SampleCollector::start(
                 &jetstream,
-                &layout,
-                &[],
+                &layout
+                    .queues()
+                    .into_iter()
+                    .map(|(queue, _)| queue)
+                    .collect::<Vec<_>>(),
                 &samples_path,
                 config.sample_interval,
                 clock,

@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::cluster::ClusterLayout;
 use crate::queue::jetstream::{wall_ns, JetStream};
 use crate::station::{RunClock, Station};
 use crate::stations::sampler::{write_row, SAMPLES_HEADER};
@@ -252,12 +251,12 @@ pub struct SampleCollector {
 }
 
 impl SampleCollector {
-    /// Listens to every node's samples and reads the length of each of `layout`'s queues (and
-    /// `extra_queues`) every `interval`, writing `samples.csv` rows to `path` on `clock`.
+    /// Listens to every node's samples and reads the length of each of `queues` (the
+    /// cluster's, [`crate::cluster::ClusterLayout::queues`]) every `interval`, writing
+    /// `samples.csv` rows to `path` on `clock`.
     pub fn start(
         jetstream: &JetStream,
-        layout: &ClusterLayout,
-        extra_queues: &[String],
+        queues: &[String],
         path: &Path,
         interval: Duration,
         clock: RunClock,
@@ -267,12 +266,7 @@ impl SampleCollector {
         let mut listener = jetstream
             .listen("samples.>")
             .map_err(std::io::Error::other)?;
-        let mut queues: Vec<String> = layout
-            .queues()
-            .into_iter()
-            .map(|(queue, _)| queue)
-            .collect();
-        queues.extend_from_slice(extra_queues);
+        let queues = queues.to_vec();
         let interval = interval.max(NODE_SAMPLE_INTERVAL_MIN);
         // The run clock's zero on the wall clock: nodes stamp their samples with the latter.
         let zero_wall_ms = wall_ms() - clock.now_ns() as f64 / 1e6;

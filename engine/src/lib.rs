@@ -13,6 +13,7 @@ pub mod keys;
 pub mod lease;
 pub mod matcher;
 pub mod model;
+pub mod network;
 pub mod pipeline;
 pub mod profile;
 pub mod queue;

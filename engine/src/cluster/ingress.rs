@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::ClusterLayout;
 use crate::lease::{DeliveryBook, LeaseKeeper, Leased, Leases};
-use crate::pipeline::{Ack, Delivery, Envelope, OutboundEvent, PipelineError, Submitter};
+use crate::network::{Ack, Delivery, Envelope, OutboundEvent, PipelineError, Submitter};
 use crate::queue::jetstream::{JetStream, JetStreamReceiver, PlainReceiver, StopReceiving};
 use crate::queue::{BatchSender, QueueError, Receipt, Rx, Tx};
 use crate::station::RunClock;

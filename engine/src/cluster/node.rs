@@ -11,7 +11,7 @@ use super::{ClusterLayout, ShardOwner, ShardOwnerConfig};
 use crate::cluster_samples::{NodeSampler, StationBoard};
 use crate::lease::{LeaseKeeper, Leased, Leases};
 use crate::matcher::MatcherMemory;
-use crate::pipeline::{join, spawn, Aging, Joined, PipelineError, RetryPolicy};
+use crate::network::{join, spawn, Aging, Joined, PipelineError, RetryPolicy};
 use crate::profile::Tolerances;
 use crate::queue::jetstream::JetStream;
 use crate::queue::QueueError;

@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 use super::{AckRouter, ClusterLayout};
 use crate::lease::{DeliveryBook, LeaseKeeper, Leased, Leases};
 use crate::matcher::{MatcherMemory, ShardCounts};
-use crate::pipeline::{
-    join, restore_matcher, spawn, Ack, Aging, Envelope, Joined, OutboundEvent, PipelineError,
-    RetryPolicy,
+use crate::network::{
+    join, spawn, Ack, Aging, Envelope, Joined, OutboundEvent, PipelineError, RetryPolicy,
 };
+use crate::pipeline::restore_matcher;
 use crate::profile::Tolerances;
 use crate::queue::jetstream::{JetStream, StopReceiving};
 use crate::queue::{local, BatchReceiver, Tx};

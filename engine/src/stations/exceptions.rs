@@ -11,7 +11,7 @@ use time::OffsetDateTime;
 use super::{
     commit_retrying, complete_merged, next_batch, queue_error, Merged, RejectedItem, WriterReport,
 };
-use crate::pipeline::{Ack, AckResult, PipelineError, RetryPolicy, EXCEPTION_RAW_PREFIX_BYTES};
+use crate::network::{Ack, AckResult, PipelineError, RetryPolicy, EXCEPTION_RAW_PREFIX_BYTES};
 use crate::queue::{Rx, Tx};
 use crate::store::{Batch, ExceptionRow, Store};
 

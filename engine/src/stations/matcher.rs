@@ -9,7 +9,7 @@ use time::{Date, OffsetDateTime};
 
 use super::{complete, queue_error, retrying, MessageMeta, Processed, ToStore, Validated};
 use crate::matcher::{Matcher, Outcome, RecallQuery, ShardCounts};
-use crate::pipeline::{Aging, PipelineError, RetryPolicy};
+use crate::network::{Aging, PipelineError, RetryPolicy};
 use crate::queue::{QueueError, Rx, Tx};
 use crate::store::Store;
 

@@ -20,7 +20,7 @@ use time::Date;
 
 use crate::matcher::{AgedTrade, Outcome};
 use crate::model::Msg;
-use crate::pipeline::{PipelineError, RetryPolicy};
+use crate::network::{PipelineError, RetryPolicy};
 use crate::queue::{receive, QueueError, Receipt, Rx};
 use crate::reason::Rejection;
 use crate::store::{Batch, RowCounts, Store, StoreError};

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::pipeline::PipelineError;
+use crate::network::PipelineError;
 use crate::station::{RunClock, Station};
 
 /// The header of `samples.csv`.

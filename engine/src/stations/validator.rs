@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use super::{complete, queue_error, Refused, RejectedItem, Validated};
-use crate::pipeline::{Envelope, PipelineError};
+use crate::network::{Envelope, PipelineError};
 use crate::queue::Receipt;
 use crate::queue::{receive, Rx, Tx};
 use crate::reason::ReasonCode;

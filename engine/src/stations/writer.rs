@@ -12,7 +12,7 @@ use super::{
 };
 use crate::codec::encode_cls;
 use crate::matcher::{Disposition, TradeStatus};
-use crate::pipeline::{Ack, AckResult, OutboundEvent, PipelineError, RetryPolicy, DELIVERY_WAIT};
+use crate::network::{Ack, AckResult, OutboundEvent, PipelineError, RetryPolicy, DELIVERY_WAIT};
 use crate::queue::{Rx, Tx};
 use crate::store::{Batch, ClsRow, ExceptionRow, MessageRow, Store, TradeRow};
 
