@@ -61,23 +61,28 @@ fn wait_until_owned(
     loop {
         let mut owners = std::collections::BTreeSet::new();
         let mut all = true;
+        let mut unreadable = None;
         for shard in 0..layout.shards {
-            match leases
-                .holder(Leased::Shard(shard))
-                .context("reading the leases")?
-            {
-                Some(owner) => {
+            // A bucket just made on a cluster of servers answers only once its copies have
+            // chosen a leader: until then, as if nobody held the shard yet.
+            match leases.holder(Leased::Shard(shard)) {
+                Ok(Some(owner)) => {
                     owners.insert(owner);
                 }
-                None => all = false,
+                Ok(None) => all = false,
+                Err(error) => {
+                    all = false;
+                    unreadable = Some(error);
+                }
             }
         }
         if all {
             return Ok(owners.len());
         }
         if started.elapsed() > timeout {
+            let why = unreadable.map_or_else(String::new, |error| format!(" ({error})"));
             bail!(
-                "after {} s, not every one of {} shards has an owner: are the nodes running?",
+                "after {} s, not every one of {} shards has an owner{why}: are the nodes running?",
                 timeout.as_secs(),
                 layout.shards
             );

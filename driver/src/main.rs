@@ -97,6 +97,12 @@ enum Command {
         /// first N --db URLs name the servers of N shards.
         #[arg(long, value_delimiter = ',', requires = "nodes")]
         db_counts: Vec<u32>,
+        /// With --nodes: cap each engine node at this many cores (e.g. 0.2), so that the nodes
+        /// are the bottleneck while NATS, PostgreSQL and the driver have the rest of the
+        /// machine: a cgroup (v1 cpu controller: cpu.cfs_quota_us) per local node, compose's
+        /// `cpus:` on the compose file's nodes.
+        #[arg(long, value_name = "CORES", requires = "nodes")]
+        node_cpus: Option<f64>,
         /// With --nodes: run each level on this docker-compose file's cluster
         /// (deploy/docker-compose.yml) through `docker compose` instead of local processes.
         #[arg(long, value_name = "FILE", requires = "nodes")]
@@ -492,11 +498,12 @@ fn run_cli() -> anyhow::Result<()> {
             validator_counts,
             nodes,
             db_counts,
+            node_cpus,
             compose,
             out,
         }) => {
             if !nodes.is_empty() {
-                return node_sweep::sweep_nodes(*run, &nodes, &db_counts, compose, out);
+                return node_sweep::sweep_nodes(*run, &nodes, &db_counts, node_cpus, compose, out);
             }
             // Exactly one of the four is given (clap's "levels" group).
             let level = Level::default();

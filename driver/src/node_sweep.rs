@@ -48,6 +48,8 @@ struct NodePoint {
     platform: &'static str,
     databases: u32,
     nodes: u32,
+    /// Cores each node was capped at (`--node-cpus`), if it was.
+    node_cpus: Option<f64>,
     window: u64,
     /// System throughput, messages per second.
     X: f64,
@@ -81,6 +83,9 @@ struct NodePoint {
     /// The model with every program on machines of its own: nodes, each database, NATS and
     /// the driver.
     X_spread: Option<f64>,
+    /// With capped nodes: the model of this machine with each owning node a server of its cap
+    /// and the rest of the machine's cores for everything else.
+    X_capped: Option<f64>,
     cpu: CpuUse,
     run_dir: String,
 }
@@ -108,6 +113,8 @@ impl NodePoint {
         "X_own",
         "R_own_ms",
         "X_spread",
+        "node_cpus",
+        "X_capped",
     ];
 
     fn cells(&self) -> Vec<String> {
@@ -133,6 +140,8 @@ impl NodePoint {
             optional_cell(self.X_own, 1),
             optional_cell(self.R_own_ms, 2),
             optional_cell(self.X_spread, 1),
+            self.node_cpus.map(|c| format!("{c}")).unwrap_or_default(),
+            optional_cell(self.X_capped, 1),
         ]
     }
 }
@@ -235,6 +244,30 @@ impl NodeModel {
             .collect()
     }
 
+    /// This machine with every owning node capped at `cpus` cores: each of the min(K, D)
+    /// owning nodes a server of that speed (its share of the nodes' demand over `cpus`), and
+    /// the machine's cores, less what the caps may take, for everything else.
+    fn capped(&self, share: Share, cpus: f64) -> Vec<Station> {
+        let owning = share.nodes.min(share.shards).max(1);
+        let mut stations: Vec<Station> = (0..owning)
+            .map(|node| Station {
+                name: format!("node {node}"),
+                kind: Kind::Queueing,
+                service: self.nodes_s / f64::from(owning) / cpus.max(1e-3),
+                visits: 1.0,
+            })
+            .collect();
+        let rest_cores = (f64::from(self.cores) - cpus * f64::from(owning)).max(1.0);
+        stations.push(Station {
+            name: "rest of the machine".to_owned(),
+            kind: Kind::MultiServer(rest_cores.floor().max(1.0) as u32),
+            service: (self.total_s - self.nodes_s).max(0.0)
+                * (rest_cores.floor().max(1.0) / rest_cores),
+            visits: 1.0,
+        });
+        stations
+    }
+
     /// X and R (s) of `stations` at the window's population.
     fn solve(&self, stations: &[Station]) -> Option<(f64, f64)> {
         let points = mva::closed(stations, 0.0, self.window).ok()?;
@@ -259,6 +292,7 @@ pub fn sweep_nodes(
     mut args: RunArgs,
     nodes: &[u32],
     db_counts: &[u32],
+    node_cpus: Option<f64>,
     compose: Option<PathBuf>,
     out: Option<PathBuf>,
 ) -> anyhow::Result<()> {
@@ -270,6 +304,9 @@ pub fn sweep_nodes(
     }
     if nodes.contains(&0) || db_counts.contains(&0) {
         bail!("--nodes and --db-counts must be at least 1");
+    }
+    if node_cpus.is_some_and(|cpus| !(cpus > 0.0 && cpus.is_finite())) {
+        bail!("--node-cpus must be a positive number of cores");
     }
     let out = out.unwrap_or_else(|| {
         let mut dir = default_run_dir();
@@ -356,11 +393,12 @@ pub fn sweep_nodes(
                         engine,
                         nats_server,
                         node_args: &[],
+                        node_cpus,
                     },
                 )?,
                 Platform::Compose(compose) => {
                     let driver_args = compose_driver_args(&args, window, &name);
-                    compose.level(share, &driver_args)?
+                    compose.level(share, node_cpus, &driver_args)?
                 }
             };
             check_summary(&summary)?;
@@ -374,6 +412,8 @@ pub fn sweep_nodes(
             let here = model.as_ref().and_then(|m| m.solve(&m.here()));
             let own = model.as_ref().and_then(|m| m.solve(&m.own(share)));
             let spread = model.as_ref().and_then(|m| m.solve(&m.spread(share)));
+            let capped = node_cpus
+                .and_then(|cpus| model.as_ref().and_then(|m| m.solve(&m.capped(share, cpus))));
             let at_level = model.as_ref().and_then(|m| {
                 let level = NodeModel {
                     total_s: cpu.busy_s / messages,
@@ -389,6 +429,7 @@ pub fn sweep_nodes(
                 },
                 databases,
                 nodes: k,
+                node_cpus,
                 window,
                 X: x,
                 X_per_node: x / f64::from(k),
@@ -415,6 +456,7 @@ pub fn sweep_nodes(
                 X_own: own.map(|(x, _)| x),
                 R_own_ms: own.map(|(_, r)| r * 1e3),
                 X_spread: spread.map(|(x, _)| x),
+                X_capped: capped.map(|(x, _)| x),
                 cpu,
                 run_dir: match &platform {
                     Platform::Local { .. } => dir.join("run").display().to_string(),

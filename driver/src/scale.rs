@@ -162,6 +162,7 @@ fn sweep_database(index: usize) -> String {
 pub struct LocalCluster {
     nats: NatsCluster,
     nodes: Vec<(String, Child)>,
+    caps: Vec<CpuCap>,
     pub nats_url: String,
     /// The NATS servers' placement tags, separated by commas.
     pub nats_placement: String,
@@ -179,6 +180,8 @@ pub struct LocalSpec<'a> {
     pub nats_server: &'a Path,
     /// More arguments for every node.
     pub node_args: &'a [String],
+    /// Cores each node is capped at (a cgroup of its own), if any.
+    pub node_cpus: Option<f64>,
 }
 
 /// The pinned NATS server release a cluster runs on: `STE_NATS_SERVER`, else where
@@ -370,6 +373,49 @@ impl Drop for NatsCluster {
     }
 }
 
+/// A CPU cap on one process: a group of cgroup v1's cpu controller of its own, with a quota of
+/// `cores` × the period, the process moved into it (its threads with it, and those it starts
+/// later).
+pub struct CpuCap {
+    dir: PathBuf,
+}
+
+/// Where cgroup v1's cpu controller is mounted.
+const CPU_CGROUPS: &str = "/sys/fs/cgroup/cpu";
+/// The period of a cap's quota, µs.
+const CPU_PERIOD_US: u64 = 100_000;
+
+impl CpuCap {
+    /// Caps process `pid` at `cores` in a new group `name`.
+    pub fn apply(name: &str, pid: u32, cores: f64) -> anyhow::Result<Self> {
+        let root = Path::new(CPU_CGROUPS);
+        if !root.join("cpu.cfs_quota_us").exists() {
+            bail!(
+                "--node-cpus needs cgroup v1's cpu controller at {CPU_CGROUPS} (and the right to \
+                 make groups there)"
+            );
+        }
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let cap = Self { dir };
+        let quota = ((cores * CPU_PERIOD_US as f64).round() as u64).max(1_000);
+        for (file, value) in [
+            ("cpu.cfs_period_us", CPU_PERIOD_US.to_string()),
+            ("cpu.cfs_quota_us", quota.to_string()),
+            ("cgroup.procs", pid.to_string()),
+        ] {
+            std::fs::write(cap.dir.join(file), value)
+                .with_context(|| format!("writing {}", cap.dir.join(file).display()))?;
+        }
+        Ok(cap)
+    }
+
+    /// Removes the group (once its processes have gone).
+    pub fn remove(self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
 /// NATS servers of a local cluster.
 pub const LOCAL_NATS_SERVERS: usize = 3;
 
@@ -409,6 +455,7 @@ impl LocalCluster {
             nats_placement: nats.placement.clone(),
             nats,
             nodes: Vec::new(),
+            caps: Vec::new(),
             db_urls,
         };
         for node in 1..=spec.share.nodes {
@@ -437,7 +484,20 @@ impl LocalCluster {
                 .spawn()
                 .with_context(|| format!("starting {}", spec.engine.display()));
             match child {
-                Ok(child) => cluster.nodes.push((id, child)),
+                Ok(child) => {
+                    let pid = child.id();
+                    cluster.nodes.push((id.clone(), child));
+                    if let Some(cpus) = spec.node_cpus {
+                        match CpuCap::apply(&format!("ste-{}-{id}", std::process::id()), pid, cpus)
+                        {
+                            Ok(cap) => cluster.caps.push(cap),
+                            Err(error) => {
+                                cluster.stop()?;
+                                return Err(error);
+                            }
+                        }
+                    }
+                }
                 Err(error) => {
                     cluster.stop()?;
                     return Err(error);
@@ -468,6 +528,9 @@ impl LocalCluster {
             }
         }
         self.nats.stop();
+        for cap in self.caps.drain(..) {
+            cap.remove();
+        }
         for (index, url) in self.db_urls.iter().enumerate() {
             PgStore::recreate_database(url, &sweep_database(index), false)
                 .with_context(|| format!("dropping shard {index}'s database"))?;
@@ -562,13 +625,27 @@ impl Compose {
     /// One level: a fresh cluster of `share.nodes` nodes on `share.shards` shards, then the
     /// compose file's driver with `driver_args` (the load, `--json`), whose summary it
     /// returns with the CPU the run cost this machine.
-    pub fn level(&self, share: Share, driver_args: &[String]) -> anyhow::Result<(Summary, CpuUse)> {
+    pub fn level(
+        &self,
+        share: Share,
+        node_cpus: Option<f64>,
+        driver_args: &[String],
+    ) -> anyhow::Result<(Summary, CpuUse)> {
         self.down()?;
         let scale = format!("node={}", share.nodes);
-        self.run(
-            share,
-            &["up", "-d", "--no-build", "--scale", &scale, "node"],
-        )?;
+        let status = self
+            .command(share)
+            .env(
+                "STE_COMPOSE_NODE_CPUS",
+                node_cpus.map_or_else(|| "0".to_owned(), |cpus| cpus.to_string()),
+            )
+            .args(["up", "-d", "--no-build", "--scale", &scale, "node"])
+            .stdout(Stdio::null())
+            .status()
+            .context("running docker compose up")?;
+        if !status.success() {
+            bail!("docker compose up failed ({status})");
+        }
         let before = CpuReading::now();
         let output = self
             .command(share)
