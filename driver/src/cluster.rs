@@ -91,6 +91,27 @@ fn wait_until_owned(
     }
 }
 
+/// How long a run tries to reach a cluster that is starting, unless told to wait for owners.
+const STARTING_PATIENCE: Duration = Duration::from_secs(30);
+
+/// `attempt` until it succeeds or `patience` has passed (its last error then).
+fn retrying<T, E: std::fmt::Display>(
+    patience: Duration,
+    mut attempt: impl FnMut() -> Result<T, E>,
+) -> Result<T, E> {
+    let started = Instant::now();
+    loop {
+        match attempt() {
+            Ok(value) => return Ok(value),
+            Err(error) if started.elapsed() < patience => {
+                tracing::debug!(%error, "the cluster is not ready yet; trying again");
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
 /// Messages sent again are given up after this many rounds without an answer to each.
 const RESEND_ROUNDS_MAX: u32 = 5;
 
@@ -122,11 +143,14 @@ pub fn run_cluster(
         inbound_batch_messages: target.batch_messages,
         ..ClusterLayout::default()
     };
-    layout
-        .ensure(&jetstream)
-        .context("making the cluster's queues")?;
-    let leases =
-        Arc::new(Leases::open(&jetstream, target.lease_ttl).context("opening the leases")?);
+    // A cluster of servers that is starting (or electing leaders) may time out a request or
+    // have no responder yet: tried again for as long as the run would wait for its owners.
+    let patience = target.wait_for_owners.unwrap_or(STARTING_PATIENCE);
+    retrying(patience, || layout.ensure(&jetstream)).context("making the cluster's queues")?;
+    let leases = Arc::new(
+        retrying(patience, || Leases::open(&jetstream, target.lease_ttl))
+            .context("opening the leases")?,
+    );
     if let Some(timeout) = target.wait_for_owners {
         let owners = wait_until_owned(&leases, &layout, timeout)?;
         eprintln!("{} shards owned by {owners} nodes", layout.shards);

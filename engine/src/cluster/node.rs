@@ -72,12 +72,12 @@ impl Node {
                 config.database_urls.len()
             )));
         }
-        config
-            .layout
-            .ensure(jetstream)
-            .map_err(PipelineError::Queue)?;
-        let leases =
-            Arc::new(Leases::open(jetstream, config.lease_ttl).map_err(PipelineError::Queue)?);
+        // Servers that are starting with the nodes (or electing leaders) may time out a
+        // request or have no responder yet.
+        retrying(|| config.layout.ensure(jetstream)).map_err(PipelineError::Queue)?;
+        let leases = Arc::new(
+            retrying(|| Leases::open(jetstream, config.lease_ttl)).map_err(PipelineError::Queue)?,
+        );
         let stop = Arc::new(AtomicBool::new(false));
         let holdings = Arc::new(Mutex::new(Holdings::default()));
         let board = StationBoard::default();
@@ -366,6 +366,24 @@ fn balance_of(leases: &Leases, config: &NodeConfig) -> Result<(Vec<Member>, Held
         }
     }
     Ok((members, holdings))
+}
+
+/// How long a node starting tries to reach its cluster's queues and leases.
+const STARTING_PATIENCE: Duration = Duration::from_secs(30);
+
+/// `attempt` until it succeeds or [`STARTING_PATIENCE`] has passed (its last error then).
+fn retrying<T>(mut attempt: impl FnMut() -> Result<T, QueueError>) -> Result<T, QueueError> {
+    let started = Instant::now();
+    loop {
+        match attempt() {
+            Ok(value) => return Ok(value),
+            Err(error) if started.elapsed() < STARTING_PATIENCE => {
+                tracing::info!(%error, "the cluster is not ready yet; trying again");
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            Err(error) => return Err(error),
+        }
+    }
 }
 
 /// Takes out of `items` those for which `ended` holds.
