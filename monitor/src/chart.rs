@@ -392,11 +392,12 @@ pub fn node_sweep_svg(points: &serde_json::Value) -> Result<String, String> {
         series: Vec::new(),
     };
     // (label, the X field, the R field) of the measurement and of each model.
-    let lines: [(&str, &str, Option<&str>); 4] = [
+    let lines: [(&str, &str, Option<&str>); 5] = [
         ("measured", "X", Some("R_ms")),
         ("model, this machine", "X_mva", Some("R_mva_ms")),
         ("model, nodes on own machines", "X_own", Some("R_own_ms")),
         ("model, every program on own machines", "X_spread", None),
+        ("model, capped nodes", "X_capped", None),
     ];
     for (index, &databases) in counts.iter().enumerate() {
         let of: Vec<&serde_json::Value> = points
@@ -411,6 +412,10 @@ pub fn node_sweep_svg(points: &serde_json::Value) -> Result<String, String> {
                 .filter_map(|p| Some((number(p, "nodes")?, number(p, x_key)?)))
                 .map(|(nodes, x)| (nodes, x / nodes.max(1.0)))
                 .collect();
+            if rate.is_empty() {
+                // A model the sweep did not run (capped nodes without --node-cpus).
+                continue;
+            }
             per_node.series.push(Series {
                 label: label.clone(),
                 points: rate,

@@ -354,7 +354,8 @@ fn node_sweep_section(points: &[serde_json::Value], html: &mut String) {
          <th>nodes</th><th>X (msg/s)</th><th>X per node</th><th>R = N/X (ms)</th>\
          <th>CLS p99 (ms)</th><th>busy cores</th><th>CPU µs/msg</th><th>MVA X, this machine</th>\
          <th>MVA X, level's CPU</th><th>MVA X, nodes on own machines</th>\
-         <th>MVA X, every program on own machines</th><th>bottleneck</th>\
+         <th>MVA X, every program on own machines</th><th>MVA X, capped nodes</th>\
+         <th>bottleneck</th>\
          <th>busiest station</th></tr>",
     );
     for point in points {
@@ -372,6 +373,7 @@ fn node_sweep_section(points: &[serde_json::Value], html: &mut String) {
             ("X_mva_level", 0),
             ("X_own", 0),
             ("X_spread", 0),
+            ("X_capped", 0),
         ] {
             let _ = write!(html, "<td>{}</td>", cell(point, key, decimals));
         }
