@@ -72,6 +72,10 @@ pub(super) const LEASE_POLLS_PER_TTL: u32 = 4;
 const WATERMARK_POLL: Duration = Duration::from_millis(100);
 /// Batches between an owner's matcher and its writer.
 const STORE_QUEUE_BATCHES: usize = 128;
+/// Bytes between an owner's matcher and its writer: what waits beyond them waits in the shard's
+/// inbound queue, on disk, so that an owner's memory does not follow the backlog of a load its
+/// writer cannot keep up with.
+const STORE_QUEUE_BYTES: usize = 16 << 20;
 /// Batches between an owner's validator and its matcher, and its exception writer: what waits
 /// beyond them waits in the shard's inbound queue, on disk.
 const MATCH_QUEUE_BATCHES: usize = 256;
@@ -164,8 +168,13 @@ impl ShardOwner {
         let batch_max = config.batch_max_messages.max(1);
         let retry = config.retry;
 
-        let (store_tx, store_rx) =
-            local::bounded::<ToStore>(format!("store.{shard}"), STORE_QUEUE_BATCHES, clock);
+        let (store_tx, store_rx) = local::bounded_bytes::<ToStore>(
+            format!("store.{shard}"),
+            STORE_QUEUE_BATCHES,
+            STORE_QUEUE_BYTES,
+            ToStore::weight_bytes,
+            clock,
+        );
         let (match_tx, match_rx) = local::bounded_bytes::<Validated>(
             format!("match.{shard}"),
             MATCH_QUEUE_BATCHES,

@@ -155,6 +155,18 @@ pub(crate) enum ToStore {
     Aged(AgedTrade),
 }
 
+impl ToStore {
+    /// What the item costs on a queue: a message's raw bytes and about as much again for what
+    /// the matcher made of it, and the fixed size of the item.
+    pub(crate) fn weight_bytes(&self) -> usize {
+        let raw = match self {
+            Self::Message(processed) => processed.bytes.len(),
+            Self::Aged(_) => 0,
+        };
+        2 * raw + std::mem::size_of::<Self>()
+    }
+}
+
 pub(crate) struct Processed {
     /// The day the matcher took the message, which aging counts from.
     received_on: Date,
