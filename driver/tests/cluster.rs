@@ -714,13 +714,15 @@ fn a_node_told_to_stop_while_its_server_is_gone_does_not_wait_the_outage_out() {
         since.elapsed().as_millis()
     );
     // Nothing it held was acknowledged that it did not finish: the next owner gets it again.
+    // It stops cleanly, or reports what it left: a send or pull the outage ended, or (with
+    // three servers going one after the other, the stop outlasting a lease) a commit its
+    // writer refused once the shard's lease could not be renewed.
+    let log = cluster.log("node-a");
     assert!(
-        cluster
-            .log("node-a")
-            .contains("stopping: the server is not waited for")
-            || status.success(),
-        "{}",
-        cluster.log("node-a")
+        status.success()
+            || log.contains("stopping: the server is not waited for")
+            || (log.contains("lost the lease") && log.contains("was lost")),
+        "{log}"
     );
     let mut driver = driver;
     let _ = driver.kill();
