@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use ste_engine::cluster::{ClsFeed, ClusterLayout, Ingress};
+use ste_engine::cluster::{retrying, ClsFeed, ClusterLayout, Ingress};
 use ste_engine::cluster_samples::{MemoryReading, NodeMemory, SampleCollector};
 use ste_engine::generator::RunOutcome;
 use ste_engine::lease::Leases;
@@ -93,24 +93,6 @@ fn wait_until_owned(
 
 /// How long a run tries to reach a cluster that is starting, unless told to wait for owners.
 const STARTING_PATIENCE: Duration = Duration::from_secs(30);
-
-/// `attempt` until it succeeds or `patience` has passed (its last error then).
-fn retrying<T, E: std::fmt::Display>(
-    patience: Duration,
-    mut attempt: impl FnMut() -> Result<T, E>,
-) -> Result<T, E> {
-    let started = Instant::now();
-    loop {
-        match attempt() {
-            Ok(value) => return Ok(value),
-            Err(error) if started.elapsed() < patience => {
-                tracing::debug!(%error, "the cluster is not ready yet; trying again");
-                std::thread::sleep(Duration::from_millis(500));
-            }
-            Err(error) => return Err(error),
-        }
-    }
-}
 
 /// Messages sent again are given up after this many rounds without an answer to each.
 const RESEND_ROUNDS_MAX: u32 = 5;

@@ -725,12 +725,15 @@ fn tally_answers(acks: Rx<Ack>, tally: &Tally, clock: RunClock, first_only: bool
             }
         };
         let mut counted = 0;
-        let mut answered = tally
-            .answered
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Only across nodes is an answer kept per message (in process each comes once).
+        let mut answered = first_only.then(|| {
+            tally
+                .answered
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        });
         for ack in &batch {
-            if first_only {
+            if let Some(answered) = answered.as_mut() {
                 let index = ack.correlation as usize;
                 if answered.len() <= index {
                     answered.resize(index + 1, false);

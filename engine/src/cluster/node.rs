@@ -74,9 +74,13 @@ impl Node {
         }
         // Servers that are starting with the nodes (or electing leaders) may time out a
         // request or have no responder yet.
-        retrying(|| config.layout.ensure(jetstream)).map_err(PipelineError::Queue)?;
+        retrying(STARTING_PATIENCE, || config.layout.ensure(jetstream))
+            .map_err(PipelineError::Queue)?;
         let leases = Arc::new(
-            retrying(|| Leases::open(jetstream, config.lease_ttl)).map_err(PipelineError::Queue)?,
+            retrying(STARTING_PATIENCE, || {
+                Leases::open(jetstream, config.lease_ttl)
+            })
+            .map_err(PipelineError::Queue)?,
         );
         let stop = Arc::new(AtomicBool::new(false));
         let holdings = Arc::new(Mutex::new(Holdings::default()));
@@ -371,13 +375,18 @@ fn balance_of(leases: &Leases, config: &NodeConfig) -> Result<(Vec<Member>, Held
 /// How long a node starting tries to reach its cluster's queues and leases.
 const STARTING_PATIENCE: Duration = Duration::from_secs(30);
 
-/// `attempt` until it succeeds or [`STARTING_PATIENCE`] has passed (its last error then).
-fn retrying<T>(mut attempt: impl FnMut() -> Result<T, QueueError>) -> Result<T, QueueError> {
+/// `attempt` until it succeeds or `patience` has passed (its last error then): for a cluster
+/// of NATS servers that is starting, or electing leaders, and meanwhile times a request out or
+/// has no responder yet.
+pub fn retrying<T, E: std::fmt::Display>(
+    patience: Duration,
+    mut attempt: impl FnMut() -> Result<T, E>,
+) -> Result<T, E> {
     let started = Instant::now();
     loop {
         match attempt() {
             Ok(value) => return Ok(value),
-            Err(error) if started.elapsed() < STARTING_PATIENCE => {
+            Err(error) if started.elapsed() < patience => {
                 tracing::info!(%error, "the cluster is not ready yet; trying again");
                 std::thread::sleep(Duration::from_millis(500));
             }

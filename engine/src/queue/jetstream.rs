@@ -21,7 +21,7 @@ use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::{BatchReceiver, BatchSender, QueueError, Receipt, Received, Sending, Tx};
+use super::{BatchReceiver, BatchSender, QueueError, Receipt, Received, Tx};
 use crate::station::Station;
 
 /// The header carrying a batch's enqueue time.
@@ -680,56 +680,17 @@ fn message(payload: Vec<u8>, enqueued_ns: u64) -> (bytes::Bytes, async_nats::Hea
 }
 
 impl<T: Serialize + Send + Sync + 'static> BatchSender<T> for JetStreamSender<T> {
-    /// Puts the batch on the wire and leaves its acknowledgement to [`Sending::wait`], so that
-    /// a station sending to several queues waits for all their acknowledgements at once. A
-    /// publish that fails or is refused (a full stream, an outage) is tried again there, the
-    /// retrying way, under the same message id.
-    fn start_send(&self, items: Vec<T>) -> Result<Sending, QueueError> {
-        if items.is_empty() {
-            return Ok(Sending::done());
-        }
-        self.station.arrive(items.len() as u64);
-        let mut messages = self.messages(&items, wall_ns())?;
-        if messages.len() > 1 {
-            // Split: each part is held before the next is sent, so that they keep their order.
-            for (payload, headers) in &messages {
+    /// Publishes the batch and returns once the server holds it (a full stream or an outage is
+    /// waited out, under the same message id); then what it came from is done with.
+    fn forward(&self, items: Vec<T>, receipt: Receipt) -> Result<(), QueueError> {
+        if !items.is_empty() {
+            self.station.arrive(items.len() as u64);
+            // A batch split below the payload limit: each part is held before the next is
+            // sent, so that they keep their order.
+            for (payload, headers) in &self.messages(&items, wall_ns())? {
                 self.publish_message(payload, headers)?;
             }
-            return Ok(Sending::done());
         }
-        let Some((payload, headers)) = messages.pop() else {
-            return Ok(Sending::done());
-        };
-        let started = self
-            .jetstream
-            .runtime
-            .block_on(self.jetstream.context.publish_with_headers(
-                self.subject.clone(),
-                headers.clone(),
-                payload.clone(),
-            ));
-        let sender = self.clone();
-        Ok(Sending::later(move || {
-            let acknowledged = match started {
-                Ok(acknowledgement) => sender
-                    .jetstream
-                    .runtime
-                    .block_on(async { acknowledgement.await })
-                    .is_ok(),
-                Err(_) => false,
-            };
-            if acknowledged {
-                Ok(())
-            } else {
-                sender.publish_message(&payload, &headers)
-            }
-        }))
-    }
-
-    fn forward(&self, items: Vec<T>, receipt: Receipt) -> Result<(), QueueError> {
-        self.start_send(items)?.wait()?;
-        // The server holds the batch now (its publish was acknowledged): what it came from is
-        // done with.
         receipt.ack()
     }
 

@@ -106,28 +106,6 @@ impl std::fmt::Debug for Receipt {
     }
 }
 
-/// A send under way ([`BatchSender::start_send`]): the batch is on its way, and
-/// [`Sending::wait`] returns once the queue holds it.
-#[must_use = "a batch is held by its queue only once its send has been waited for"]
-pub struct Sending(Option<Box<dyn FnOnce() -> Result<(), QueueError> + Send>>);
-
-impl Sending {
-    /// A send that is complete already.
-    pub fn done() -> Self {
-        Self(None)
-    }
-
-    /// A send that `wait` completes.
-    pub fn later(wait: impl FnOnce() -> Result<(), QueueError> + Send + 'static) -> Self {
-        Self(Some(Box::new(wait)))
-    }
-
-    /// Waits until the queue holds the batch.
-    pub fn wait(self) -> Result<(), QueueError> {
-        self.0.map_or(Ok(()), |wait| wait())
-    }
-}
-
 /// A batch as it comes off a queue.
 #[derive(Debug)]
 pub struct Received<T> {
@@ -147,12 +125,6 @@ pub trait BatchSender<T>: Send {
     /// once this one is: by its consumer (in process), or once the carrier holds it durably.
     /// An empty batch acknowledges them at once.
     fn forward(&self, items: Vec<T>, receipt: Receipt) -> Result<(), QueueError>;
-    /// Starts sending one batch and returns before the queue holds it where the carrier allows
-    /// (a network carrier), so that several sends wait together; in process it is
-    /// [`BatchSender::send`]. The batch counts as sent once [`Sending::wait`] returned.
-    fn start_send(&self, items: Vec<T>) -> Result<Sending, QueueError> {
-        self.send(items).map(|()| Sending::done())
-    }
     /// Another sender onto the same queue.
     fn clone_sender(&self) -> Tx<T>;
 }
@@ -209,14 +181,20 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    #[test]
-    fn a_split_receipt_acknowledges_once_every_part_is() {
+    /// A receipt and how many times it has been acknowledged.
+    fn counted() -> (Receipt, Arc<AtomicU32>) {
         let acked = Arc::new(AtomicU32::new(0));
         let counter = acked.clone();
         let receipt = Receipt::from_fn(move || {
             counter.fetch_add(1, Ordering::SeqCst);
             Ok(())
         });
+        (receipt, acked)
+    }
+
+    #[test]
+    fn a_split_receipt_acknowledges_once_every_part_is() {
+        let (receipt, acked) = counted();
         let mut parts = receipt.split(3).into_iter();
         parts.next().expect("a part").ack().expect("acks");
         parts.next().expect("a part").ack().expect("acks");
@@ -227,12 +205,7 @@ mod tests {
 
     #[test]
     fn a_part_dropped_unacknowledged_leaves_the_whole_unacknowledged() {
-        let acked = Arc::new(AtomicU32::new(0));
-        let counter = acked.clone();
-        let receipt = Receipt::from_fn(move || {
-            counter.fetch_add(1, Ordering::SeqCst);
-            Ok(())
-        });
+        let (receipt, acked) = counted();
         let mut parts = receipt.split(2).into_iter();
         parts.next().expect("a part").ack().expect("acks");
         drop(parts);
