@@ -779,10 +779,11 @@ fn nodes_that_join_a_running_cluster_get_shards_handed_over() {
 fn headless_chromium_shows_every_node_and_every_jetstream_queue_of_a_running_cluster() {
     let cluster = Cluster::of_three_nodes("cluster_dashboard");
     let port = browser::free_port();
-    // About 17 s of load, so that the browser sees the run in progress.
+    // About 34 s of load, so that the browser sees the run in progress however long the nodes
+    // take to show and the browser to load the page on a busy machine.
     let driver = cluster.driver(&[
         "--trades",
-        "6000",
+        "12000",
         "--rate",
         "2500",
         "--dashboard",
