@@ -288,6 +288,7 @@ impl NatsCluster {
         for index in 0..count {
             cluster.wait_healthy(index)?;
         }
+        cluster.wait_formed()?;
         Ok(cluster)
     }
 
@@ -312,29 +313,40 @@ impl NatsCluster {
 
     /// Waits (30 s at most) until server `index` answers its health check with 200.
     fn wait_healthy(&self, index: usize) -> anyhow::Result<()> {
-        use std::io::{Read, Write};
         let port = self.servers[index].monitor_port;
-        let started = Instant::now();
-        loop {
-            let healthy = std::net::TcpStream::connect(("127.0.0.1", port))
-                .and_then(|mut stream| {
-                    stream.write_all(b"GET /healthz HTTP/1.0\r\n\r\n")?;
-                    let mut answer = String::new();
-                    stream.read_to_string(&mut answer)?;
-                    Ok(answer.starts_with("HTTP/1.0 200") || answer.starts_with("HTTP/1.1 200"))
-                })
-                .unwrap_or(false);
-            if healthy {
-                return Ok(());
-            }
-            if started.elapsed() > Duration::from_secs(30) {
-                bail!(
-                    "NATS server {index} is not healthy after 30 s (see {})",
-                    self.servers[index].log.display()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
+        wait_until(&format!("NATS server {index} is healthy"), || {
+            monitor_get(port, "/healthz").is_some_and(|(status, _)| status == 200)
+        })
+        .with_context(|| format!("see {}", self.servers[index].log.display()))
+    }
+
+    /// Waits (30 s at most) until the JetStream meta group has a leader that counts every
+    /// other server as a current follower (only the leader knows): before that, a replicated
+    /// bucket may be refused with "peer offline".
+    fn wait_formed(&self) -> anyhow::Result<()> {
+        let count = self.servers.len();
+        if count == 1 {
+            return Ok(());
         }
+        wait_until("the NATS servers' JetStream cluster has formed", || {
+            self.servers.iter().enumerate().any(|(index, member)| {
+                let Some((200, body)) = monitor_get(member.monitor_port, "/jsz") else {
+                    return false;
+                };
+                let Ok(jsz) = serde_json::from_str::<serde_json::Value>(&body) else {
+                    return false;
+                };
+                let meta = &jsz["meta_cluster"];
+                let followers = meta["replicas"].as_array().map_or(&[][..], Vec::as_slice);
+                meta["leader"].as_str() == Some(&format!("ste-nats-{index}"))
+                    && meta["cluster_size"].as_u64() == Some(count as u64)
+                    && followers.len() + 1 == count
+                    && followers.iter().all(|peer| {
+                        peer["current"].as_bool() == Some(true)
+                            && peer["offline"].as_bool() != Some(true)
+                    })
+            })
+        })
     }
 
     /// Kills server `index` (SIGKILL, as a crash).
@@ -348,7 +360,8 @@ impl NatsCluster {
     /// Starts server `index` again on its port and store, and waits until it is healthy.
     pub fn start_again(&mut self, index: usize) -> anyhow::Result<()> {
         self.spawn(index)?;
-        self.wait_healthy(index)
+        self.wait_healthy(index)?;
+        self.wait_formed()
     }
 
     /// Stops every server (SIGTERM, as an operator would) and waits until they have gone.
@@ -371,6 +384,34 @@ impl Drop for NatsCluster {
             }
         }
     }
+}
+
+/// Asks `condition` every 100 ms until it holds, for 30 s at most.
+fn wait_until(what: &str, mut condition: impl FnMut() -> bool) -> anyhow::Result<()> {
+    let started = Instant::now();
+    while !condition() {
+        if started.elapsed() > Duration::from_secs(30) {
+            bail!("waited 30 s until {what}, in vain");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+/// The status and body of a GET of `path` on a NATS server's monitoring port (None when it
+/// does not answer).
+fn monitor_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+        .ok()?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).ok()?;
+    let status = answer.split(' ').nth(1)?.parse().ok()?;
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+    Some((status, body.to_owned()))
 }
 
 /// A CPU cap on one process: a group of cgroup v1's cpu controller of its own, with a quota of

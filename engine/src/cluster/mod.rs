@@ -106,13 +106,16 @@ impl ClusterLayout {
     /// Creates every queue's stream that does not exist yet, spread over the NATS servers by
     /// the connection's [`crate::queue::jetstream::Placement`]: shard k's inbound queue on the
     /// server of index k, the CLS queue on the next one after the last shard's (the order of
-    /// [`ClusterLayout::queues`]).
+    /// [`ClusterLayout::queues`]). It makes the delivery book's bucket too, so that a caller who
+    /// tries this again while the servers are still forming (a replicated bucket refused with
+    /// "peer offline") opens every store of the cluster after it.
     pub fn ensure(&self, jetstream: &JetStream) -> Result<(), QueueError> {
         self.queues()
             .iter()
             .enumerate()
             .try_for_each(|(index, (queue, limits))| {
                 jetstream.ensure_queue_placed(queue, *limits, Some(index))
-            })
+            })?;
+        crate::lease::DeliveryBook::open(jetstream).map(drop)
     }
 }
