@@ -10,9 +10,11 @@
 #
 # With `sweep`, the same Docker engine and images serve the scale-out experiment on the compose
 # cluster instead: `driver sweep --nodes LEVELS --db-counts 1,4 --compose deploy/docker-compose.yml`
-# (the driver binary from STE_BIN, default target/release), its series in runs/compose-sweep.
+# (the driver binary from STE_BIN, default target/release), its series in runs/compose-sweep;
+# with NODE_CPUS, every node container capped at that many cores (`--node-cpus`, compose's
+# `cpus:`), its series in runs/compose-sweep-capped.
 #
-#   deploy/compose-run.sh sweep [LEVELS] [TRADES]   # default 1,2,4,8 and 100000 trades
+#   deploy/compose-run.sh sweep [LEVELS] [TRADES] [NODE_CPUS]   # default 1,2,4,8, 100000, no cap
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/sbin:/sbin"
@@ -22,6 +24,7 @@ if [ "${1:-}" = sweep ]; then
   shift
   levels=${1:-1,2,4,8}
   trades=${2:-100000}
+  node_cpus=${3:-}
   nodes=0
 else
   trades=${1:-100000}
@@ -58,9 +61,10 @@ echo "== images (deploy/offline-images.sh)"
 deploy/offline-images.sh
 
 if [ "$mode" = sweep ]; then
-  echo "== sweep: $levels nodes on 1 and 4 shards, $trades trades a level"
+  echo "== sweep: $levels nodes on 1 and 4 shards, $trades trades a level${node_cpus:+, nodes capped at $node_cpus cores}"
   "${STE_BIN:-target/release}/driver" sweep --nodes "$levels" --db-counts 1,4 --trades "$trades" \
-    --compose deploy/docker-compose.yml --out runs/compose-sweep --quiet
+    ${node_cpus:+--node-cpus "$node_cpus"} --compose deploy/docker-compose.yml \
+    --out "runs/compose-sweep${node_cpus:+-capped}" --quiet
   exit 0
 fi
 

@@ -430,9 +430,24 @@ fn inject(
         }
         if let Some(window) = pacing.window {
             if count.saturating_sub(pacing.acked.load(Ordering::Relaxed)) >= window {
-                // The window is full: what is batched must go, or its acks never come.
-                submitter.flush().context("submitting to the pipeline")?;
+                // The window is full. A window of at least two whole batches on every partition
+                // is full of sent messages as well, whose answers free it: the partial batches
+                // wait to be filled, so that batches stay whole in a closed loop too (sent at
+                // every full window, they went out a few messages each, as the answers came
+                // back). Once nothing sent is left unanswered, what is batched must go, or its
+                // answers never come.
+                let batches_wait = window >= 2 * submitter.whole_batches() as u64;
+                let all_answered = |submitter: &Submitter| {
+                    count.saturating_sub(submitter.pending() as u64)
+                        <= pacing.acked.load(Ordering::Relaxed)
+                };
+                if !batches_wait || all_answered(submitter) {
+                    submitter.flush().context("submitting to the pipeline")?;
+                }
                 while count.saturating_sub(pacing.acked.load(Ordering::Relaxed)) >= window {
+                    if all_answered(submitter) {
+                        submitter.flush().context("submitting to the pipeline")?;
+                    }
                     std::thread::sleep(Duration::from_micros(50));
                 }
             }

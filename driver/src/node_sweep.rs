@@ -81,8 +81,11 @@ struct NodePoint {
     X_own: Option<f64>,
     R_own_ms: Option<f64>,
     /// The model with every program on machines of its own: nodes, each database, NATS and
-    /// the driver.
+    /// the load.
     X_spread: Option<f64>,
+    /// What bounds `X_spread`: the kind of station of the largest demand per server (node,
+    /// database, nats, load).
+    spread_bound: Option<String>,
     /// With capped nodes: the model of this machine with each owning node a server of its cap
     /// and the rest of the machine's cores for everything else.
     X_capped: Option<f64>,
@@ -113,6 +116,7 @@ impl NodePoint {
         "X_own",
         "R_own_ms",
         "X_spread",
+        "spread_bound",
         "node_cpus",
         "X_capped",
     ];
@@ -140,6 +144,7 @@ impl NodePoint {
             optional_cell(self.X_own, 1),
             optional_cell(self.R_own_ms, 2),
             optional_cell(self.X_spread, 1),
+            self.spread_bound.clone().unwrap_or_default(),
             self.node_cpus.map(|c| format!("{c}")).unwrap_or_default(),
             optional_cell(self.X_capped, 1),
         ]
@@ -161,7 +166,8 @@ impl NodePoint {
 ///   owner validates, matches and commits its shard), while NATS, PostgreSQL, the driver and
 ///   the rest stay on one shared machine.
 /// - With every program on machines of its own: the nodes as above, each of the D databases
-///   with PostgreSQL's CPU / D, NATS, and the driver with the rest of this machine's time.
+///   with PostgreSQL's CPU / D, the NATS servers, and the load (the rest of this machine's
+///   time, the driver's) over K machines, one beside each node.
 #[derive(Clone, Copy)]
 struct NodeModel {
     cores: u32,
@@ -213,8 +219,11 @@ impl NodeModel {
     }
 
     /// Every program on machines of its own: K nodes, each of the D databases, the NATS
-    /// servers (the shards' streams spread over min(3, D) of them by placement), and the driver
-    /// (with the rest of this machine's busy time, to err on the slow side).
+    /// servers (the shards' streams spread over min(3, D) of them by placement), and the load:
+    /// the rest of this machine's busy time (to err on the slow side), which is the driver
+    /// generating and signing as the participants do and publishing as a gateway does, split
+    /// over K machines, one beside each node, as a cluster's gateways run on its nodes and its
+    /// participants on machines of their own.
     fn spread(&self, share: Share) -> Vec<Station> {
         let databases = share.shards.max(1);
         let mut stations = self.node_stations(share);
@@ -231,8 +240,25 @@ impl NodeModel {
             }),
         );
         let rest = self.total_s - self.nodes_s - self.postgres_s - self.nats_s;
-        stations.push(self.cores("driver".to_owned(), rest.max(0.0)));
+        let sources = share.nodes.max(1);
+        stations.extend((0..sources).map(|source| {
+            self.cores(format!("load {source}"), rest.max(0.0) / f64::from(sources))
+        }));
         stations
+    }
+
+    /// The name of the station that bounds `stations`' throughput (the largest demand on one
+    /// of its servers), numbers dropped: "nats" for any of the NATS servers.
+    fn bound(stations: &[Station]) -> Option<String> {
+        stations
+            .iter()
+            .max_by(|a, b| a.demand_per_server().total_cmp(&b.demand_per_server()))
+            .map(|station| {
+                station
+                    .name
+                    .trim_end_matches(|c: char| c.is_ascii_digit() || c == ' ')
+                    .to_owned()
+            })
     }
 
     /// The nodes' stations: the shards' owners, min(K, shards) of them (a node without a
@@ -411,7 +437,11 @@ pub fn sweep_nodes(
             let x = summary.throughput_msg_s;
             let here = model.as_ref().and_then(|m| m.solve(&m.here()));
             let own = model.as_ref().and_then(|m| m.solve(&m.own(share)));
-            let spread = model.as_ref().and_then(|m| m.solve(&m.spread(share)));
+            let spread_stations = model.as_ref().map(|m| m.spread(share));
+            let spread = model
+                .as_ref()
+                .zip(spread_stations.as_ref())
+                .and_then(|(m, stations)| m.solve(stations));
             let capped = node_cpus
                 .and_then(|cpus| model.as_ref().and_then(|m| m.solve(&m.capped(share, cpus))));
             let at_level = model.as_ref().and_then(|m| {
@@ -456,6 +486,7 @@ pub fn sweep_nodes(
                 X_own: own.map(|(x, _)| x),
                 R_own_ms: own.map(|(_, r)| r * 1e3),
                 X_spread: spread.map(|(x, _)| x),
+                spread_bound: spread_stations.as_deref().and_then(NodeModel::bound),
                 X_capped: capped.map(|(x, _)| x),
                 cpu,
                 run_dir: match &platform {
@@ -558,4 +589,56 @@ fn compose_driver_args(args: &RunArgs, window: u64, name: &str) -> Vec<String> {
         list.push("--shuffle".to_owned());
     }
     list
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Demands of the order measured for one node on this machine (µs a message): the nodes
+    /// 16, NATS 9, PostgreSQL 17, the rest (the driver) 6.
+    fn measured() -> NodeModel {
+        NodeModel {
+            cores: 2,
+            window: 4096,
+            total_s: 48e-6,
+            nodes_s: 16e-6,
+            nats_s: 9e-6,
+            postgres_s: 17e-6,
+        }
+    }
+
+    fn spread(model: &NodeModel, nodes: u32, shards: u32) -> (f64, Option<String>) {
+        let stations = model.spread(Share { nodes, shards });
+        let (x, _) = model.solve(&stations).expect("solves");
+        (x, NodeModel::bound(&stations))
+    }
+
+    #[test]
+    fn every_program_on_machines_of_its_own_grows_with_the_nodes_until_nats_bounds_it() {
+        let model = measured();
+        let (one, one_bound) = spread(&model, 1, 8);
+        let (eight, eight_bound) = spread(&model, 8, 8);
+        assert_eq!(one_bound.as_deref(), Some("node"));
+        // 8 nodes × 2 cores at 2 µs each, 8 databases at 2.1 µs, the load over 8 machines:
+        // three NATS servers at 3 µs a message on 2 cores each bound it, at about 667k msg/s.
+        assert_eq!(eight_bound.as_deref(), Some("nats"));
+        assert!(
+            eight > 4.0 * one,
+            "8 nodes {eight:.0} msg/s against 1 node {one:.0}"
+        );
+        assert!(
+            eight < 2.0 / 3e-6,
+            "no more than the NATS servers carry: {eight:.0}"
+        );
+    }
+
+    #[test]
+    fn nodes_beyond_the_shards_add_nothing_to_the_spread_model_but_load() {
+        let model = measured();
+        let (four, _) = spread(&model, 4, 4);
+        let (eight, _) = spread(&model, 8, 4);
+        assert!(eight >= four * 0.99, "{eight:.0} against {four:.0}");
+        assert!(eight <= four * 1.2, "{eight:.0} against {four:.0}");
+    }
 }

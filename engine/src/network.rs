@@ -261,6 +261,16 @@ impl Submitter {
         self
     }
 
+    /// Messages submitted and not sent yet (in partial batches).
+    pub fn pending(&self) -> usize {
+        self.pending.iter().map(Vec::len).sum()
+    }
+
+    /// Messages of a whole batch on every partition: the most [`Submitter::pending`] can hold.
+    pub fn whole_batches(&self) -> usize {
+        self.batch_messages * self.inbound.len()
+    }
+
     /// The run clock, for stamping `injected_ns`.
     pub fn clock(&self) -> RunClock {
         self.clock

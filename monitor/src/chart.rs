@@ -379,6 +379,12 @@ pub fn node_sweep_svg(points: &serde_json::Value) -> Result<String, String> {
         .filter_map(|p| number(p, "databases"))
         .collect();
     counts.dedup();
+    let mut total = XyPanel {
+        caption: "Throughput over node counts".to_owned(),
+        x_desc: "engine nodes".to_owned(),
+        y_desc: "X (messages/s)".to_owned(),
+        series: Vec::new(),
+    };
     let mut per_node = XyPanel {
         caption: "Per-node rate".to_owned(),
         x_desc: "engine nodes".to_owned(),
@@ -407,14 +413,27 @@ pub fn node_sweep_svg(points: &serde_json::Value) -> Result<String, String> {
         for (offset, (what, x_key, r_key)) in lines.iter().enumerate() {
             let label = format!("{databases} DB {what}");
             let (measured, color) = (offset == 0, index * lines.len() + offset);
-            let rate: Vec<(f64, f64)> = of
+            let x: Vec<(f64, f64)> = of
                 .iter()
                 .filter_map(|p| Some((number(p, "nodes")?, number(p, x_key)?)))
-                .map(|(nodes, x)| (nodes, x / nodes.max(1.0)))
                 .collect();
-            if rate.is_empty() {
+            if x.is_empty() {
                 // A model the sweep did not run (capped nodes without --node-cpus).
                 continue;
+            }
+            let rate = x
+                .iter()
+                .map(|&(nodes, x)| (nodes, x / nodes.max(1.0)))
+                .collect();
+            // The STE's figure 11: what this machine gives, beside the models of this machine
+            // (those of other machines' would flatten it).
+            if matches!(*x_key, "X" | "X_mva" | "X_capped") {
+                total.series.push(Series {
+                    label: label.clone(),
+                    points: x,
+                    measured,
+                    color,
+                });
             }
             per_node.series.push(Series {
                 label: label.clone(),
@@ -450,5 +469,5 @@ pub fn node_sweep_svg(points: &serde_json::Value) -> Result<String, String> {
         },
         first.and_then(|p| number(p, "window")).unwrap_or(0.0)
     );
-    xy_svg(&title, &[per_node, little])
+    xy_svg(&title, &[total, per_node, little])
 }

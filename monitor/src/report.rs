@@ -354,8 +354,8 @@ fn node_sweep_section(points: &[serde_json::Value], html: &mut String) {
          <th>nodes</th><th>X (msg/s)</th><th>X per node</th><th>R = N/X (ms)</th>\
          <th>CLS p99 (ms)</th><th>busy cores</th><th>CPU µs/msg</th><th>MVA X, this machine</th>\
          <th>MVA X, level's CPU</th><th>MVA X, nodes on own machines</th>\
-         <th>MVA X, every program on own machines</th><th>MVA X, capped nodes</th>\
-         <th>bottleneck</th>\
+         <th>MVA X, every program on own machines</th><th>what bounds it then</th>\
+         <th>MVA X, capped nodes</th><th>bottleneck</th>\
          <th>busiest station</th></tr>",
     );
     for point in points {
@@ -373,9 +373,14 @@ fn node_sweep_section(points: &[serde_json::Value], html: &mut String) {
             ("X_mva_level", 0),
             ("X_own", 0),
             ("X_spread", 0),
+            ("spread_bound", 0),
             ("X_capped", 0),
         ] {
-            let _ = write!(html, "<td>{}</td>", cell(point, key, decimals));
+            let text = match point.get(key) {
+                Some(serde_json::Value::String(name)) => escape(name),
+                _ => cell(point, key, decimals),
+            };
+            let _ = write!(html, "<td>{text}</td>");
         }
         for key in ["bottleneck", "busiest_station"] {
             let name = point.get(key).and_then(serde_json::Value::as_str);
@@ -503,7 +508,8 @@ mod tests {
         let point = |databases: u32, nodes: u32, x: f64| {
             serde_json::json!({"level": 0, "databases": databases, "nodes": nodes, "X": x,
                 "X_per_node": x / f64::from(nodes), "R_ms": 4096e3 / x, "X_mva": 40000.0,
-                "X_own": 80000.0, "bottleneck": "node-1/store.0"})
+                "X_own": 80000.0, "X_spread": 160000.0, "spread_bound": "nats",
+                "bottleneck": "node-1/store.0"})
         };
         let points = vec![
             point(1, 1, 43000.0),
@@ -524,6 +530,12 @@ mod tests {
         );
         assert!(html.contains("id=\"node-sweep-charts\"><svg"));
         assert!(html.contains("Per-node rate") && html.contains("4 DB measured"));
+        assert!(html.contains("Throughput over node counts"));
+        assert_eq!(
+            html.matches("<td>nats</td>").count(),
+            3,
+            "what bounds the spread model"
+        );
         assert!(!html.contains("id=\"sweep\""));
     }
 }

@@ -387,12 +387,14 @@ impl JetStream {
     /// What the stream of `queue` holds now and has ever been given.
     pub fn queue_state(&self, queue: &str) -> Result<QueueState, QueueError> {
         self.runtime.block_on(async {
-            let mut stream = self
+            // One request: the stream as got carries its state (a stream's info is one of the
+            // dearer requests a server answers, its cluster's state included).
+            let stream = self
                 .context
                 .get_stream(stream_name(queue))
                 .await
                 .map_err(|error| carrier(queue, error))?;
-            let info = stream.info().await.map_err(|error| carrier(queue, error))?;
+            let info = stream.cached_info();
             Ok(QueueState {
                 batches: info.state.messages,
                 stored_ever: info.state.last_sequence,
