@@ -74,13 +74,16 @@ const WATERMARK_POLL: Duration = Duration::from_millis(100);
 const STORE_QUEUE_BATCHES: usize = 128;
 /// Bytes between an owner's matcher and its writer: what waits beyond them waits in the shard's
 /// inbound queue, on disk, so that an owner's memory does not follow the backlog of a load its
-/// writer cannot keep up with.
-const STORE_QUEUE_BYTES: usize = 16 << 20;
+/// writer cannot keep up with. About two commits of 4,096 messages, at their weight of some
+/// 2.5 KB each: the next commit is ready when the last one ends.
+const STORE_QUEUE_BYTES: usize = 20 << 20;
 /// Batches between an owner's validator and its matcher, and its exception writer: what waits
 /// beyond them waits in the shard's inbound queue, on disk.
 const MATCH_QUEUE_BATCHES: usize = 256;
-/// Bytes between an owner's validator and its matcher.
-const MATCH_QUEUE_BYTES: usize = 32 << 20;
+/// Bytes between an owner's validator and its matcher: the matcher takes a batch in a fraction
+/// of the writer's time for it, so a few batches keep it busy; the backlog of an unpaced load
+/// waits on disk rather than here.
+const MATCH_QUEUE_BYTES: usize = 4 << 20;
 
 impl ShardOwner {
     /// Waits until this node wins the shard's lease (or `give_up_after` passes: `None`), then
