@@ -83,12 +83,102 @@ pub enum OutboundEvent {
 /// of that shard up to n. Writers record the watermark in their next transaction; a restart
 /// emits again what lies above it.
 /// Across nodes, the confirmations go to the cluster's [`DeliveryBook`], which every shard's
-/// owner reads.
+/// owner reads: each shard's highest, at most every [`BOOK_CONFIRM_INTERVAL`] (a put into a
+/// bucket of three copies is one of the dearer things the servers do, and a watermark only
+/// needs its latest value).
 #[derive(Clone, Debug)]
 pub struct Delivery {
     pub(crate) through: Vec<Arc<std::sync::atomic::AtomicI64>>,
     pub(crate) in_use: Arc<AtomicBool>,
-    book: Option<Arc<DeliveryBook>>,
+    book: Option<Arc<BookConfirmer>>,
+}
+
+/// How often a cluster's sink writes its confirmations into the delivery book, at most.
+pub const BOOK_CONFIRM_INTERVAL: Duration = Duration::from_millis(100);
+
+/// A cluster sink's confirmations on their way to the delivery book: each shard's highest
+/// outbox id not written yet, written by a thread of their own every
+/// [`BOOK_CONFIRM_INTERVAL`], and when the last [`Delivery`] holding them is dropped.
+#[derive(Debug)]
+struct BookConfirmer {
+    book: Arc<DeliveryBook>,
+    pending: std::sync::Mutex<std::collections::BTreeMap<u32, i64>>,
+    /// What this confirmer wrote last for each shard: a lower confirmation (a CLS batch
+    /// delivered again) is not written over it.
+    written: std::sync::Mutex<std::collections::BTreeMap<u32, i64>>,
+}
+
+impl BookConfirmer {
+    fn start(book: Arc<DeliveryBook>) -> Arc<Self> {
+        let confirmer = Arc::new(Self {
+            book,
+            pending: std::sync::Mutex::default(),
+            written: std::sync::Mutex::default(),
+        });
+        let weak = Arc::downgrade(&confirmer);
+        std::thread::Builder::new()
+            .name("delivery-book".to_owned())
+            .spawn(move || loop {
+                std::thread::sleep(BOOK_CONFIRM_INTERVAL);
+                let Some(confirmer) = weak.upgrade() else {
+                    return;
+                };
+                if let Err(error) = confirmer.write() {
+                    tracing::warn!(%error, "a delivery confirmation was not recorded; tried again");
+                }
+            })
+            .expect("the operating system can start a thread");
+        confirmer
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<u32, i64>> {
+        self.pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn add(&self, shard: u32, outbox_id: i64) {
+        let mut pending = self.pending();
+        let through = pending.entry(shard).or_insert(outbox_id);
+        *through = (*through).max(outbox_id);
+    }
+
+    /// Writes what is pending; what could not be written stays pending.
+    fn write(&self) -> Result<(), QueueError> {
+        let pending = std::mem::take(&mut *self.pending());
+        let mut written = self
+            .written
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut failed = None;
+        for (shard, outbox_id) in pending {
+            if written.get(&shard).is_some_and(|&last| last >= outbox_id) {
+                continue;
+            }
+            if failed.is_some() {
+                self.add(shard, outbox_id);
+                continue;
+            }
+            match self.book.confirm(shard, outbox_id) {
+                Ok(()) => {
+                    written.insert(shard, outbox_id);
+                }
+                Err(error) => {
+                    self.add(shard, outbox_id);
+                    failed = Some(error);
+                }
+            }
+        }
+        failed.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for BookConfirmer {
+    fn drop(&mut self) {
+        if let Err(error) = self.write() {
+            tracing::warn!(%error, "the last delivery confirmations were not recorded");
+        }
+    }
 }
 
 impl Delivery {
@@ -109,14 +199,17 @@ impl Delivery {
         Self {
             through: Vec::new(),
             in_use: Arc::new(AtomicBool::new(true)),
-            book: Some(book),
+            book: Some(BookConfirmer::start(book)),
         }
     }
 
-    /// Confirms that the CLS at `outbox_id` of `shard` (and every earlier one) was delivered.
+    /// Confirms that the CLS at `outbox_id` of `shard` (and every earlier one) was delivered:
+    /// at once in this process; in a cluster, in the delivery book within
+    /// [`BOOK_CONFIRM_INTERVAL`] (or at [`Delivery::flush`]).
     pub fn confirm(&self, shard: u32, outbox_id: i64) -> Result<(), QueueError> {
         if let Some(book) = &self.book {
-            return book.confirm(shard, outbox_id);
+            book.add(shard, outbox_id);
+            return Ok(());
         }
         if let Some(through) = self.through.get(shard as usize) {
             through.fetch_max(outbox_id, Ordering::Relaxed);
@@ -136,6 +229,11 @@ impl Delivery {
         highest
             .into_iter()
             .try_for_each(|(shard, outbox_id)| self.confirm(shard, outbox_id))
+    }
+
+    /// Records at once what was confirmed and not recorded yet (a cluster's sink, as it ends).
+    pub fn flush(&self) -> Result<(), QueueError> {
+        self.book.as_ref().map_or(Ok(()), |book| book.write())
     }
 }
 

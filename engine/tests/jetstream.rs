@@ -674,3 +674,37 @@ fn a_delivery_lost_on_its_way_comes_again_before_the_batches_behind_it() {
         .collect();
     assert_eq!(order, vec![1, 2, 3]);
 }
+
+#[test]
+fn a_cluster_sinks_confirmations_reach_the_book_as_each_shards_highest_and_none_is_lost_at_the_end()
+{
+    use std::sync::Arc;
+    use ste_engine::lease::DeliveryBook;
+    use ste_engine::network::Delivery;
+
+    let server = NatsServer::start();
+    let jetstream = JetStream::connect(&server.url).expect("connects");
+    let book = Arc::new(DeliveryBook::open(&jetstream).expect("the delivery book"));
+    let delivery = Delivery::cluster(book.clone());
+    delivery
+        .confirm_all(&[(0, 5), (1, 3), (0, 9), (0, 7)])
+        .expect("confirms");
+    // Written by the confirmer's thread within its interval.
+    let started = Instant::now();
+    while book.delivered_through(0).expect("reads") < 9 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "shard 0's confirmation never reached the book"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(book.delivered_through(1).expect("reads"), 3);
+    // Lower than what the book holds: the watermark does not go back.
+    delivery.confirm(0, 8).expect("confirms");
+    delivery.flush().expect("flushes");
+    assert_eq!(book.delivered_through(0).expect("reads"), 9);
+    // What a sink confirms just before it ends is in the book once its delivery is dropped.
+    delivery.confirm(2, 11).expect("confirms");
+    drop(delivery);
+    assert_eq!(book.delivered_through(2).expect("reads"), 11);
+}

@@ -271,6 +271,11 @@ pub fn run_with(
             .complete(count, started.elapsed().as_nanos() as u64, response_ns);
         received.receipt.ack().map_err(std::io::Error::other)?;
     }
+    if let Some(delivery) = &delivery {
+        if let Err(error) = delivery.flush() {
+            tracing::warn!(%error, "the last delivery confirmations were not recorded");
+        }
+    }
     sink.finish()
 }
 
