@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use ste_engine::cluster::{retrying, ClsFeed, ClusterLayout, Ingress};
+use ste_engine::cluster::{retrying, ClsFeed, ClusterLayout, Ingress, STARTING_PATIENCE};
 use ste_engine::cluster_samples::{MemoryReading, NodeMemory, SampleCollector};
 use ste_engine::generator::RunOutcome;
 use ste_engine::lease::Leases;
@@ -90,9 +90,6 @@ fn wait_until_owned(
         std::thread::sleep(DRAIN_POLL);
     }
 }
-
-/// How long a run tries to reach a cluster that is starting, unless told to wait for owners.
-const STARTING_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Messages sent again are given up after this many rounds without an answer to each.
 const RESEND_ROUNDS_MAX: u32 = 5;

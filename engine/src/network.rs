@@ -217,18 +217,12 @@ impl Delivery {
         Ok(())
     }
 
-    /// Confirms each `(shard, outbox_id)`: once per shard, its highest.
+    /// Confirms each `(shard, outbox_id)` (each shard's highest is what counts, in process and
+    /// in the book).
     pub fn confirm_all(&self, confirmed: &[(u32, i64)]) -> Result<(), QueueError> {
-        let mut highest: Vec<(u32, i64)> = Vec::new();
-        for &(shard, outbox_id) in confirmed {
-            match highest.iter_mut().find(|(known, _)| *known == shard) {
-                Some((_, through)) => *through = (*through).max(outbox_id),
-                None => highest.push((shard, outbox_id)),
-            }
-        }
-        highest
-            .into_iter()
-            .try_for_each(|(shard, outbox_id)| self.confirm(shard, outbox_id))
+        confirmed
+            .iter()
+            .try_for_each(|&(shard, outbox_id)| self.confirm(shard, outbox_id))
     }
 
     /// Records at once what was confirmed and not recorded yet (a cluster's sink, as it ends).

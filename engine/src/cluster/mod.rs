@@ -27,7 +27,7 @@ pub mod node;
 pub mod owner;
 
 pub use ingress::{AckRouter, ClsFeed, Ingress, GATEWAYS_MAX};
-pub use node::{retrying, Holdings, Node, NodeConfig};
+pub use node::{retrying, Holdings, Node, NodeConfig, STARTING_PATIENCE};
 pub use owner::{OwnershipReport, ShardOwner, ShardOwnerConfig};
 
 use crate::queue::jetstream::{JetStream, QueueLimits};

@@ -372,8 +372,8 @@ fn balance_of(leases: &Leases, config: &NodeConfig) -> Result<(Vec<Member>, Held
     Ok((members, holdings))
 }
 
-/// How long a node starting tries to reach its cluster's queues and leases.
-const STARTING_PATIENCE: Duration = Duration::from_secs(30);
+/// How long a process starting tries to reach its cluster's queues and leases.
+pub const STARTING_PATIENCE: Duration = Duration::from_secs(30);
 
 /// `attempt` until it succeeds or `patience` has passed (its last error then): for a cluster
 /// of NATS servers that is starting, or electing leaders, and meanwhile times a request out or
