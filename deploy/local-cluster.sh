@@ -81,6 +81,7 @@ url_of() {
 }
 
 bin=${STE_BIN:-target/release}
+secrets="$(realpath -m "$dir")/secrets"
 
 # Stops the process whose pid is in $1 (SIGTERM: a node finishes what it holds), then forgets it.
 stop_pid_file() {
@@ -110,14 +111,24 @@ start_nats() {
       continue
     fi
     mkdir -p "$dir/nats-$i"
+    local tls="cert_file: \"$secrets/nats-server.pem\", key_file: \"$secrets/nats-server.key\", ca_file: \"$secrets/ca.pem\", timeout: 5"
     {
       echo "server_name: ste-nats-$i"
       echo "listen: 127.0.0.1:$((nats_port + i))"
       echo "http: 127.0.0.1:$((nats_port + 20 + i))"
       echo "server_tags: [\"ste:$i\"]"
       echo "jetstream { store_dir: \"$dir/nats-$i\" }"
+      # Clients and routes on TLS with the cluster's certificates; only the identities of
+      # driver secrets let in, each with its role's permissions.
+      echo "tls { $tls }"
+      echo "include \"secrets/nats-authorization.conf\""
       if [ "$nats_servers" -gt 1 ]; then
-        echo "cluster { name: ste, listen: 127.0.0.1:$((nats_port + 10 + i)), routes: [$(IFS=,; echo "${routes[*]}")] }"
+        echo "cluster {"
+        echo "  name: ste"
+        echo "  listen: 127.0.0.1:$((nats_port + 10 + i))"
+        echo "  routes: [$(IFS=,; echo "${routes[*]}")]"
+        echo "  tls { $tls, verify: true }"
+        echo "}"
       fi
     } >"$dir/nats-$i.conf"
     "$nats_bin" -c "$dir/nats-$i.conf" >"$dir/nats-$i.log" 2>&1 &
@@ -146,6 +157,8 @@ start_nodes() {
   for binary in engine driver; do
     [ -x "$bin/$binary" ] || { echo "$bin/$binary is missing: cargo build --release (or set STE_BIN)" >&2; exit 1; }
   done
+  # The cluster's CA, certificates and identities: made on first start, kept after.
+  "$bin/driver" secrets --dir "$secrets"
   start_nats
   local nats_urls placement
   nats_urls=$(sed -n 1p "$dir/nats")
@@ -161,14 +174,14 @@ start_nodes() {
   for ((node = 1; node <= count; node++)); do
     [ -f "$dir/node-$node.pid" ] && kill -0 "$(cat "$dir/node-$node.pid")" 2>/dev/null && continue
     "$bin/engine" --nats "$nats_urls" --nats-placement "$placement" --node-id "node-$node" \
-      --keys "$dir/keys.csv" "${db_args[@]}" --max-shards "$max_shards" \
+      --secrets "$secrets" --keys "$dir/keys.csv" "${db_args[@]}" --max-shards "$max_shards" \
       >"$dir/node-$node.log" 2>&1 &
     echo $! > "$dir/node-$node.pid"
   done
   {
     echo "cluster: NATS on $nats_urls, $count nodes (logs $dir/node-*.log), $shards shards"
     echo "drive it with:"
-    echo "  $bin/driver --trades 250000 --nats $nats_urls --nats-placement $placement --keys $dir/keys.csv ${db_args[*]}"
+    echo "  $bin/driver --trades 250000 --nats $nats_urls --nats-placement $placement --secrets $secrets --keys $dir/keys.csv ${db_args[*]}"
     echo "stop it with: $0 down --dir $dir"
   } >&2
 }

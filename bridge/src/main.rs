@@ -18,6 +18,7 @@ use ste_bridge::gateway::{Gateway, GatewayConfig};
 use ste_bridge::soap::{self, SoapConfig};
 use ste_bridge::tcp::{self, TcpConfig};
 use ste_bridge::tls::{self, Tls, TlsFiles};
+use ste_engine::cluster::roles::Role;
 use ste_engine::keys::KeyRing;
 use ste_engine::matcher::MatcherMemory;
 use ste_engine::pipeline::{Aging, PipelineConfig, StoreConfig};
@@ -226,6 +227,12 @@ struct Cli {
     /// shard's watermark. One node of a cluster runs it (or `driver --nats` does, for a run).
     #[arg(long, requires = "nats")]
     sink: bool,
+    /// The cluster's secrets folder (`driver secrets`): TLS to the NATS servers checked
+    /// against its CA, and each role of this process (node, gateway, sink) connected as its own
+    /// identity, whose seed file must be readable by its owner only. Without it the servers
+    /// must ask for neither.
+    #[arg(long, env = "STE_SECRETS_DIR", value_name = "DIR", requires = "nats")]
+    secrets: Option<PathBuf>,
 }
 
 fn main() -> std::process::ExitCode {
@@ -611,9 +618,14 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
         cli.nats_replicas,
     )
     .map_err(anyhow::Error::msg)?;
-    let jetstream = ste_engine::queue::jetstream::JetStream::connect(url)
-        .with_context(|| format!("connecting to NATS at {url}"))?
-        .with_placement(placement);
+    let access = ste_engine::cluster::ClusterAccess {
+        url: url.to_owned(),
+        placement,
+        secrets: cli.secrets.clone(),
+    };
+    let jetstream = access
+        .connect(Role::Node)
+        .with_context(|| format!("connecting to NATS at {url} as a node"))?;
     let layout = config.layout;
     let lease_ttl = config.lease_ttl;
     let node = ste_engine::cluster::Node::start(&jetstream, config, refdata.clone())
@@ -629,6 +641,9 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
         }
     };
     let sink = if cli.sink {
+        let jetstream = access
+            .connect(Role::Sink)
+            .with_context(|| format!("connecting to NATS at {url} as the sink"))?;
         Some(ClusterSink::start(
             &jetstream,
             &layout,
@@ -638,7 +653,7 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
         None
     };
     if cli.gateway {
-        let gateway = cluster_gateway(cli, &jetstream, &layout, lease_ttl, &node_id, refdata)?;
+        let gateway = cluster_gateway(cli, &access, &layout, lease_ttl, &node_id, refdata)?;
         let report = serve(cli, gateway, log_holdings)?;
         info!(
             submitted = report.submitted,
@@ -677,17 +692,21 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
 /// copies of the CLS queue for the connections' pushes.
 fn cluster_gateway(
     cli: &Cli,
-    jetstream: &ste_engine::queue::jetstream::JetStream,
+    access: &ste_engine::cluster::ClusterAccess,
     layout: &ste_engine::cluster::ClusterLayout,
     lease_ttl: Duration,
     node_id: &str,
     refdata: Arc<RefData>,
 ) -> anyhow::Result<Gateway> {
-    let leases = Arc::new(
-        ste_engine::lease::Leases::open(jetstream, lease_ttl).context("opening the leases")?,
-    );
-    let ingress = ste_engine::cluster::Ingress::open(jetstream, layout, leases, node_id)
-        .context("taking a gateway number")?;
+    let (ingress, jetstream) = ste_engine::cluster::Ingress::open_as(
+        access,
+        Role::Gateway,
+        layout,
+        lease_ttl,
+        node_id,
+        ste_engine::cluster::STARTING_PATIENCE,
+    )
+    .context("taking a gateway number")?;
     let copies = jetstream
         .copies::<ste_engine::pipeline::OutboundEvent>(
             ste_engine::cluster::ClusterLayout::CLS_QUEUE,

@@ -11,11 +11,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use ste_engine::cluster::{retrying, ClsFeed, ClusterLayout, Ingress, STARTING_PATIENCE};
+use ste_engine::cluster::roles::Role;
+use ste_engine::cluster::{
+    retrying, ClsFeed, ClusterAccess, ClusterLayout, Ingress, STARTING_PATIENCE,
+};
 use ste_engine::cluster_samples::{MemoryReading, NodeMemory, SampleCollector};
 use ste_engine::generator::RunOutcome;
 use ste_engine::lease::Leases;
-use ste_engine::queue::jetstream::{JetStream, Placement};
+use ste_engine::network::PipelineError;
+use ste_engine::queue::jetstream::Placement;
 use ste_engine::refdata::RefData;
 use ste_engine::routing::shard_of;
 use ste_engine::station::RunClock;
@@ -47,6 +51,9 @@ pub struct ClusterTarget {
     /// Before injecting, wait up to this long until every shard has an owner, so
     /// that the run measures the cluster at work and not its nodes starting (a sweep's levels).
     pub wait_for_owners: Option<Duration>,
+    /// The cluster's secrets folder: the driver connects as a load source (the first `load-<n>`
+    /// identity whose number is free), as the sink and as the monitor.
+    pub secrets: Option<std::path::PathBuf>,
 }
 
 /// Waits until every shard of `layout` is held by a node; returns how many distinct nodes hold
@@ -114,9 +121,11 @@ pub fn run_cluster(
     }
     std::fs::create_dir_all(&config.run_dir)
         .with_context(|| format!("creating {}", config.run_dir.display()))?;
-    let jetstream = JetStream::connect(&target.url)
-        .with_context(|| format!("connecting to NATS at {}", target.url))?
-        .with_placement(target.placement.clone());
+    let access = ClusterAccess {
+        url: target.url.clone(),
+        placement: target.placement.clone(),
+        secrets: target.secrets.clone(),
+    };
     let layout = ClusterLayout {
         shards: config.shards,
         inbound_batch_messages: target.batch_messages,
@@ -125,19 +134,33 @@ pub fn run_cluster(
     // A cluster of servers that is starting (or electing leaders) may time out a request or
     // have no responder yet: tried again for as long as the run would wait for its owners.
     let patience = target.wait_for_owners.unwrap_or(STARTING_PATIENCE);
+    let node_id = format!("driver-{}", std::process::id());
+    // The load source's connection makes the queues where they are missing.
+    let (mut ingress, jetstream) = Ingress::open_as(
+        &access,
+        Role::Load,
+        &layout,
+        target.lease_ttl,
+        &node_id,
+        patience,
+    )
+    .with_context(|| format!("taking a gateway number on NATS at {}", target.url))?;
     retrying(patience, || layout.ensure(&jetstream)).context("making the cluster's queues")?;
-    let leases = Arc::new(
-        retrying(patience, || Leases::open(&jetstream, target.lease_ttl))
-            .context("opening the leases")?,
-    );
     if let Some(timeout) = target.wait_for_owners {
+        let leases = retrying(patience, || Leases::open(&jetstream, target.lease_ttl))
+            .context("opening the leases")?;
         let owners = wait_until_owned(&leases, &layout, timeout)?;
         eprintln!("{} shards owned by {owners} nodes", layout.shards);
     }
-    let node_id = format!("driver-{}", std::process::id());
-    let mut ingress =
-        Ingress::open(&jetstream, &layout, leases, &node_id).context("taking a gateway number")?;
-    let mut feed = ClsFeed::open(&jetstream, &layout).context("opening the CLS queue")?;
+    let sink_connection =
+        retrying(patience, || access.connect(Role::Sink)).context("connecting as the sink")?;
+    let mut feed = retrying(patience, || {
+        match ClsFeed::open(&sink_connection, &layout) {
+            Err(PipelineError::Queue(error)) => Err(error),
+            other => Ok(other),
+        }
+    })?
+    .context("opening the CLS queue")?;
     let clock = RunClock::start();
     let started = Instant::now();
     // The nodes' stations and the queues' lengths, in one samples.csv.
@@ -147,7 +170,9 @@ pub fn run_cluster(
     } else {
         Some(
             SampleCollector::start(
-                &jetstream,
+                &access
+                    .connect(Role::Monitor)
+                    .context("connecting as the monitor")?,
                 &layout
                     .queues()
                     .into_iter()

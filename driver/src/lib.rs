@@ -24,6 +24,7 @@ use ste_sink::Sink;
 pub mod cluster;
 pub mod remote;
 pub mod scale;
+pub mod secrets;
 
 /// The first line of a message-set file.
 pub const MESSAGE_SET_OPEN: &str = "<MessageSet xmlns=\"urn:ste:trade:1\">";

@@ -56,6 +56,31 @@ enum Command {
         #[arg(long)]
         refdata: Option<PathBuf>,
     },
+    /// Make what is missing of a cluster's secrets in DIR (mode 0700) and keep the rest: the
+    /// cluster's CA, the NATS servers' and PostgreSQL's certificates, an nkey for each NATS
+    /// identity (node, sink, monitor, gateway-<n>, load-<n>), and the servers' authorization
+    /// with every role's permissions. With --rotate or --retire, an identity's key is rotated
+    /// (its old key stays allowed) or its old key is dropped; reload the servers after either.
+    Secrets {
+        /// The secrets folder.
+        #[arg(long)]
+        dir: PathBuf,
+        /// Further names the servers' certificates answer to (host names, addresses).
+        #[arg(long = "host", value_name = "NAME")]
+        hosts: Vec<String>,
+        /// Gateway identities (gateway-0 …): gateways that may run at once.
+        #[arg(long, default_value_t = ste_driver::secrets::GATEWAYS_DEFAULT)]
+        gateways: u32,
+        /// Load identities (load-0 …): drivers that may run at once.
+        #[arg(long, default_value_t = ste_driver::secrets::LOADS_DEFAULT)]
+        loads: u32,
+        /// Give this identity a new key, its old one still allowed until --retire.
+        #[arg(long, value_name = "IDENTITY", conflicts_with = "retire")]
+        rotate: Option<String>,
+        /// Stop allowing the key this identity rotated away from.
+        #[arg(long, value_name = "IDENTITY")]
+        retire: Option<String>,
+    },
     /// Write a fresh random key set for every participant (CSV bic,key_id,key_hex, readable
     /// by its owner only): the --keys file of an engine node and the drivers that load it.
     Keys {
@@ -247,6 +272,10 @@ struct RunArgs {
     /// Copies of each stream of the --nats cluster: 1 or 3 (as its nodes were started with).
     #[arg(long, env = "STE_NATS_REPLICAS", default_value_t = 1)]
     nats_replicas: usize,
+    /// The --nats cluster's secrets folder (`driver secrets`): TLS checked against its CA, and
+    /// the driver connected as a load source, the sink and the monitor, each its own identity.
+    #[arg(long, env = "STE_SECRETS_DIR", value_name = "DIR", requires = "nats")]
+    secrets: Option<PathBuf>,
     /// Before injecting into the --nats cluster, wait up to this many seconds until every
     /// shard has an owner.
     #[arg(long, value_name = "SECONDS", requires = "nats")]
@@ -478,6 +507,33 @@ fn run_cli() -> anyhow::Result<()> {
             );
             Ok(())
         }
+        Some(Command::Secrets {
+            dir,
+            hosts,
+            gateways,
+            loads,
+            rotate,
+            retire,
+        }) => {
+            use ste_driver::secrets;
+            use ste_engine::cluster::roles::Role;
+            if let Some(identity) = rotate {
+                secrets::rotate(&dir, Role::parse(&identity)?)?;
+                eprintln!("{identity} has a new key; its old one stays allowed until --retire {identity}: reload the NATS servers, restart its processes, then retire");
+            } else if let Some(identity) = retire {
+                secrets::retire(&dir, Role::parse(&identity)?)?;
+                eprintln!("{identity}'s old key is no longer allowed: reload the NATS servers");
+            } else {
+                let made = secrets::ensure(&secrets::SecretsSpec {
+                    dir: dir.clone(),
+                    hosts,
+                    gateways,
+                    loads,
+                })?;
+                eprintln!("{} files made in {}", made.len(), dir.display());
+            }
+            Ok(())
+        }
         Some(Command::Keys { out, refdata }) => {
             let refdata = load_refdata(refdata.as_ref())?;
             KeyRing::generate_for(&refdata)
@@ -557,6 +613,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             wait_for_owners: args
                 .wait_for_owners_s
                 .map(|s| Duration::from_secs(s.max(1))),
+            secrets: args.secrets.clone(),
         });
     let config = run_config(args)?;
     let _dashboard = match dashboard_address {

@@ -549,6 +549,7 @@ fn run_local(
             .map_err(anyhow::Error::msg)?,
             batch_messages: args.nats_batch.max(1),
             wait_for_owners: Some(OWNERS_TIMEOUT),
+            secrets: Some(cluster.secrets.clone()),
         };
         let summary = ste_driver::cluster::run_cluster(&config, &target, refdata.clone())?;
         // From the first injection, once every shard is owned, to the last answer.

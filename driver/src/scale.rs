@@ -167,6 +167,8 @@ pub struct LocalCluster {
     /// The NATS servers' placement tags, separated by commas.
     pub nats_placement: String,
     pub db_urls: Vec<String>,
+    /// The cluster's secrets folder (`driver secrets`).
+    pub secrets: PathBuf,
 }
 
 /// What a [`LocalCluster`] is made of.
@@ -209,7 +211,9 @@ pub fn pinned_nats_server() -> anyhow::Result<PathBuf> {
 pub const NATS_RELEASE: &str = "2.15.1";
 
 /// NATS servers with JetStream in one cluster on this machine, each with a store folder, a
-/// port and the placement tag `ste:<index>` of its own, killed when dropped. Ready once every
+/// port and the placement tag `ste:<index>` of its own, killed when dropped. The cluster's name
+/// is its own too (from its first client port), so that the servers of two clusters on one
+/// machine never join each other. Ready once every
 /// server reports itself healthy, which in a cluster includes knowing JetStream's meta leader.
 pub struct NatsCluster {
     binary: PathBuf,
@@ -229,8 +233,21 @@ struct NatsMember {
 }
 
 impl NatsCluster {
-    /// Starts `count` servers of `binary` with their configurations, stores and logs in `dir`.
-    pub fn start(binary: &Path, count: usize, dir: &Path) -> anyhow::Result<Self> {
+    /// Starts `count` servers of `binary` with their configurations, stores and logs in `dir`;
+    /// with `secrets` (a folder `driver secrets` made), TLS required of clients and routes and
+    /// only the identities of its authorization let in.
+    pub fn start(
+        binary: &Path,
+        count: usize,
+        dir: &Path,
+        secrets: Option<&Path>,
+    ) -> anyhow::Result<Self> {
+        let settings = secrets
+            .map(crate::secrets::nats_server_settings)
+            .transpose()?;
+        let (top, route_tls) = settings
+            .map(|settings| (settings.top, settings.cluster))
+            .unwrap_or_default();
         let ports = (0..count)
             .map(|_| Ok([free_port()?, free_port()?, free_port()?]))
             .collect::<anyhow::Result<Vec<[u16; 3]>>>()?;
@@ -245,7 +262,8 @@ impl NatsCluster {
                 .with_context(|| format!("creating {}", store.display()))?;
             let cluster = if count > 1 {
                 format!(
-                    "cluster {{ name: ste, listen: 127.0.0.1:{route}, routes: [{}] }}\n",
+                    "cluster {{\n  name: ste-{}\n  listen: 127.0.0.1:{route}\n  routes: [{}]\n  {route_tls}\n}}\n",
+                    ports[0][0],
                     routes.join(", ")
                 )
             } else {
@@ -257,7 +275,7 @@ impl NatsCluster {
                 format!(
                     "server_name: ste-nats-{index}\nlisten: 127.0.0.1:{client}\n\
                      http: 127.0.0.1:{monitor}\nserver_tags: [\"ste:{index}\"]\n\
-                     jetstream {{ store_dir: \"{}\" }}\n{cluster}",
+                     jetstream {{ store_dir: \"{}\" }}\n{cluster}{top}",
                     store.display()
                 ),
             )
@@ -311,13 +329,30 @@ impl NatsCluster {
         Ok(())
     }
 
-    /// Waits (30 s at most) until server `index` answers its health check with 200.
-    fn wait_healthy(&self, index: usize) -> anyhow::Result<()> {
-        let port = self.servers[index].monitor_port;
-        wait_until(&format!("NATS server {index} is healthy"), || {
+    /// Waits (30 s at most) until server `index` answers its health check with 200; fails at
+    /// once, with the end of its log, if it has exited.
+    fn wait_healthy(&mut self, index: usize) -> anyhow::Result<()> {
+        let member = &mut self.servers[index];
+        let port = member.monitor_port;
+        let mut exited = None;
+        let waited = wait_until(&format!("NATS server {index} is healthy"), || {
+            if let Some(Ok(Some(status))) = member.child.as_mut().map(Child::try_wait) {
+                exited = Some(status);
+                return true;
+            }
             monitor_get(port, "/healthz").is_some_and(|(status, _)| status == 200)
-        })
-        .with_context(|| format!("see {}", self.servers[index].log.display()))
+        });
+        let log = std::fs::read_to_string(&member.log).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(5).collect();
+        let tail = tail.into_iter().rev().collect::<Vec<_>>().join("\n");
+        if let Some(status) = exited {
+            member.child = None;
+            bail!(
+                "NATS server {index} exited ({status}); the end of {}:\n{tail}",
+                member.log.display()
+            );
+        }
+        waited.with_context(|| format!("the end of {}:\n{tail}", member.log.display()))
     }
 
     /// Waits (30 s at most) until the JetStream meta group has a leader that counts every
@@ -477,8 +512,7 @@ pub fn local_programs() -> anyhow::Result<(PathBuf, PathBuf)> {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-    Ok(listener.local_addr()?.port())
+    ste_engine::ports::free_local_port().context("finding a free port")
 }
 
 impl LocalCluster {
@@ -490,8 +524,17 @@ impl LocalCluster {
                     .with_context(|| format!("making shard {index}'s database"))?,
             );
         }
-        let nats = NatsCluster::start(spec.nats_server, LOCAL_NATS_SERVERS, spec.dir)?;
+        // Every level on TLS and identities, as a cluster runs.
+        let secrets = spec.dir.join("secrets");
+        crate::secrets::ensure(&crate::secrets::SecretsSpec::new(&secrets))?;
+        let nats = NatsCluster::start(
+            spec.nats_server,
+            LOCAL_NATS_SERVERS,
+            spec.dir,
+            Some(&secrets),
+        )?;
         let mut cluster = Self {
+            secrets,
             nats_url: nats.url.clone(),
             nats_placement: nats.placement.clone(),
             nats,
@@ -506,6 +549,8 @@ impl LocalCluster {
             let child = Command::new(spec.engine)
                 .args(["--nats", &cluster.nats_url, "--node-id", &id])
                 .args(["--nats-placement", &cluster.nats.placement])
+                .arg("--secrets")
+                .arg(&cluster.secrets)
                 .arg("--keys")
                 .arg(spec.keys)
                 .args(

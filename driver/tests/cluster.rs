@@ -17,8 +17,11 @@ use std::time::{Duration, Instant};
 use common::{block_on, TempDatabases};
 use sqlx::{Connection, PgConnection};
 use ste_driver::scale::NatsCluster;
+use ste_driver::secrets::SecretsSpec;
+use ste_engine::cluster::roles::Role;
+use ste_engine::cluster::{retrying, ClusterAccess, STARTING_PATIENCE};
 use ste_engine::lease::{Leased, Leases};
-use ste_engine::queue::jetstream::JetStream;
+use ste_engine::queue::jetstream::{JetStream, Placement};
 use ste_engine::routing::shard_of;
 
 const SHARDS: u32 = 4;
@@ -40,6 +43,8 @@ struct Cluster {
     databases: Databases,
     dir: tempfile::TempDir,
     keys: PathBuf,
+    /// The cluster's secrets folder (`driver secrets`).
+    secrets: PathBuf,
     nodes: Vec<(String, Child)>,
     /// Held while the cluster lives (dropped last).
     _one: std::sync::MutexGuard<'static, ()>,
@@ -133,10 +138,14 @@ impl Cluster {
         let dir = tempfile::tempdir().expect("a folder");
         let nats_dir = dir.path().join("nats");
         std::fs::create_dir_all(&nats_dir).expect("a folder");
+        // TLS and identities, as every cluster runs.
+        let secrets = dir.path().join("secrets");
+        ste_driver::secrets::ensure(&SecretsSpec::new(&secrets)).expect("the cluster's secrets");
         let nats = NatsCluster::start(
             &ste_driver::scale::pinned_nats_server().expect("the pinned NATS release"),
             3,
             &nats_dir,
+            Some(&secrets),
         )
         .expect("three NATS servers");
         let keys = dir.path().join("keys.csv");
@@ -152,6 +161,7 @@ impl Cluster {
             databases,
             dir,
             keys,
+            secrets,
             nodes: Vec::new(),
             _one: one,
         }
@@ -198,6 +208,8 @@ impl Cluster {
         Command::new(engine_binary())
             .args(["--nats", &self.nats.url, "--node-id", id])
             .args(["--nats-placement", &self.nats.placement])
+            .arg("--secrets")
+            .arg(&self.secrets)
             .arg("--keys")
             .arg(&self.keys)
             .args(self.db_args())
@@ -264,9 +276,32 @@ impl Cluster {
         self
     }
 
+    /// A connection to the cluster's NATS servers as `role`, placing as the nodes do.
+    fn connect_as(&self, role: Role) -> JetStream {
+        ClusterAccess {
+            url: self.nats.url.clone(),
+            placement: Placement::parse(Some(&self.nats.placement), 1)
+                .expect("the cluster's placement"),
+            secrets: Some(self.secrets.clone()),
+        }
+        .connect(role)
+        .expect("connects")
+    }
+
+    /// A connection to the cluster's NATS servers as the monitor, which reads the queues'
+    /// state and the leases.
+    fn jetstream(&self) -> JetStream {
+        self.connect_as(Role::Monitor)
+    }
+
+    /// The cluster's leases, tried again as the nodes do while the servers elect the bucket's
+    /// leader (a busy machine may time a request out meanwhile).
     fn leases(&self) -> Leases {
-        let jetstream = JetStream::connect(&self.nats.url).expect("connects");
-        Leases::open(&jetstream, Duration::from_millis(LEASE_TTL_MS)).expect("leases")
+        let jetstream = self.jetstream();
+        retrying(STARTING_PATIENCE, || {
+            Leases::open(&jetstream, Duration::from_millis(LEASE_TTL_MS))
+        })
+        .expect("leases")
     }
 
     /// Waits until every shard has a holder.
@@ -304,6 +339,8 @@ impl Cluster {
             .args(args)
             .args(["--nats", &self.nats.url, "--quiet", "--json"])
             .args(["--nats-placement", &self.nats.placement])
+            .arg("--secrets")
+            .arg(&self.secrets)
             .arg("--keys")
             .arg(&self.keys)
             .arg("--run-dir")
@@ -672,7 +709,7 @@ fn participants_connected_to_a_node_get_every_answer_and_their_cls_from_the_clus
     assert_routed(&cluster);
     assert_eq!(cluster.stored_twice(), 0);
     // The node's sink took the CLS off their queue and confirmed them.
-    let jetstream = JetStream::connect(&cluster.nats.url).expect("connects");
+    let jetstream = cluster.jetstream();
     let since = Instant::now();
     while jetstream
         .queue_len(ste_engine::cluster::ClusterLayout::CLS_QUEUE)
@@ -954,4 +991,265 @@ fn a_node_sweep_starts_a_cluster_per_level_and_draws_the_per_node_rate_beside_th
             .expect("counts")
     });
     assert_eq!(left, 0);
+}
+
+/// A raw NATS client of the attack test: TLS checked against the cluster's CA, signed in as
+/// `identity` (none: no credentials at all).
+fn raw_client(cluster: &Cluster, identity: Option<&str>) -> Result<async_nats::Client, String> {
+    let mut options = async_nats::ConnectOptions::new()
+        .add_root_certificates(cluster.secrets.join("ca.pem"))
+        .require_tls(true)
+        .max_reconnects(Some(1));
+    if let Some(identity) = identity {
+        let seed = std::fs::read_to_string(ste_engine::queue::jetstream::nkey_file(
+            &cluster.secrets,
+            identity,
+        ))
+        .expect("the identity's seed");
+        options = options
+            .nkey(seed.trim().to_owned())
+            .custom_inbox_prefix(format!("_INBOX_{identity}"));
+    }
+    let url = cluster
+        .nats
+        .url
+        .split(',')
+        .next()
+        .expect("a URL")
+        .to_owned();
+    block_on(options.connect(url)).map_err(|error| error.to_string())
+}
+
+/// Whether a request on `subject` as `client` is answered within a second (a JetStream API
+/// call, or a publish into a stream or bucket, which the server answers once stored).
+fn answered(client: &async_nats::Client, subject: &str, payload: &'static [u8]) -> bool {
+    block_on(async {
+        tokio::time::timeout(
+            Duration::from_secs(1),
+            client.request(subject.to_owned(), bytes::Bytes::from_static(payload)),
+        )
+        .await
+        .is_ok_and(|answer| answer.is_ok())
+    })
+}
+
+/// Whether anything published on `subject` from now on reaches `client` within the time a
+/// well-behaved run takes to publish there.
+fn hears(client: &async_nats::Client, subject: &str) -> bool {
+    block_on(async {
+        let Ok(mut subscriber) = client.subscribe(subject.to_owned()).await else {
+            return false;
+        };
+        use futures_util::StreamExt as _;
+        tokio::time::timeout(Duration::from_secs(3), subscriber.next())
+            .await
+            .is_ok_and(|message| message.is_some())
+    })
+}
+
+#[test]
+fn a_holder_of_one_roles_key_can_do_that_role_and_nothing_else_while_participants_trade() {
+    let mut cluster = Cluster::start("cluster_trust");
+    let address = cluster.start_gateway_node("node-a");
+    for id in ["node-b", "node-c"] {
+        cluster.start_node(id);
+    }
+    cluster.wait_until_held(&cluster.leases());
+    // A well-behaved participant trades through the gateway while the attacks go on.
+    let participant = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .args(["--trades", "3000", "--rate", "1000", "--fault-rate", "0.1"])
+        .args(["--target", &format!("tcp://{address}"), "--quiet", "--json"])
+        .arg("--keys")
+        .arg(&cluster.keys)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the driver runs");
+
+    // No credentials: refused at the door, with or without TLS.
+    let refused = raw_client(&cluster, None).expect_err("an outsider is let in");
+    assert!(
+        refused.to_lowercase().contains("authori"),
+        "refused for another reason: {refused}"
+    );
+    // Over plain TCP the server says TLS is required and answers nothing in the clear.
+    let port: u16 = cluster
+        .nats
+        .url
+        .split(',')
+        .next()
+        .and_then(|url| url.rsplit(':').next())
+        .and_then(|port| port.parse().ok())
+        .expect("a port");
+    {
+        use std::io::{BufRead as _, Write as _};
+        let mut plain = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connects");
+        plain
+            .set_read_timeout(Some(Duration::from_secs(3)))
+            .expect("a timeout");
+        let mut reader = std::io::BufReader::new(plain.try_clone().expect("a clone"));
+        let mut info = String::new();
+        reader.read_line(&mut info).expect("the server's INFO");
+        assert!(info.contains("\"tls_required\":true"), "{info}");
+        let _ = plain.write_all(b"CONNECT {\"verbose\":false}\r\nPING\r\n");
+        let mut answer = String::new();
+        let _ = reader.read_line(&mut answer);
+        assert!(
+            !answer.starts_with("PONG"),
+            "a plain client was answered: {answer}"
+        );
+    }
+
+    // A gateway's key (one no gateway runs on): none of the keepers' writes, nobody else's
+    // answers, no forged answers, CLS or samples.
+    let gateway = raw_client(&cluster, Some("gateway-1")).expect("a gateway signs in");
+    for (subject, payload) in [
+        ("$KV.ste_delivered.shard.0", &b"999999999"[..]),
+        ("$KV.ste_leases.shard.0", b"intruder"),
+        ("$KV.ste_leases.member.20", b"intruder 64"),
+        ("$KV.ste_leases.gateway.0", b"intruder"),
+        ("$JS.API.STREAM.PURGE.STE_IN_0", b""),
+        ("$JS.API.STREAM.DELETE.KV_ste_leases", b""),
+        ("$JS.API.STREAM.MSG.GET.STE_IN_0", b"{\"seq\":1}"),
+        ("$JS.API.CONSUMER.MSG.NEXT.STE_CLS.sink", b"{\"batch\":1}"),
+    ] {
+        assert!(
+            !answered(&gateway, subject, payload),
+            "a gateway's key got an answer on {subject}"
+        );
+    }
+    for subject in ["ste.ack.1000", "ste.cls", "ste.samples.node-1"] {
+        block_on(gateway.publish(subject, bytes::Bytes::from_static(b"forged")))
+            .expect("sent (the server refuses it)");
+    }
+    assert!(
+        !hears(&gateway, "ste.ack.0"),
+        "a gateway heard another gateway's answers"
+    );
+    assert!(
+        !hears(&gateway, "_INBOX_node.>"),
+        "a gateway heard a node's replies"
+    );
+
+    // A shard owner's key: nothing into inbound partitions, no reading what it has no business
+    // with.
+    let node = raw_client(&cluster, Some("node")).expect("a node signs in");
+    assert!(
+        !answered(&node, "ste.in.0", b"not a batch"),
+        "a node's key put a message into an inbound partition"
+    );
+    assert!(
+        !answered(&node, "$KV.ste_delivered.shard.0", b"999999999"),
+        "a node's key wrote a delivery watermark"
+    );
+    assert!(
+        !answered(&node, "$KV.ste_leases.gateway.0", b"intruder"),
+        "a node's key took a gateway's number"
+    );
+    for subject in ["ste.samples.>", "ste.in.>", "_INBOX_sink.>"] {
+        assert!(!hears(&node, subject), "a node's key heard {subject}");
+    }
+    // A batch that does not decode, on each stream, from a key allowed to publish there: set
+    // aside, and its consumer goes on.
+    assert!(
+        answered(&gateway, "ste.in.0", b"not postcard"),
+        "a gateway's batch was not stored"
+    );
+    assert!(
+        answered(&node, "ste.cls", b"not postcard either"),
+        "a node's batch was not stored"
+    );
+    // The monitor reads and writes nothing else.
+    let monitor = raw_client(&cluster, Some("monitor")).expect("the monitor signs in");
+    assert!(!answered(&monitor, "$KV.ste_leases.shard.1", b"intruder"));
+    block_on(monitor.publish(
+        "ste.samples.evil-node",
+        bytes::Bytes::from_static(b"forged"),
+    ))
+    .expect("sent (the server refuses it)");
+    block_on(async {
+        for client in [&gateway, &node, &monitor] {
+            let _ = client.flush().await;
+        }
+    });
+
+    // The participant's run ends as the generator said, one CLS per trade.
+    let output = participant.wait_with_output().expect("the driver ends");
+    assert!(
+        output.status.success(),
+        "driver: {}\nnode-a: {}",
+        String::from_utf8_lossy(&output.stderr),
+        cluster.log("node-a")
+    );
+    let summary: serde_json::Value =
+        serde_json::from_slice(&output.stdout).expect("the summary in JSON");
+    assert_eq!(summary["matches_expected"], true, "{summary:#}");
+    assert_eq!(summary["conserved"], true, "{summary:#}");
+    assert_eq!(cluster.stored_twice(), 0);
+    assert_routed(&cluster);
+    let jetstream = cluster.jetstream();
+    let since = Instant::now();
+    while jetstream.queue_len("aside").expect("the aside stream") < 2 {
+        assert!(
+            since.elapsed() < Duration::from_secs(30),
+            "the undecodable batches were not set aside"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let node_logs: String = ["node-a", "node-b", "node-c"]
+        .iter()
+        .map(|id| cluster.log(id))
+        .collect();
+    for queue in ["queue=in.0", "queue=cls"] {
+        assert!(
+            node_logs
+                .lines()
+                .any(|line| line.contains("was set aside") && line.contains(queue)),
+            "no batch of {queue} set aside in the nodes' logs"
+        );
+    }
+    assert!(
+        !node_logs.contains("stood down") && !node_logs.contains("standing down"),
+        "an owner stood down:\n{node_logs}"
+    );
+
+    // Every refusal is in a server's log.
+    let logs: String = (0..3)
+        .map(|index| {
+            std::fs::read_to_string(cluster.dir.path().join(format!("nats/nats-{index}.log")))
+                .unwrap_or_default()
+        })
+        .collect();
+    assert!(logs.contains("authentication error"), "{logs}");
+    for subject in [
+        "$KV.ste_delivered.shard.0",
+        "$KV.ste_leases.shard.0",
+        "$KV.ste_leases.member.20",
+        "$KV.ste_leases.gateway.0",
+        "$JS.API.STREAM.PURGE.STE_IN_0",
+        "ste.ack.1000",
+        "ste.cls",
+        "ste.samples.node-1",
+        "ste.in.0",
+        "ste.samples.evil-node",
+    ] {
+        assert!(
+            logs.lines().any(|line| line.contains("Publish Violation")
+                && line.contains(&format!("\"{subject}\""))),
+            "no refusal of a publish to {subject} logged:\n{logs}"
+        );
+    }
+    for subject in [
+        "ste.ack.0",
+        "_INBOX_node.>",
+        "ste.samples.>",
+        "_INBOX_sink.>",
+    ] {
+        assert!(
+            logs.lines()
+                .any(|line| line.contains("Subscription Violation")
+                    && line.contains(&format!("\"{subject}\""))),
+            "no refusal of a subscription to {subject} logged:\n{logs}"
+        );
+    }
 }

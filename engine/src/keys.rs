@@ -193,22 +193,7 @@ impl KeyRing {
 
     /// Writes the key set to `path`, readable by its owner only.
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
-        let mut options = std::fs::OpenOptions::new();
-        options.write(true).create(true).truncate(true);
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::OpenOptionsExt as _;
-            options.mode(0o600);
-        }
-        let mut file = options.open(path)?;
-        #[cfg(unix)]
-        {
-            // `mode` applies only when the file is created: narrow an existing one too.
-            use std::os::unix::fs::PermissionsExt as _;
-            file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
-        }
-        file.write_all(self.to_csv().as_bytes())?;
-        file.sync_all()
+        write_private(path, self.to_csv().as_bytes())
     }
 
     /// The entries, in file order.
@@ -259,6 +244,27 @@ impl ParticipantKeys {
     pub fn is_empty(&self) -> bool {
         self.macs.is_empty()
     }
+}
+
+/// Writes `contents` to `path` as a file readable by its owner only (mode 0600, an existing
+/// file narrowed too), synced: for every file that holds a secret.
+pub fn write_private(path: &Path, contents: &[u8]) -> std::io::Result<()> {
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        options.mode(0o600);
+    }
+    let mut file = options.open(path)?;
+    #[cfg(unix)]
+    {
+        // `mode` applies only when the file is created: narrow an existing one too.
+        use std::os::unix::fs::PermissionsExt as _;
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    }
+    file.write_all(contents)?;
+    file.sync_all()
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ pub mod matcher;
 pub mod model;
 pub mod network;
 pub mod pipeline;
+pub mod ports;
 pub mod profile;
 pub mod queue;
 pub mod reason;

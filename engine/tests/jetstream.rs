@@ -348,7 +348,7 @@ fn answers_of(
 }
 
 #[test]
-fn a_shard_owner_checks_every_signature_itself_and_sends_another_shards_trade_on() {
+fn a_shard_owner_checks_every_signature_itself_and_refuses_another_shards_trade() {
     use std::sync::Arc;
     use ste_engine::cluster::{ClusterLayout, ShardOwner};
     use ste_engine::generator::{Generator, GeneratorConfig};
@@ -413,7 +413,11 @@ fn a_shard_owner_checks_every_signature_itself_and_sends_another_shards_trade_on
         .collect();
     let answers = answers_of(&acks, 4);
     assert_eq!(answers[&0], vec![AckResult::Accepted]);
-    assert_eq!(answers[&1], vec![AckResult::Accepted], "sent on to shard 1");
+    assert_eq!(
+        answers[&1],
+        vec![AckResult::Rejected(ReasonCode::Parse)],
+        "another shard's trade is refused: an owner puts nothing onto inbound queues"
+    );
     assert_eq!(answers[&2], vec![AckResult::Rejected(ReasonCode::Sig)]);
     assert_eq!(answers[&3], vec![AckResult::Rejected(ReasonCode::Sig)]);
     for owner in owners {
@@ -428,13 +432,13 @@ fn a_shard_owner_checks_every_signature_itself_and_sends_another_shards_trade_on
     let (zero, one) = (rows(0), rows(1));
     assert_eq!(
         (zero.messages, zero.exceptions),
-        (1, 2),
-        "shard 0 keeps its own"
+        (1, 3),
+        "shard 0 keeps its own message and its three rejections"
     );
     assert_eq!(
         (one.messages, one.exceptions),
-        (1, 0),
-        "shard 1 holds its trade"
+        (0, 0),
+        "nothing reaches shard 1 through shard 0's queue"
     );
     for shard in 0..2 {
         assert_eq!(

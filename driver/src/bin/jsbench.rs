@@ -13,7 +13,6 @@
 //!
 //! `cargo run --release -p ste-driver --bin jsbench -- --trades 50000`
 
-use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,7 +37,7 @@ struct Server {
 
 impl Server {
     fn start() -> anyhow::Result<Self> {
-        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let port = ste_engine::ports::free_local_port()?;
         let store = std::env::temp_dir().join(format!("jsbench-{}", std::process::id()));
         std::fs::create_dir_all(&store)?;
         let child = Command::new(server_binary())

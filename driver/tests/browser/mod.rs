@@ -26,10 +26,7 @@ fn chromium_binary() -> PathBuf {
 }
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|address| address.port())
-        .expect("a free port")
+    ste_engine::ports::free_local_port().expect("a free port")
 }
 
 pub fn get(port: u16, path: &str) -> Option<(u16, String)> {

@@ -4,8 +4,10 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
-use super::ClusterLayout;
+use super::roles::Role;
+use super::{retrying, ClusterAccess, ClusterLayout};
 use crate::lease::{DeliveryBook, LeaseKeeper, Leased, Leases};
 use crate::network::{Ack, Delivery, Envelope, OutboundEvent, PipelineError, Submitter};
 use crate::queue::jetstream::{JetStream, JetStreamReceiver, PlainReceiver, StopReceiving};
@@ -65,21 +67,31 @@ pub struct Ingress {
 }
 
 impl Ingress {
-    /// Takes the lowest free gateway number for `node_id`, listens to its answers (before
-    /// anything is sent, so that none is missed) and opens the shards' inbound queues.
+    /// Takes gateway number `number` for `node_id` (the one its credentials allow; `None`:
+    /// the lowest free one), listens to its answers (before anything is sent, so that none is
+    /// missed) and opens the shards' inbound queues. [`PipelineError::Config`] when the number
+    /// is held by another.
     pub fn open(
         jetstream: &JetStream,
         layout: &ClusterLayout,
         leases: Arc<Leases>,
         node_id: &str,
+        number: Option<u32>,
     ) -> Result<Self, PipelineError> {
-        let won = leases
-            .take_lowest(Leased::Gateway, GATEWAYS_MAX, node_id)
-            .map_err(PipelineError::Queue)?;
+        let won = match number {
+            None => leases
+                .take_lowest(Leased::Gateway, GATEWAYS_MAX, node_id)
+                .map_err(PipelineError::Queue)?,
+            Some(number) => leases
+                .try_acquire(Leased::Gateway(number), node_id)
+                .map_err(PipelineError::Queue)?
+                .map(|lease| (number, lease)),
+        };
         let Some((number, lease)) = won else {
-            return Err(PipelineError::Config(format!(
-                "all {GATEWAYS_MAX} gateway numbers are taken"
-            )));
+            return Err(PipelineError::Config(match number {
+                None => format!("all {GATEWAYS_MAX} gateway numbers are taken"),
+                Some(number) => format!("gateway number {number} is held by another gateway"),
+            }));
         };
         let topic = ClusterLayout::ack_topic(number);
         let acks = jetstream
@@ -107,6 +119,51 @@ impl Ingress {
             acks: Some(acks),
             stopper,
         })
+    }
+
+    /// Takes a gateway number through `access` as the first identity of `kind` whose number
+    /// is free (without secrets: the lowest free number), on a connection of its own, which is
+    /// returned with it. Servers that are starting are waited for `patience`.
+    pub fn open_as(
+        access: &ClusterAccess,
+        kind: fn(u32) -> Role,
+        layout: &ClusterLayout,
+        lease_ttl: Duration,
+        node_id: &str,
+        patience: Duration,
+    ) -> Result<(Self, JetStream), PipelineError> {
+        let identities = access.numbered(kind);
+        let mut last = None;
+        for role in &identities {
+            let jetstream =
+                retrying(patience, || access.connect(*role)).map_err(PipelineError::Queue)?;
+            let leases = Arc::new(
+                retrying(patience, || Leases::open(&jetstream, lease_ttl))
+                    .map_err(PipelineError::Queue)?,
+            );
+            let number = access.secrets.as_ref().and(role.gateway_number());
+            // A request may time out while the servers elect the bucket's leader; a number held
+            // by another is not waited for.
+            let opened = retrying(patience, || {
+                match Self::open(&jetstream, layout, leases.clone(), node_id, number) {
+                    Err(PipelineError::Queue(error)) => Err(error),
+                    other => Ok(other),
+                }
+            })
+            .map_err(PipelineError::Queue)?;
+            match opened {
+                Ok(ingress) => return Ok((ingress, jetstream)),
+                Err(PipelineError::Config(why)) => last = Some(why),
+                Err(error) => return Err(error),
+            }
+        }
+        Err(PipelineError::Config(match last {
+            Some(why) => format!(
+                "every identity of this kind in the secrets is in use ({} of them; the last: {why})",
+                identities.len()
+            ),
+            None => "the secrets hold no identity of this kind: driver secrets makes them".to_owned(),
+        }))
     }
 
     /// The gateway number: every envelope submitted here carries it, and its answers come back

@@ -12,7 +12,8 @@
 //! - One hop in: a message crosses NATS once on its way to its commit, as part of a batch that
 //!   stays whole from the gateway to the shard's owner. The owner checks every participant
 //!   signature itself; nothing it consumes is trusted because of where it came from. A message
-//!   whose bytes parse to another shard's trade goes on to that shard's inbound queue.
+//!   whose bytes parse to another shard's trade is rejected (`E_PARSE`): an owner puts nothing
+//!   onto inbound queues.
 //! - Each shard's owner keeps its rejected messages in its own database.
 //! - The database commit is the record of durability: an inbound batch is acknowledged once
 //!   everything made from it is committed. ACKs travel on plain NATS after the commit (a lost
@@ -25,13 +26,52 @@
 pub mod ingress;
 pub mod node;
 pub mod owner;
+pub mod roles;
 
 pub use ingress::{AckRouter, ClsFeed, Ingress, GATEWAYS_MAX};
 pub use node::{retrying, Holdings, Node, NodeConfig, STARTING_PATIENCE};
 pub use owner::{OwnershipReport, ShardOwner, ShardOwnerConfig};
 
-use crate::queue::jetstream::{JetStream, QueueLimits};
+use std::path::PathBuf;
+
+use crate::queue::jetstream::{JetStream, NatsCredentials, Placement, QueueLimits};
 use crate::queue::QueueError;
+use roles::Role;
+
+/// How a process reaches a cluster's NATS servers: their URLs, where the streams go, and the
+/// secrets folder whose identities it connects as (none: without identity or TLS, for servers
+/// that ask for neither).
+#[derive(Debug, Clone)]
+pub struct ClusterAccess {
+    /// The servers' URLs, separated by commas.
+    pub url: String,
+    pub placement: Placement,
+    /// The folder of `driver secrets` (the CA certificate and the identities' seeds).
+    pub secrets: Option<PathBuf>,
+}
+
+impl ClusterAccess {
+    /// A connection of its own for `role`, as the role's identity where there are secrets.
+    pub fn connect(&self, role: Role) -> Result<JetStream, QueueError> {
+        let credentials = match &self.secrets {
+            Some(dir) => NatsCredentials::from_secrets(dir, &role.name(), role.inbox_prefix())?,
+            None => NatsCredentials::none(),
+        };
+        Ok(JetStream::connect_as(&self.url, &credentials)?.with_placement(self.placement.clone()))
+    }
+
+    /// The identities of the numbered role `kind` (gateways, load sources) the secrets hold,
+    /// in number order; without secrets, number 0's (any number will do).
+    pub fn numbered(&self, kind: fn(u32) -> Role) -> Vec<Role> {
+        match &self.secrets {
+            None => vec![kind(0)],
+            Some(dir) => (0..roles::LOAD_NUMBERS_FIRST)
+                .map(kind)
+                .take_while(|role| crate::queue::jetstream::nkey_file(dir, &role.name()).exists())
+                .collect(),
+        }
+    }
+}
 
 /// Default of [`ClusterLayout::inbound_batch_messages`]: 256 messages of about 700 bytes with
 /// their envelopes, some 180 KB, well below a server's payload limit (1 MiB).
@@ -106,7 +146,8 @@ impl ClusterLayout {
     /// Creates every queue's stream that does not exist yet, spread over the NATS servers by
     /// the connection's [`crate::queue::jetstream::Placement`]: shard k's inbound queue on the
     /// server of index k, the CLS queue on the next one after the last shard's (the order of
-    /// [`ClusterLayout::queues`]). It makes the delivery book's bucket too, so that a caller who
+    /// [`ClusterLayout::queues`]), and the stream where batches that do not decode are set
+    /// aside. It makes the delivery book's bucket too, so that a caller who
     /// tries this again while the servers are still forming (a replicated bucket refused with
     /// "peer offline") opens every store of the cluster after it.
     pub fn ensure(&self, jetstream: &JetStream) -> Result<(), QueueError> {
@@ -116,6 +157,7 @@ impl ClusterLayout {
             .try_for_each(|(index, (queue, limits))| {
                 jetstream.ensure_queue_placed(queue, *limits, Some(index))
             })?;
+        jetstream.ensure_aside_stream()?;
         crate::lease::DeliveryBook::open(jetstream).map(drop)
     }
 }

@@ -29,7 +29,7 @@ use crate::store::{PgStore, Store};
 pub struct ShardOwnerConfig {
     pub node_id: String,
     pub shard: u32,
-    /// Shards of the cluster: a message naming another shard's trade goes on to it.
+    /// Shards of the cluster: a message naming another shard's trade is rejected.
     pub shards: u32,
     /// The shard's PostgreSQL database: where every node can reach it.
     pub database_url: String,
@@ -247,16 +247,8 @@ impl ShardOwner {
         });
         let routes = Routes::Owner {
             shard,
+            shards: config.shards.max(shard + 1),
             to_match: Box::new(match_tx),
-            inbound: (0..config.shards.max(shard + 1))
-                .map(|other| {
-                    Box::new(
-                        jetstream
-                            .placed(ClusterLayout::inbound_placement(other))
-                            .sender::<Envelope>(&ClusterLayout::inbound_queue(other)),
-                    ) as Tx<Envelope>
-                })
-                .collect(),
         };
         let validator = spawn(format!("validator-{shard}"), move || {
             let exception_tx: Tx<RejectedItem> = Box::new(exception_tx);
@@ -372,6 +364,6 @@ fn follow_watermark(
 }
 
 /// The durable consumer of a shard's owner on the shard's inbound queue.
-fn owner_consumer(shard: u32) -> String {
+pub(crate) fn owner_consumer(shard: u32) -> String {
     format!("owner-{shard}")
 }

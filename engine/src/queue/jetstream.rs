@@ -12,6 +12,7 @@
 //! the queue: the sender counts arrivals on its own, the receiver counts arrivals as it takes
 //! batches and completions as they are served; the stream's pending count is the queue length.
 
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -52,6 +53,25 @@ const CARRIER_RETRY_MAX: Duration = Duration::from_millis(500);
 const DUPLICATE_WINDOW: Duration = Duration::from_secs(60);
 /// The header naming a batch for the server's deduplication.
 const MSG_ID_HEADER: &str = "Nats-Msg-Id";
+/// The topic (after `ste.`) of the stream where batches that do not decode are set aside, as
+/// `aside.<queue>`; its stream is `STE_ASIDE`.
+pub const ASIDE_TOPIC: &str = "aside";
+/// Headers of a batch set aside: the queue it came from, its sequence there, and why.
+pub const ASIDE_QUEUE_HEADER: &str = "Ste-Aside-Queue";
+pub const ASIDE_SEQUENCE_HEADER: &str = "Ste-Aside-Sequence";
+pub const ASIDE_CAUSE_HEADER: &str = "Ste-Aside-Cause";
+/// Bounds of the aside stream: the oldest go first past them.
+const ASIDE_BATCHES_MAX: i64 = 10_000;
+const ASIDE_BYTES_MAX: i64 = 64 << 20;
+/// How long a receiver waits for the aside stream to take a batch.
+const ASIDE_WAIT_MAX: Duration = Duration::from_secs(5);
+/// Batches this process has set aside.
+static BATCHES_SET_ASIDE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Batches this process's receivers have set aside because they did not decode.
+pub fn batches_set_aside() -> u64 {
+    BATCHES_SET_ASIDE.load(Ordering::Relaxed)
+}
 
 /// A name for each batch this process publishes, unique across processes.
 fn batch_id() -> String {
@@ -223,11 +243,116 @@ pub fn subject(queue: &str) -> String {
     format!("ste.{queue}")
 }
 
+/// How a process proves to a cluster's NATS servers who it is, and checks that they are the
+/// cluster's: the seed of its identity's nkey, the prefix of its inboxes (the servers let each
+/// identity listen to its own only), and the cluster's CA, which makes TLS required.
+#[derive(Clone, Default)]
+pub struct NatsCredentials {
+    identity: Option<String>,
+    nkey_seed: Option<String>,
+    inbox_prefix: Option<String>,
+    ca: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for NatsCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsCredentials")
+            .field("identity", &self.identity)
+            .field("tls", &self.ca.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The file of an identity's nkey seed in a secrets folder.
+pub fn nkey_file(secrets: &Path, identity: &str) -> PathBuf {
+    secrets.join(format!("nats-{identity}.nk"))
+}
+
+/// The cluster CA's certificate in a secrets folder.
+pub fn ca_file(secrets: &Path) -> PathBuf {
+    secrets.join("ca.pem")
+}
+
+/// Reads a file that holds a secret, refusing one that others than its owner may read.
+pub fn read_secret(path: &Path) -> Result<String, QueueError> {
+    use std::os::unix::fs::MetadataExt;
+    let what = path.display().to_string();
+    let metadata = std::fs::metadata(path).map_err(|error| carrier(&what, error))?;
+    if metadata.mode() & 0o077 != 0 {
+        return Err(carrier(
+            &what,
+            format!(
+                "holds a secret but its mode is {:o}: make it readable by its owner only (chmod 600)",
+                metadata.mode() & 0o777
+            ),
+        ));
+    }
+    let text = std::fs::read_to_string(path).map_err(|error| carrier(&what, error))?;
+    Ok(text.trim().to_owned())
+}
+
+impl NatsCredentials {
+    /// No identity and no TLS: for a server that asks for neither (a test's own, a
+    /// developer's).
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// The identity `identity` (its seed in `nats-<identity>.nk`) with TLS checked against the
+    /// cluster's CA (`ca.pem`), both from the secrets folder `secrets`.
+    pub fn from_secrets(
+        secrets: &Path,
+        identity: &str,
+        inbox_prefix: String,
+    ) -> Result<Self, QueueError> {
+        let ca = ca_file(secrets);
+        if !ca.is_file() {
+            return Err(carrier(
+                &ca.display().to_string(),
+                "the cluster's CA certificate is missing (driver secrets makes it)",
+            ));
+        }
+        Ok(Self {
+            identity: Some(identity.to_owned()),
+            nkey_seed: Some(read_secret(&nkey_file(secrets, identity))?),
+            inbox_prefix: Some(inbox_prefix),
+            ca: Some(ca),
+        })
+    }
+
+    /// The identity's name, if it has one.
+    pub fn identity(&self) -> Option<&str> {
+        self.identity.as_deref()
+    }
+
+    fn options(&self) -> async_nats::ConnectOptions {
+        let mut options = async_nats::ConnectOptions::new();
+        if let Some(seed) = &self.nkey_seed {
+            options = options.nkey(seed.clone());
+        }
+        if let Some(prefix) = &self.inbox_prefix {
+            options = options.custom_inbox_prefix(prefix);
+        }
+        if let Some(identity) = &self.identity {
+            options = options.name(identity);
+        }
+        if let Some(ca) = &self.ca {
+            options = options.add_root_certificates(ca.clone()).require_tls(true);
+        }
+        options
+    }
+}
+
 impl JetStream {
     /// Connects to the server at `url` (e.g. `nats://127.0.0.1:4222`), or to one of a
     /// cluster's given as URLs separated by commas (the client learns the others from it, and
-    /// moves to another when its server goes).
+    /// moves to another when its server goes), with no identity and no TLS.
     pub fn connect(url: &str) -> Result<Self, QueueError> {
+        Self::connect_as(url, &NatsCredentials::none())
+    }
+
+    /// Connects as [`JetStream::connect`] does, proving the identity of `credentials`.
+    pub fn connect_as(url: &str, credentials: &NatsCredentials) -> Result<Self, QueueError> {
         let servers = url
             .split(',')
             .map(str::trim)
@@ -245,7 +370,7 @@ impl JetStream {
             .build()
             .map_err(|error| carrier("connect", error))?;
         let client = runtime
-            .block_on(async_nats::connect(servers.clone()))
+            .block_on(credentials.options().connect(servers.clone()))
             .map_err(|error| carrier("connect", format!("{url}: {error}")))?;
         // The context spawns its own tasks on the runtime.
         let context = runtime.block_on(async { jetstream::new(client.clone()) });
@@ -256,11 +381,7 @@ impl JetStream {
                 let mut order = servers.clone();
                 order.rotate_left(first);
                 let client = runtime
-                    .block_on(
-                        async_nats::ConnectOptions::new()
-                            .retain_servers_order()
-                            .connect(order),
-                    )
+                    .block_on(credentials.options().retain_servers_order().connect(order))
                     .map_err(|error| carrier("connect", format!("{url}: {error}")))?;
                 let context = runtime.block_on(async { jetstream::new(client.clone()) });
                 near.push((client, context));
@@ -357,6 +478,32 @@ impl JetStream {
                 Err(error) => match self.context.get_stream(&name).await {
                     Ok(_) => Ok(()),
                     Err(_) => Err(carrier(queue, error)),
+                },
+            }
+        })
+    }
+
+    /// Creates the aside stream ([`ASIDE_TOPIC`]) where it does not exist: every subject
+    /// `ste.aside.>`, bounded in batches and bytes, the oldest dropped past either.
+    pub fn ensure_aside_stream(&self) -> Result<(), QueueError> {
+        let config = stream::Config {
+            num_replicas: self.placement.replicas.max(1),
+            name: stream_name(ASIDE_TOPIC),
+            subjects: vec![format!("{}.>", subject(ASIDE_TOPIC))],
+            retention: stream::RetentionPolicy::Limits,
+            storage: stream::StorageType::File,
+            discard: stream::DiscardPolicy::Old,
+            max_messages: ASIDE_BATCHES_MAX,
+            max_bytes: ASIDE_BYTES_MAX,
+            ..Default::default()
+        };
+        let name = config.name.clone();
+        self.runtime.block_on(async {
+            match self.context.get_or_create_stream(config).await {
+                Ok(_) => Ok(()),
+                Err(error) => match self.context.get_stream(&name).await {
+                    Ok(_) => Ok(()),
+                    Err(_) => Err(carrier(ASIDE_TOPIC, error)),
                 },
             }
         })
@@ -933,6 +1080,60 @@ impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
         Ok(())
     }
 
+    /// Moves a batch that does not decode onto the aside stream ([`ASIDE_STREAM`]), with its
+    /// queue, stream sequence and cause in headers, and acknowledges it: logged and counted
+    /// (the aside stream's length). Where the aside stream does not take it, the batch is left
+    /// unacknowledged and comes again after the ack wait.
+    fn set_aside(&self, message: jetstream::Message, cause: &str) {
+        let sequence = message
+            .info()
+            .map(|info| info.stream_sequence)
+            .unwrap_or_default();
+        let bytes = message.payload.len();
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(ASIDE_QUEUE_HEADER, self.queue.as_str());
+        headers.insert(ASIDE_SEQUENCE_HEADER, sequence.to_string().as_str());
+        headers.insert(ASIDE_CAUSE_HEADER, cause);
+        let context = &self.jetstream.context;
+        let moved = self.jetstream.runtime.block_on(async {
+            tokio::time::timeout(ASIDE_WAIT_MAX, async {
+                context
+                    .publish_with_headers(
+                        subject(&format!("{ASIDE_TOPIC}.{}", self.queue)),
+                        headers,
+                        message.payload.clone(),
+                    )
+                    .await?
+                    .await
+            })
+            .await
+        });
+        match moved {
+            Ok(Ok(_)) => {
+                let acked = self.jetstream.runtime.block_on(message.ack()).is_ok();
+                let total = BATCHES_SET_ASIDE.fetch_add(1, Ordering::Relaxed) + 1;
+                tracing::warn!(
+                    queue = %self.queue,
+                    sequence,
+                    bytes,
+                    cause,
+                    acked,
+                    set_aside = total,
+                    "a batch that does not decode was set aside (stream {})",
+                    stream_name(ASIDE_TOPIC)
+                );
+            }
+            Ok(Err(error)) => tracing::error!(
+                queue = %self.queue, sequence, bytes, cause, %error,
+                "a batch that does not decode could not be set aside; it comes again after the ack wait"
+            ),
+            Err(_) => tracing::error!(
+                queue = %self.queue, sequence, bytes, cause,
+                "a batch that does not decode could not be set aside in time; it comes again after the ack wait"
+            ),
+        }
+    }
+
     /// Makes the consumer again, so that every batch not acknowledged comes back in order.
     fn take_again(&self, pulling: &mut Pulling) -> Result<(), QueueError> {
         pulling.consumer = self.jetstream.consumer(&self.queue, &self.durable, true)?;
@@ -941,17 +1142,16 @@ impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
         Ok(())
     }
 
-    fn received(&self, message: jetstream::Message) -> Result<Received<T>, QueueError> {
-        let items: Vec<T> = postcard::from_bytes(&message.payload).map_err(|error| {
-            // Not acknowledged: the batch stays in the stream for whoever can read it.
-            carrier(
-                &self.queue,
-                format!(
-                    "a batch of {} bytes does not decode: {error}",
-                    message.payload.len()
-                ),
-            )
-        })?;
+    /// The batch `message` carries; `Err` with the message and why where it does not decode.
+    #[allow(clippy::result_large_err)]
+    fn received(
+        &self,
+        message: jetstream::Message,
+    ) -> Result<Received<T>, (jetstream::Message, String)> {
+        let items: Vec<T> = match postcard::from_bytes(&message.payload) {
+            Ok(items) => items,
+            Err(error) => return Err((message, error.to_string())),
+        };
         let enqueued_ns = message
             .headers
             .as_ref()
@@ -998,7 +1198,12 @@ impl<T: DeserializeOwned + Send + 'static> BatchReceiver<T> for JetStreamReceive
                 }
             };
             if let Some(message) = pulled {
-                return self.received(message).map(Some);
+                match self.received(message) {
+                    Ok(received) => return Ok(Some(received)),
+                    // Whoever sent it, it holds nothing this queue's consumer can serve: out of
+                    // the way, and on to the next.
+                    Err((message, cause)) => self.set_aside(message, &cause),
+                }
             }
             if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
                 return Ok(None);

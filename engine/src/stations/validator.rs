@@ -4,7 +4,8 @@
 //! it runs inside the owner of one shard ([`Routes::Owner`]), on that shard's inbound queue:
 //! nothing it consumes is trusted because of where it came from, and a message whose bytes
 //! parse to another shard's trade (its sender formatted it so that the gateway's scan of the
-//! bytes saw another key) goes on, as it came, to that shard's inbound queue.
+//! bytes saw another key, or a gateway put it on the wrong queue) is rejected with `E_PARSE`,
+//! kept in this shard's exceptions: an owner puts nothing onto inbound queues.
 
 use std::time::Instant;
 
@@ -12,7 +13,7 @@ use super::{complete, queue_error, Refused, RejectedItem, Validated};
 use crate::network::{Envelope, PipelineError};
 use crate::queue::Receipt;
 use crate::queue::{receive, Rx, Tx};
-use crate::reason::ReasonCode;
+use crate::reason::{ReasonCode, Rejection};
 use crate::refdata::RefData;
 use crate::routing::shard_of_parts;
 use crate::validate::{validate_message, Refusal};
@@ -21,12 +22,12 @@ use crate::validate::{validate_message, Refusal};
 pub(crate) enum Routes {
     /// Every shard's match queue, in shard order (in process).
     Every(Vec<Tx<Validated>>),
-    /// The owner of `shard` among `shards` in a cluster: its own match queue, and the inbound
-    /// queue of every shard (in shard order) for a message that names another shard's trade.
+    /// The owner of `shard` among `shards` in a cluster: its own match queue; a message that
+    /// names another shard's trade is rejected.
     Owner {
         shard: u32,
+        shards: u32,
         to_match: Tx<Validated>,
-        inbound: Vec<Tx<Envelope>>,
     },
 }
 
@@ -34,7 +35,7 @@ impl Routes {
     fn shards(&self) -> u32 {
         match self {
             Self::Every(match_txs) => match_txs.len() as u32,
-            Self::Owner { inbound, .. } => inbound.len() as u32,
+            Self::Owner { shards, .. } => *shards,
         }
     }
 }
@@ -59,7 +60,6 @@ pub(crate) fn run_validator(
         let started = Instant::now();
         let count = envelopes.len() as u64;
         let mut to_match: Vec<Vec<Validated>> = (0..own_queues).map(|_| Vec::new()).collect();
-        let mut elsewhere: Vec<Vec<Envelope>> = Vec::new();
         let mut rejected = Vec::new();
         for mut envelope in envelopes {
             let refusal = envelope.refusal.take();
@@ -113,11 +113,25 @@ pub(crate) fn run_validator(
             let queue = match routes {
                 Routes::Every(_) => shard as usize,
                 Routes::Owner { shard: own, .. } if shard == *own => 0,
-                Routes::Owner { .. } => {
-                    if elsewhere.is_empty() {
-                        elsewhere.resize_with(shards as usize, Vec::new);
-                    }
-                    elsewhere[shard as usize].push(envelope);
+                Routes::Owner { shard: own, .. } => {
+                    // Its gateway's first reading of the bytes found another trade than its
+                    // parse: the message names its trade more than once, or the gateway put it
+                    // on the wrong queue. Either way it is not this shard's to keep, and a
+                    // shard's owner puts nothing onto inbound queues.
+                    rejected.push(RejectedItem {
+                        rejection: Rejection::new(
+                            ReasonCode::Parse,
+                            format!(
+                                "the message came to shard {own} but its trade {broker}/{trade_ref} \
+                                 is shard {shard}'s: its layout must name the trade once, as the \
+                                 canonical layout does"
+                            ),
+                        ),
+                        sender: envelope.sender,
+                        bytes: envelope.bytes,
+                        correlation: envelope.correlation,
+                        origin: envelope.origin,
+                    });
                     continue;
                 }
             };
@@ -130,7 +144,7 @@ pub(crate) fn run_validator(
             });
         }
         let busy_ns = started.elapsed().as_nanos() as u64;
-        let parts = to_match.len() + 1 + elsewhere.len();
+        let parts = to_match.len() + 1;
         let mut receipts = received.receipt.split(parts).into_iter();
         let mut part = || receipts.next().unwrap_or_else(Receipt::none);
         match routes {
@@ -139,21 +153,8 @@ pub(crate) fn run_validator(
                     tx.forward(batch, part()).map_err(queue_error)?;
                 }
             }
-            Routes::Owner {
-                to_match: tx,
-                inbound,
-                ..
-            } => {
+            Routes::Owner { to_match: tx, .. } => {
                 for batch in to_match {
-                    tx.forward(batch, part()).map_err(queue_error)?;
-                }
-                for (batch, tx) in elsewhere.into_iter().zip(inbound) {
-                    if !batch.is_empty() {
-                        tracing::debug!(
-                            messages = batch.len(),
-                            "messages naming another shard's trade sent on to its inbound queue"
-                        );
-                    }
                     tx.forward(batch, part()).map_err(queue_error)?;
                 }
             }

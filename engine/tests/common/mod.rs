@@ -2,7 +2,6 @@
 //! PostgreSQL databases on the server `DATABASE_URL` names.
 #![allow(dead_code)]
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -18,10 +17,7 @@ pub struct NatsServer {
 
 impl NatsServer {
     pub fn start() -> Self {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .port();
+        let port = ste_engine::ports::free_local_port().expect("a free port");
         let store = tempfile::tempdir().expect("a store folder");
         let child = Self::spawn(port, store.path());
         Self {
