@@ -69,11 +69,17 @@ fresh_cluster() {
     2>/dev/null | paste -sd,
 }
 
-# The driver's --nats and --nats-placement for the cluster deploy/local-cluster.sh started.
+# The driver's --nats, --nats-placement and --secrets for the cluster deploy/local-cluster.sh
+# started.
 nats_args() {
   echo "--nats $(deploy/local-cluster.sh nats --dir "$dir" | sed -n 1p)" \
-    "--nats-placement $(deploy/local-cluster.sh nats --dir "$dir" | sed -n 2p)"
+    "--nats-placement $(deploy/local-cluster.sh nats --dir "$dir" | sed -n 2p)" \
+    "--secrets $dir/secrets"
 }
+
+# The shards' roles' passwords (deploy/local-cluster.sh makes them in DIR/secrets), for the
+# in-process runs and the nodes alike.
+export PGPASSFILE="$dir/secrets/pgpass"
 
 db_args() {
   tr ',' '\n' <<<"$1" | sed 's/^/--db /' | paste -sd' '

@@ -23,6 +23,9 @@ for instances in "$@"; do
   deploy/local-cluster.sh down --dir "$cluster_dir" >/dev/null 2>&1 || true
   rm -rf "$cluster_dir"
   urls=$(deploy/local-cluster.sh up "$instances" --dir "$cluster_dir" --port "$first_port" | paste -sd,)
+  # The roles' passwords; the raw COPY's tables are made as the role that owns the schema.
+  export PGPASSFILE="$cluster_dir/secrets/pgpass"
+  owner_urls=$(deploy/local-cluster.sh owner-urls --dir "$cluster_dir" | paste -sd,)
   mkdir -p runs
   run_dir="runs/bench-postgres-${trades}-${instances}-$(date +%Y%m%dT%H%M%S)"
   STE_DATABASE_URLS=$urls ./target/release/driver --trades "$trades" --store postgres \
@@ -31,7 +34,7 @@ for instances in "$@"; do
   messages=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['messages_in'])" "$run_dir.json")
 
   # The same rows, out to files and back in through \copy, all instances at once.
-  IFS=, read -r -a url_list <<< "$urls"
+  IFS=, read -r -a url_list <<< "$owner_urls"
   copy_file() { local port=${1##*:}; echo "$cluster_dir/messages-${port%%/*}.copy"; }
   for url in "${url_list[@]}"; do
     psql "$url" -qc "\\copy (SELECT trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw FROM messages) TO '$(copy_file "$url")'"

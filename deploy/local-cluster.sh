@@ -6,14 +6,19 @@
 #
 #   deploy/local-cluster.sh up N [--nodes K] [--nats-servers S] [--dir DIR] [--port FIRST_PORT] [--nats-port PORT]
 #   deploy/local-cluster.sh down [--dir DIR]          (nodes, NATS and the instances)
-#   deploy/local-cluster.sh urls [--dir DIR]
+#   deploy/local-cluster.sh urls [--dir DIR]          (each shard's URL as its run-time role)
+#   deploy/local-cluster.sh owner-urls [--dir DIR]    (as ste_owner, who migrates and may make databases)
 #   deploy/local-cluster.sh nats [--dir DIR]      (the NATS URLs and placement tags, two lines)
 #   deploy/local-cluster.sh crash K [--dir DIR]   (stop shard K's instance abruptly; `up N` restarts it)
 #   deploy/local-cluster.sh reset [--dir DIR]     (drop and recreate every shard's database)
 #
 # `up` prints the shard URLs, one per line, in shard order; pass them to the driver as
-# `--db URL` each, or comma-separated in STE_DATABASE_URLS. Data lives under DIR
-# (default /tmp/ste-cluster); each instance listens on 127.0.0.1 only, with trust auth.
+# `--db URL` each, or comma-separated in STE_DATABASE_URLS, with `--secrets DIR/secrets` (whose
+# pgpass holds the roles' passwords). Data lives under DIR (default /tmp/ste-cluster); each
+# instance listens on 127.0.0.1 only, over TLS with the cluster's certificate, and asks every
+# client for its role's password (scram-sha-256); its superuser is reachable only through the
+# instance's socket as the postgres user. The secrets (`driver secrets`: CA, certificates, NATS
+# identities, database passwords) are made in DIR/secrets on first start and kept.
 # With --nodes, the NATS servers listen on PORT, PORT+1, … (routes on PORT+10…, monitoring on
 # PORT+20…), tagged ste:0, ste:1, …, the shards' streams spread over them by those tags; the
 # nodes' logs are DIR/node-I.log, their shared key set DIR/keys.csv, and how to drive them is
@@ -26,7 +31,7 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,25p' "$0" >&2
+  sed -n '2,30p' "$0" >&2
   exit 2
 }
 
@@ -76,8 +81,50 @@ as_postgres() {
   fi
 }
 
+# Shard $2's URL on port $1: its run-time role, TLS with the server's name checked against the
+# cluster's CA; the role's password comes from the secrets' pgpass (--secrets, or PGPASSFILE).
 url_of() {
-  echo "postgres://postgres@127.0.0.1:$1/ste"
+  echo "postgres://ste_shard_$2@127.0.0.1:$1/ste?sslmode=verify-full&sslrootcert=$secrets/ca.pem"
+}
+
+# The same database as the role that owns and migrates it.
+owner_url_of() {
+  echo "postgres://ste_owner@127.0.0.1:$1/ste?sslmode=verify-full&sslrootcert=$secrets/ca.pem"
+}
+
+# Shard $1's instance, on port $2: made where missing (password authentication over TLS only;
+# its superuser reachable only through the instance's socket, as the postgres user), given the
+# cluster's server certificate, started, its roles and database brought up to date
+# (deploy/shard-roles.sql) and its schema migrated as ste_owner.
+start_instance() {
+  local shard=$1 port=$2 data="$dir/shard-$1"
+  if [ ! -f "$data/PG_VERSION" ]; then
+    as_postgres "$bindir/initdb" -D "$data" -U postgres --auth-local=peer --auth-host=scram-sha-256 -E UTF8 >/dev/null
+    {
+      echo "# STE shard $shard: the superuser through the socket only; everyone else with a"
+      echo "# password (scram-sha-256) over TLS; nothing in the clear, nothing trusted."
+      echo "local   all all                peer"
+      echo "hostssl all all 127.0.0.1/32   scram-sha-256"
+      echo "hostssl all all ::1/128        scram-sha-256"
+    } >"$data/pg_hba.conf"
+  fi
+  local owner=()
+  [ "$(id -u)" = 0 ] && owner=(-o postgres)
+  install "${owner[@]}" -m 600 "$secrets/pg-server.pem" "$data/server.crt"
+  install "${owner[@]}" -m 600 "$secrets/pg-server.key" "$data/server.key"
+  echo "$port" > "$dir/shard-$shard.port"
+  if ! as_postgres "$bindir/pg_ctl" -D "$data" status >/dev/null 2>&1; then
+    as_postgres "$bindir/pg_ctl" -D "$data" -l "$dir/shard-$shard.log" -w -t 60 start \
+      -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c ssl=on -c password_encryption=scram-sha-256 -c shared_buffers=256MB -c max_wal_size=4GB -c checkpoint_timeout=15min ${STE_PG_OPTIONS:-}" >/dev/null
+  fi
+  {
+    echo "\\set db ste"
+    echo "\\set shard_role ste_shard_$shard"
+    echo "\\set shard_password '$(cat "$secrets/pg-shard-$shard.password")'"
+    echo "\\set owner_password '$(cat "$secrets/pg-owner.password")'"
+    cat "$(dirname "$0")/shard-roles.sql"
+  } | as_postgres "$bindir/psql" -h "$dir" -p "$port" -U postgres -d postgres -qtA >/dev/null
+  "$bin/driver" migrate --secrets "$secrets" --db "$(owner_url_of "$port")" 2>/dev/null
 }
 
 bin=${STE_BIN:-target/release}
@@ -157,8 +204,6 @@ start_nodes() {
   for binary in engine driver; do
     [ -x "$bin/$binary" ] || { echo "$bin/$binary is missing: cargo build --release (or set STE_BIN)" >&2; exit 1; }
   done
-  # The cluster's CA, certificates and identities: made on first start, kept after.
-  "$bin/driver" secrets --dir "$secrets"
   start_nats
   local nats_urls placement
   nats_urls=$(sed -n 1p "$dir/nats")
@@ -181,7 +226,7 @@ start_nodes() {
   {
     echo "cluster: NATS on $nats_urls, $count nodes (logs $dir/node-*.log), $shards shards"
     echo "drive it with:"
-    echo "  $bin/driver --trades 250000 --nats $nats_urls --nats-placement $placement --secrets $secrets --keys $dir/keys.csv ${db_args[*]}"
+    echo "  $bin/driver --trades 250000 --nats $nats_urls --nats-placement $placement --secrets $secrets --keys $dir/keys.csv $(printf '%q ' "${db_args[@]}")"
     echo "stop it with: $0 down --dir $dir"
   } >&2
 }
@@ -190,21 +235,14 @@ case "$command" in
   up)
     mkdir -p "$dir"
     [ "$(id -u)" = 0 ] && chown postgres "$dir"
+    [ -x "$bin/driver" ] || { echo "$bin/driver is missing: cargo build --release (or set STE_BIN)" >&2; exit 1; }
+    # The cluster's CA, certificates, identities and database passwords: made on first start,
+    # kept after.
+    "$bin/driver" secrets --dir "$secrets" --shards "$count" 2>/dev/null
     for ((shard = 0; shard < count; shard++)); do
       port=$((first_port + shard))
-      data="$dir/shard-$shard"
-      if [ ! -f "$data/PG_VERSION" ]; then
-        as_postgres "$bindir/initdb" -D "$data" -U postgres --auth=trust -E UTF8 >/dev/null
-      fi
-      echo "$port" > "$dir/shard-$shard.port"
-      if ! as_postgres "$bindir/pg_ctl" -D "$data" status >/dev/null 2>&1; then
-        as_postgres "$bindir/pg_ctl" -D "$data" -l "$dir/shard-$shard.log" -w -t 60 start \
-          -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c shared_buffers=256MB -c max_wal_size=4GB -c checkpoint_timeout=15min ${STE_PG_OPTIONS:-}" >/dev/null
-      fi
-      as_postgres "$bindir/psql" -h 127.0.0.1 -p "$port" -U postgres -d postgres -qtA \
-        -c "SELECT 1 FROM pg_database WHERE datname = 'ste'" | grep -q 1 \
-        || as_postgres "$bindir/createdb" -h 127.0.0.1 -p "$port" -U postgres ste
-      url_of "$port"
+      start_instance "$shard" "$port"
+      url_of "$port" "$shard"
     done | tee "$dir/urls"
     if [ "$nodes" -gt 0 ]; then
       start_nodes "$nodes" "$count"
@@ -215,14 +253,21 @@ case "$command" in
     ;;
   urls)
     for port_file in $(ls "$dir"/shard-*.port 2>/dev/null | sort -V); do
-      url_of "$(cat "$port_file")"
+      shard=${port_file##*/shard-}
+      url_of "$(cat "$port_file")" "${shard%.port}"
+    done
+    ;;
+  owner-urls)
+    for port_file in $(ls "$dir"/shard-*.port 2>/dev/null | sort -V); do
+      owner_url_of "$(cat "$port_file")"
     done
     ;;
   reset)
     for port_file in $(ls "$dir"/shard-*.port 2>/dev/null | sort -V); do
-      port=$(cat "$port_file")
-      as_postgres "$bindir/dropdb" -h 127.0.0.1 -p "$port" -U postgres --if-exists --force ste
-      as_postgres "$bindir/createdb" -h 127.0.0.1 -p "$port" -U postgres ste
+      shard=${port_file##*/shard-}
+      shard=${shard%.port}
+      as_postgres "$bindir/dropdb" -h "$dir" -p "$(cat "$port_file")" -U postgres --if-exists --force ste
+      start_instance "$shard" "$(cat "$port_file")"
     done
     ;;
   crash)

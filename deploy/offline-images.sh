@@ -4,8 +4,9 @@
 #
 #   ste-base:bookworm    Debian bookworm (debootstrap, minbase) with PostgreSQL 15, nats-server
 #                        and wget: the base of the three below
-#   postgres:15          PostgreSQL 15 with an entrypoint that honours POSTGRES_USER, POSTGRES_DB
-#                        and POSTGRES_HOST_AUTH_METHOD as the public image does
+#   postgres:15          PostgreSQL 15 with an entrypoint that honours POSTGRES_USER and
+#                        POSTGRES_DB (no trust: passwords only; the compose file's shards use
+#                        deploy/shard-start.sh as their entrypoint, in this image and the public)
 #   nats:2.15.1-alpine   nats-server 2.15.1, the pinned release scripts/nats-server.sh installs
 #                        and checks (arguments as the public image takes them)
 #   ste:0.1              the engine, driver and monitor release binaries (cargo's target dir)
@@ -53,9 +54,10 @@ mkdir -p "$PGDATA" /run/postgresql
 chown -R postgres:postgres "$PGDATA" /run/postgresql
 chmod 700 "$PGDATA"
 if [ ! -s "$PGDATA/PG_VERSION" ]; then
-  auth=${POSTGRES_HOST_AUTH_METHOD:-trust}
-  runuser -u postgres -- "$bin/initdb" -D "$PGDATA" -U "${POSTGRES_USER:-postgres}" --auth="$auth" >/dev/null
-  echo "host all all all $auth" >>"$PGDATA/pg_hba.conf"
+  # No trust: the superuser through the socket as the postgres user, everyone else with a
+  # password (the compose file's shards start with deploy/shard-start.sh instead).
+  runuser -u postgres -- "$bin/initdb" -D "$PGDATA" -U "${POSTGRES_USER:-postgres}" \
+    --auth-local=peer --auth-host=scram-sha-256 >/dev/null
   echo "listen_addresses = '*'" >>"$PGDATA/postgresql.conf"
   if [ -n "${POSTGRES_DB:-}" ] && [ "$POSTGRES_DB" != postgres ]; then
     echo "CREATE DATABASE \"$POSTGRES_DB\"" | runuser -u postgres -- "$bin/postgres" --single -D "$PGDATA" postgres >/dev/null

@@ -229,8 +229,9 @@ struct Cli {
     sink: bool,
     /// The cluster's secrets folder (`driver secrets`): TLS to the NATS servers checked
     /// against its CA, and each role of this process (node, gateway, sink) connected as its own
-    /// identity, whose seed file must be readable by its owner only. Without it the servers
-    /// must ask for neither.
+    /// identity, whose seed file must be readable by its owner only; the shards' database
+    /// roles' passwords from its `pgpass` (unless PGPASSFILE names another). Without it the
+    /// servers must ask for neither.
     #[arg(long, env = "STE_SECRETS_DIR", value_name = "DIR", requires = "nats")]
     secrets: Option<PathBuf>,
 }
@@ -559,6 +560,9 @@ fn serve(
 /// A node of a cluster: shard owners on the JetStream queues at `url`, until
 /// SIGTERM or Ctrl-C.
 fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
+    if let Some(secrets) = &cli.secrets {
+        ste_engine::store::PgStore::use_password_file_in(secrets);
+    }
     let host_name = || {
         std::fs::read_to_string("/proc/sys/kernel/hostname")
             .ok()

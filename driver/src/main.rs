@@ -56,6 +56,17 @@ enum Command {
         #[arg(long)]
         refdata: Option<PathBuf>,
     },
+    /// Apply the shards' schema migrations to each database (as the role that owns them, e.g.
+    /// ste_owner, whose password comes from --secrets' pgpass or PGPASSFILE): the role nodes
+    /// run as may not create tables, and finds its database migrated.
+    Migrate {
+        /// A shard's database URL; once per shard.
+        #[arg(long = "db", value_name = "URL", required = true)]
+        db: Vec<String>,
+        /// The cluster's secrets folder (`driver secrets`).
+        #[arg(long, env = "STE_SECRETS_DIR", value_name = "DIR")]
+        secrets: Option<PathBuf>,
+    },
     /// Make what is missing of a cluster's secrets in DIR (mode 0700) and keep the rest: the
     /// cluster's CA, the NATS servers' and PostgreSQL's certificates, an nkey for each NATS
     /// identity (node, sink, monitor, gateway-<n>, load-<n>), and the servers' authorization
@@ -74,6 +85,9 @@ enum Command {
         /// Load identities (load-0 …): drivers that may run at once.
         #[arg(long, default_value_t = ste_driver::secrets::LOADS_DEFAULT)]
         loads: u32,
+        /// Shards whose database roles (ste_shard_<k>) get a password.
+        #[arg(long, default_value_t = ste_driver::secrets::SHARDS_DEFAULT)]
+        shards: u32,
         /// Give this identity a new key, its old one still allowed until --retire.
         #[arg(long, value_name = "IDENTITY", conflicts_with = "retire")]
         rotate: Option<String>,
@@ -272,9 +286,11 @@ struct RunArgs {
     /// Copies of each stream of the --nats cluster: 1 or 3 (as its nodes were started with).
     #[arg(long, env = "STE_NATS_REPLICAS", default_value_t = 1)]
     nats_replicas: usize,
-    /// The --nats cluster's secrets folder (`driver secrets`): TLS checked against its CA, and
-    /// the driver connected as a load source, the sink and the monitor, each its own identity.
-    #[arg(long, env = "STE_SECRETS_DIR", value_name = "DIR", requires = "nats")]
+    /// The cluster's secrets folder (`driver secrets`): on --nats, TLS checked against its CA
+    /// and the driver connected as a load source, the sink and the monitor, each its own
+    /// identity; the shards' database roles' passwords from its `pgpass` (unless PGPASSFILE
+    /// names another), on --nats and --store postgres alike.
+    #[arg(long, env = "STE_SECRETS_DIR", value_name = "DIR")]
     secrets: Option<PathBuf>,
     /// Before injecting into the --nats cluster, wait up to this many seconds until every
     /// shard has an owner.
@@ -475,6 +491,10 @@ fn run_cli() -> anyhow::Result<()> {
         )
         .init();
     let cli = Cli::parse();
+    // The database roles' passwords for every run and sweep, and for the nodes a sweep starts.
+    if let Some(secrets) = &cli.run.secrets {
+        ste_engine::store::PgStore::use_password_file_in(secrets);
+    }
     match cli.command {
         Some(Command::Refdata { out }) => {
             ste_engine::refdata::generate::write_files(&out)
@@ -512,6 +532,7 @@ fn run_cli() -> anyhow::Result<()> {
             hosts,
             gateways,
             loads,
+            shards,
             rotate,
             retire,
         }) => {
@@ -529,9 +550,20 @@ fn run_cli() -> anyhow::Result<()> {
                     hosts,
                     gateways,
                     loads,
+                    shards,
                 })?;
                 eprintln!("{} files made in {}", made.len(), dir.display());
             }
+            Ok(())
+        }
+        Some(Command::Migrate { db, secrets }) => {
+            if let Some(secrets) = &secrets {
+                ste_engine::store::PgStore::use_password_file_in(secrets);
+            }
+            for url in &db {
+                ste_engine::store::PgStore::open(url).context("migrating a shard's database")?;
+            }
+            eprintln!("{} shard databases migrated", db.len());
             Ok(())
         }
         Some(Command::Keys { out, refdata }) => {
@@ -558,6 +590,9 @@ fn run_cli() -> anyhow::Result<()> {
             compose,
             out,
         }) => {
+            if let Some(secrets) = &run.secrets {
+                ste_engine::store::PgStore::use_password_file_in(secrets);
+            }
             if !nodes.is_empty() {
                 return node_sweep::sweep_nodes(*run, &nodes, &db_counts, node_cpus, compose, out);
             }

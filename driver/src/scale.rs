@@ -637,7 +637,9 @@ const COMPOSE_PROJECT: &str = "ste-sweep";
 
 /// The shard URLs inside the compose network.
 fn compose_shard_url(shard: u32) -> String {
-    format!("postgres://postgres@shard-{shard}:5432/ste")
+    format!(
+        "postgres://ste_shard_{shard}@shard-{shard}:5432/ste?sslmode=verify-full&sslrootcert=/run/secrets/ca.pem"
+    )
 }
 
 impl Compose {

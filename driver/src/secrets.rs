@@ -11,6 +11,9 @@
 //! | `nats-<identity>.nk` | the seed of an identity's nkey ([`Role`]) | the process of that role |
 //! | `nats-<identity>.retiring.pub` | the public key an identity is rotating away from | `driver secrets` |
 //! | `nats-authorization.conf` | every identity's public keys with its role's permissions | NATS servers |
+//! | `pg-owner.password` | the password of `ste_owner`, who owns the shards' schemas and migrates them | setup |
+//! | `pg-shard-<k>.password` | the password of `ste_shard_<k>`, shard k's role at run time | nodes, drivers |
+//! | `pgpass` | both, in PostgreSQL's password-file format (`PGPASSFILE`) | nodes, drivers, setup |
 //!
 //! Every file holding a private key or seed is mode 0600; the folder 0700. The authorization
 //! names public keys only, so it is no secret, but it is made here from the seeds.
@@ -44,6 +47,27 @@ pub const HOSTS_DEFAULT: [&str; 9] = [
 pub const GATEWAYS_DEFAULT: u32 = 4;
 /// Load identities made by default (`load-0` …): drivers that may run at once.
 pub const LOADS_DEFAULT: u32 = 2;
+/// Shards whose database roles are made by default.
+pub const SHARDS_DEFAULT: u32 = 8;
+
+/// The database role that owns a shard's schema and applies its migrations.
+pub const PG_OWNER: &str = "ste_owner";
+
+/// The database role of shard `shard` at run time: it may do what a shard's owner does there.
+pub fn pg_shard_role(shard: u32) -> String {
+    format!("ste_shard_{shard}")
+}
+
+/// The password file of a database role in a secrets folder.
+pub fn pg_password_file(dir: &Path, role: &str) -> PathBuf {
+    let name = role.strip_prefix("ste_").unwrap_or(role).replace('_', "-");
+    dir.join(format!("pg-{name}.password"))
+}
+
+/// The password file, in PostgreSQL's format, of every database role in a secrets folder.
+pub fn pgpass_file(dir: &Path) -> PathBuf {
+    dir.join(ste_engine::store::PGPASS_FILE)
+}
 
 /// How long certificates made here are valid.
 const VALIDITY_DAYS: i64 = 825;
@@ -59,6 +83,8 @@ pub struct SecretsSpec {
     pub hosts: Vec<String>,
     pub gateways: u32,
     pub loads: u32,
+    /// Shards whose database roles get a password.
+    pub shards: u32,
 }
 
 impl SecretsSpec {
@@ -69,6 +95,7 @@ impl SecretsSpec {
             hosts: Vec::new(),
             gateways: GATEWAYS_DEFAULT,
             loads: LOADS_DEFAULT,
+            shards: SHARDS_DEFAULT,
         }
     }
 
@@ -110,7 +137,49 @@ pub fn ensure(spec: &SecretsSpec) -> anyhow::Result<Vec<PathBuf>> {
         }
     }
     write_authorization(dir)?;
+    let roles: Vec<String> = std::iter::once(PG_OWNER.to_owned())
+        .chain((0..spec.shards).map(pg_shard_role))
+        .collect();
+    for role in &roles {
+        let path = pg_password_file(dir, role);
+        if !path.exists() {
+            let password: [u8; 24] = rand::random();
+            write_private(&path, format!("{}\n", hex(&password)).as_bytes())
+                .with_context(|| format!("writing {}", path.display()))?;
+            made.push(path);
+        }
+    }
+    write_pgpass(dir)?;
     Ok(made)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+/// Writes `pgpass` from every database role's password file in `dir`: any host, port and
+/// database, the role's name and its password.
+fn write_pgpass(dir: &Path) -> anyhow::Result<()> {
+    let mut lines = String::new();
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+        .collect();
+    paths.sort();
+    for path in paths {
+        let Some(name) = path
+            .file_name()
+            .and_then(|name| name.to_str())
+            .and_then(|name| name.strip_prefix("pg-"))
+            .and_then(|name| name.strip_suffix(".password"))
+        else {
+            continue;
+        };
+        let role = format!("ste_{}", name.replace('-', "_"));
+        lines.push_str(&format!("*:*:*:{role}:{}\n", read_secret(&path)?));
+    }
+    let path = pgpass_file(dir);
+    write_private(&path, lines.as_bytes()).with_context(|| format!("writing {}", path.display()))
 }
 
 /// Gives identity `role` a new seed; its old public key stays allowed (`.retiring.pub`) until
@@ -323,6 +392,10 @@ mod tests {
                 assert_eq!(mode(path), 0o600, "{name}");
             }
         }
+        let pgpass = std::fs::read_to_string(pgpass_file(&spec.dir)).expect("a password file");
+        assert_eq!(pgpass.lines().count(), 1 + spec.shards as usize, "{pgpass}");
+        assert!(pgpass.contains(":ste_owner:") && pgpass.contains(":ste_shard_7:"));
+        assert_eq!(mode(&pgpass_file(&spec.dir)), 0o600);
         let seed = std::fs::read_to_string(nkey_file(&spec.dir, "node")).expect("a seed");
         assert!(seed.starts_with("SU"), "a user seed: {seed}");
         // Again: nothing new, the seed kept.

@@ -61,6 +61,7 @@ enum Databases {
 }
 
 impl Databases {
+    /// The shards' URLs, as the nodes and the driver are given them.
     fn urls(&self) -> Vec<String> {
         match self {
             Self::Shared(databases) => databases.urls(),
@@ -72,11 +73,52 @@ impl Databases {
         }
     }
 
+    /// The shards' URLs for the test's own reads: on instances of its own, with each shard
+    /// role's password in them (the processes read theirs from the secrets' pgpass).
+    fn reader_urls(&self) -> Vec<String> {
+        let Some(secrets) = self.secrets() else {
+            return self.urls();
+        };
+        self.urls()
+            .iter()
+            .enumerate()
+            .map(|(shard, url)| {
+                let role = ste_driver::secrets::pg_shard_role(shard as u32);
+                let password =
+                    std::fs::read_to_string(ste_driver::secrets::pg_password_file(&secrets, &role))
+                        .expect("the shard role's password");
+                url.replacen(
+                    &format!("{role}@"),
+                    &format!("{role}:{}@", password.trim()),
+                    1,
+                )
+            })
+            .collect()
+    }
+
+    /// The folder of instances of the test's own.
+    fn dir(&self) -> PathBuf {
+        match self {
+            Self::Shared(_) => panic!("the shared server has no folder of the test's"),
+            Self::Own { dir, .. } => dir.path().to_owned(),
+        }
+    }
+
+    /// The secrets folder of instances of the test's own (`deploy/local-cluster.sh` makes it).
+    fn secrets(&self) -> Option<PathBuf> {
+        match self {
+            Self::Shared(_) => None,
+            Self::Own { dir, .. } => Some(dir.path().join("secrets")),
+        }
+    }
+
     fn instances(args: &[&str], dir: &std::path::Path) -> bool {
+        let driver = PathBuf::from(env!("CARGO_BIN_EXE_driver"));
         Command::new(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/local-cluster.sh"))
             .args(args)
             .arg("--dir")
             .arg(dir)
+            .env("STE_BIN", driver.parent().expect("the binaries' folder"))
             .stdout(Stdio::null())
             .status()
             .is_ok_and(|status| status.success())
@@ -86,7 +128,9 @@ impl Databases {
         let dir = tempfile::tempdir().expect("a folder");
         // Below the kernel's ephemeral range (32768–60999 here), so that no outgoing
         // connection holds one of the ports.
-        let first_port = 26_000 + (std::process::id() % 500) * 4;
+        static OWN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let next = OWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let first_port = 26_000 + (std::process::id() % 250) * 8 + (next % 2) * 4;
         assert!(
             Self::instances(
                 &["up", &SHARDS.to_string(), "--port", &first_port.to_string()],
@@ -138,8 +182,11 @@ impl Cluster {
         let dir = tempfile::tempdir().expect("a folder");
         let nats_dir = dir.path().join("nats");
         std::fs::create_dir_all(&nats_dir).expect("a folder");
-        // TLS and identities, as every cluster runs.
-        let secrets = dir.path().join("secrets");
+        // TLS and identities, as every cluster runs; on instances of the test's own, the
+        // secrets they were made with.
+        let secrets = databases
+            .secrets()
+            .unwrap_or_else(|| dir.path().join("secrets"));
         ste_driver::secrets::ensure(&SecretsSpec::new(&secrets)).expect("the cluster's secrets");
         let nats = NatsCluster::start(
             &ste_driver::scale::pinned_nats_server().expect("the pinned NATS release"),
@@ -355,7 +402,7 @@ impl Cluster {
     /// The shards' trade keys, each shard's own.
     fn trade_keys(&self) -> Vec<Vec<String>> {
         self.databases
-            .urls()
+            .reader_urls()
             .iter()
             .map(|url| {
                 ste_engine::store::PgStore::open(url)
@@ -368,7 +415,7 @@ impl Cluster {
     /// Messages stored twice (same sender and MsgId) across the shards.
     fn stored_twice(&self) -> i64 {
         self.databases
-            .urls()
+            .reader_urls()
             .iter()
             .map(|url| {
                 block_on(async {
@@ -1250,6 +1297,93 @@ fn a_holder_of_one_roles_key_can_do_that_role_and_nothing_else_while_participant
                 .any(|line| line.contains("Subscription Violation")
                     && line.contains(&format!("\"{subject}\""))),
             "no refusal of a subscription to {subject} logged:\n{logs}"
+        );
+    }
+}
+
+/// `psql` (PostgreSQL's own client) on `url` running `sql`, with the passwords of `pgpass`:
+/// whether it succeeded, and what it said on stderr.
+fn psql(url: &str, pgpass: &std::path::Path, sql: &str) -> (bool, String) {
+    let output = Command::new("psql")
+        .args([url, "-qtA", "-v", "ON_ERROR_STOP=1", "-c", sql])
+        .env("PGPASSFILE", pgpass)
+        .env_remove("PGPASSWORD")
+        .output()
+        .expect("psql runs (Debian's postgresql-client)");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_shard_role_does_a_shard_owners_work_in_its_own_database_and_nothing_more() {
+    let databases = Databases::own();
+    let secrets = databases.secrets().expect("the instances' secrets");
+    let pgpass = ste_driver::secrets::pgpass_file(&secrets);
+    let urls = databases.urls();
+    let shard_0 = &urls[0];
+    assert!(
+        shard_0.starts_with("postgres://ste_shard_0@") && shard_0.contains("sslmode=verify-full"),
+        "{shard_0}"
+    );
+    // What a shard's owner does.
+    for sql in [
+        "SELECT COUNT(*) FROM messages",
+        "SELECT ste_raise_fence(1)",
+        "SELECT ste_create_partition('messages', '2031-01-01')",
+        "SELECT ste_drop_partition('messages', '2031-01-01')",
+        "DELETE FROM cls_delivery WHERE false",
+    ] {
+        let (ok, said) = psql(shard_0, &pgpass, sql);
+        assert!(ok, "{sql}: {said}");
+    }
+    // And nothing more.
+    for (sql, refusal) in [
+        ("CREATE ROLE intruder", "permission denied"),
+        ("ALTER ROLE ste_shard_0 SUPERUSER", "must be superuser"),
+        ("DROP FUNCTION ste_raise_fence(BIGINT)", "must be owner"),
+        ("CREATE TABLE intruder (a int)", "permission denied"),
+        ("DROP TABLE messages", "must be owner"),
+        (
+            "SELECT ste_create_partition('pg_authid', '2031-01-01')",
+            "not a partitioned table",
+        ),
+        ("SELECT * FROM pg_authid", "permission denied"),
+    ] {
+        let (ok, said) = psql(shard_0, &pgpass, sql);
+        assert!(
+            !ok && said.contains(refusal),
+            "{sql} was not refused: {said}"
+        );
+    }
+    // Another shard's database: shard 0's role is not known there.
+    let other = urls[1].replacen("ste_shard_1@", "ste_shard_0@", 1);
+    let (ok, said) = psql(&other, &pgpass, "SELECT 1");
+    assert!(!ok && said.contains("authentication failed"), "{said}");
+    // Without a password, or in the clear, no connection at all.
+    let (ok, said) = psql(shard_0, std::path::Path::new("/dev/null"), "SELECT 1");
+    assert!(!ok && said.contains("no password supplied"), "{said}");
+    let plain = shard_0.replace("sslmode=verify-full", "sslmode=disable");
+    let (ok, said) = psql(&plain, &pgpass, "SELECT 1");
+    assert!(
+        !ok && said.contains("no pg_hba.conf entry") && said.contains("no encryption"),
+        "{said}"
+    );
+    // Nothing trusted in what the instances were set up with.
+    for shard in 0..SHARDS {
+        let hba = std::fs::read_to_string(
+            databases
+                .dir()
+                .join(format!("shard-{shard}"))
+                .join("pg_hba.conf"),
+        )
+        .expect("the instance's pg_hba.conf");
+        assert!(
+            hba.lines()
+                .filter(|line| !line.trim_start().starts_with('#'))
+                .all(|line| !line.contains("trust")),
+            "{hba}"
         );
     }
 }

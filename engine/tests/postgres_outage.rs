@@ -3,7 +3,7 @@
 //! run's samples), and the run completes with nothing lost and nothing duplicated. Starts its own instances with `deploy/local-cluster.sh` (needs the PostgreSQL
 //! server binaries, as on every machine of this project).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,8 +17,22 @@ use ste_engine::profile::Tolerances;
 use ste_engine::queue::{QueueError, Rx};
 use ste_engine::refdata::RefData;
 
-fn cluster_script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/local-cluster.sh")
+/// `deploy/local-cluster.sh`, which makes the instances' secrets and migrates them with the
+/// workspace's driver, built beside this test by cargo test --workspace.
+fn cluster_script() -> Command {
+    let binaries = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.to_owned()))
+        .expect("the binaries' folder");
+    assert!(
+        binaries.join("driver").exists(),
+        "{} is missing: cargo test --workspace builds it (or cargo build -p ste-driver)",
+        binaries.join("driver").display()
+    );
+    let mut command =
+        Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/local-cluster.sh"));
+    command.env("STE_BIN", binaries);
+    command
 }
 
 /// What the instances' servers logged (why one did not start).
@@ -40,7 +54,7 @@ struct Cluster {
 impl Cluster {
     fn start(instances: usize, first_port: u32) -> Self {
         let dir = tempfile::tempdir().expect("temporary folder");
-        let output = Command::new(cluster_script())
+        let output = cluster_script()
             .args([
                 "up",
                 &instances.to_string(),
@@ -62,11 +76,14 @@ impl Cluster {
             .lines()
             .map(str::to_owned)
             .collect();
+        // The shards' roles' passwords, for this process's own connections (the only test of
+        // this binary: nothing else reads the environment meanwhile).
+        std::env::set_var("PGPASSFILE", dir.path().join("secrets/pgpass"));
         Self { dir, urls }
     }
 
     fn run(&self, args: &[&str]) {
-        let status = Command::new(cluster_script())
+        let status = cluster_script()
             .args(args)
             .arg("--dir")
             .arg(self.dir.path())
@@ -78,7 +95,7 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        let _ = Command::new(cluster_script())
+        let _ = cluster_script()
             .args(["down", "--dir"])
             .arg(self.dir.path())
             .status();

@@ -47,9 +47,13 @@ enum Command {
     Serve {
         /// The run or sweep directory.
         dir: PathBuf,
-        /// Address to listen on.
+        /// Address to listen on: loopback unless told otherwise.
         #[arg(long, default_value = "127.0.0.1:8686")]
         addr: String,
+        /// A file holding the token every request must carry (`Authorization: Bearer`, or
+        /// `?token=`), readable by its owner only; an address off loopback requires one.
+        #[arg(long, value_name = "FILE")]
+        token_file: Option<PathBuf>,
     },
     /// Draw a node sweep's charts (DIR/nodes.svg) again from its DIR/sweep.json.
     Redraw {
@@ -114,8 +118,13 @@ fn run_cli() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Mva(args) => mva(&args)?,
-        Command::Serve { dir, addr } => {
-            let dashboard = ste_monitor::serve::Dashboard::start(&dir, &addr)?;
+        Command::Serve {
+            dir,
+            addr,
+            token_file,
+        } => {
+            let token = token_file.as_deref().map(read_token).transpose()?;
+            let dashboard = ste_monitor::serve::Dashboard::start_with_token(&dir, &addr, token)?;
             eprintln!(
                 "dashboard of {} on http://{}/ (metrics on /metrics); Ctrl-C stops it",
                 dir.display(),
@@ -174,6 +183,25 @@ fn run_cli() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The dashboard's token from `path`, which only its owner may read.
+fn read_token(path: &std::path::Path) -> anyhow::Result<String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let mode = std::fs::metadata(path)
+        .with_context(|| format!("reading {}", path.display()))?
+        .mode();
+    if mode & 0o077 != 0 {
+        anyhow::bail!(
+            "{} holds a token but its mode is {:o}: make it readable by its owner only (chmod 600)",
+            path.display(),
+            mode & 0o777
+        );
+    }
+    Ok(std::fs::read_to_string(path)
+        .with_context(|| format!("reading {}", path.display()))?
+        .trim()
+        .to_owned())
 }
 
 fn mva(args: &MvaArgs) -> anyhow::Result<()> {

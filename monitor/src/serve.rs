@@ -7,6 +7,10 @@
 //! - `/api/stations` — the operational metrics as JSON.
 //!
 //! Requests are few and small: one thread serves them, each reading the directory afresh.
+//!
+//! It listens on loopback unless told otherwise; off loopback it requires a token, which every
+//! request must carry (`Authorization: Bearer <token>`, or `?token=<token>` for a browser), and
+//! answers 401 to one that does not.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -37,24 +41,49 @@ pub struct Dashboard {
 }
 
 impl Dashboard {
-    /// Starts serving `dir` on `address` (e.g. `127.0.0.1:8686`; port 0 picks a free one).
+    /// Starts serving `dir` on `address` (e.g. `127.0.0.1:8686`; port 0 picks a free one), a
+    /// loopback address.
     pub fn start(dir: &Path, address: &str) -> Result<Self, ServeError> {
+        Self::start_with_token(dir, address, None)
+    }
+
+    /// Starts serving `dir` on `address`; with `token`, only to requests that carry it, which
+    /// an address off loopback requires.
+    pub fn start_with_token(
+        dir: &Path,
+        address: &str,
+        token: Option<String>,
+    ) -> Result<Self, ServeError> {
         let error = |reason: String| ServeError {
             address: address.to_owned(),
             reason,
         };
+        if token
+            .as_deref()
+            .is_some_and(|token| token.len() < TOKEN_MIN_BYTES)
+        {
+            return Err(error(format!(
+                "a token of {TOKEN_MIN_BYTES} characters at least"
+            )));
+        }
         let server = Server::http(address).map_err(|e| error(e.to_string()))?;
         let bound = server
             .server_addr()
             .to_ip()
             .ok_or_else(|| error("not an IP address".to_owned()))?;
+        if !bound.ip().is_loopback() && token.is_none() {
+            return Err(error(
+                "off loopback the dashboard requires a token (monitor serve --token-file FILE)"
+                    .to_owned(),
+            ));
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let stop = stop.clone();
             let dir = dir.to_path_buf();
             std::thread::Builder::new()
                 .name("dashboard".to_owned())
-                .spawn(move || serve_until(&server, &dir, &stop))
+                .spawn(move || serve_until(&server, &dir, &stop, token.as_deref()))
                 .map_err(|e| error(e.to_string()))?
         };
         Ok(Self {
@@ -86,7 +115,35 @@ impl Drop for Dashboard {
     }
 }
 
-fn serve_until(server: &Server, dir: &Path, stop: &AtomicBool) {
+/// The shortest token a dashboard takes.
+pub const TOKEN_MIN_BYTES: usize = 16;
+
+/// Whether `request` carries `token` (in constant time over the token's length).
+fn authorized(request: &tiny_http::Request, token: &str) -> bool {
+    let bearer = request
+        .headers()
+        .iter()
+        .find(|header| header.field.equiv("Authorization"))
+        .and_then(|header| header.value.as_str().strip_prefix("Bearer "))
+        .map(str::to_owned);
+    let query = request.url().split_once('?').and_then(|(_, query)| {
+        query
+            .split('&')
+            .find_map(|pair| pair.strip_prefix("token="))
+            .map(str::to_owned)
+    });
+    let same = |given: &str| {
+        given.len() == token.len()
+            && given
+                .bytes()
+                .zip(token.bytes())
+                .fold(0u8, |diff, (a, b)| diff | (a ^ b))
+                == 0
+    };
+    bearer.as_deref().is_some_and(same) || query.as_deref().is_some_and(same)
+}
+
+fn serve_until(server: &Server, dir: &Path, stop: &AtomicBool, token: Option<&str>) {
     while !stop.load(Ordering::Relaxed) {
         let request = match server.recv_timeout(Duration::from_millis(100)) {
             Ok(Some(request)) => request,
@@ -97,7 +154,15 @@ fn serve_until(server: &Server, dir: &Path, stop: &AtomicBool) {
             }
         };
         let path = request.url().split('?').next().unwrap_or("/").to_owned();
-        let response = respond(dir, &path);
+        let response = match token {
+            Some(token) if !authorized(&request, token) => {
+                Response::from_data(b"a token is required\n".to_vec())
+                    .with_status_code(401)
+                    .with_header(header("WWW-Authenticate", "Bearer"))
+                    .with_header(header("Content-Type", "text/plain; charset=utf-8"))
+            }
+            _ => respond(dir, &path),
+        };
         if let Err(error) = request.respond(response) {
             tracing::debug!(%error, "dashboard: the client went away");
         }
@@ -271,6 +336,39 @@ mod tests {
         let stations: serde_json::Value = serde_json::from_str(&json).expect("JSON");
         assert_eq!(stations[0]["C"], 37);
         assert_eq!(get(address, "/nothing").0, 404);
+    }
+
+    #[test]
+    fn off_loopback_the_dashboard_requires_a_token_and_serves_only_those_who_carry_it() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        let refused = Dashboard::start(dir.path(), "0.0.0.0:0")
+            .err()
+            .expect("refused");
+        assert!(
+            refused.to_string().contains("requires a token"),
+            "{refused}"
+        );
+        assert!(
+            Dashboard::start_with_token(dir.path(), "0.0.0.0:0", Some("short".into())).is_err()
+        );
+        let token = "0123456789abcdef0123";
+        let dashboard =
+            Dashboard::start_with_token(dir.path(), "0.0.0.0:0", Some(token.to_owned()))
+                .expect("listens");
+        let address = std::net::SocketAddr::from(([127, 0, 0, 1], dashboard.address().port()));
+        assert_eq!(get(address, "/metrics").0, 401);
+        assert_eq!(get(address, "/?token=0123456789abcdef0124").0, 401);
+        assert_eq!(get(address, &format!("/?token={token}")).0, 503, "let in");
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(address).expect("connects");
+        write!(
+            stream,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n"
+        )
+        .expect("writes");
+        let mut text = String::new();
+        stream.read_to_string(&mut text).expect("reads");
+        assert!(text.starts_with("HTTP/1.1 503"), "{text}");
     }
 }
 

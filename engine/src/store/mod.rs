@@ -17,7 +17,7 @@ mod postgres;
 mod sqlite;
 
 pub use memory::MemoryStore;
-pub use postgres::{Month, PgStore, TradeStates};
+pub use postgres::{Month, PgStore, TradeStates, PGPASS_FILE};
 pub use sqlite::SqliteStore;
 
 use time::Date;

@@ -33,6 +33,9 @@ pub struct PgStore {
     connection: PgConnection,
 }
 
+/// The name of the password file of the database roles in a cluster's secrets folder.
+pub const PGPASS_FILE: &str = "pgpass";
+
 /// A stored message as read back: id, raw bytes, injection time, trade date.
 type PgStoredRow = (i64, Vec<u8>, i64, Date, Option<Date>);
 
@@ -157,17 +160,16 @@ fn partitions_of(batch: &Batch) -> ahash::AHashSet<(PartitionedTable, Month)> {
     needed
 }
 
-/// The statements creating `partitions` where they do not exist yet.
+/// The statements creating `partitions` where they do not exist yet, through the function
+/// that makes them with the shard owner role's rights (migration 0005).
 fn create_partitions_sql(partitions: &[(PartitionedTable, Month)]) -> String {
     partitions
         .iter()
         .map(|&(table, month)| {
             format!(
-                "CREATE TABLE IF NOT EXISTS \"{}\" PARTITION OF {} FOR VALUES FROM ('{}') TO ('{}');",
-                table.partition(month),
+                "SELECT ste_create_partition('{}', '{}');",
                 table.name(),
                 month.first_day(),
-                month.next().first_day()
             )
         })
         .collect()
@@ -316,6 +318,16 @@ impl PgStore {
         Ok(Self::url_of_database(url, name))
     }
 
+    /// Points PostgreSQL's password file (`PGPASSFILE`) at `secrets`'s `pgpass` when the
+    /// environment names none and the folder has one: the roles' passwords come from there,
+    /// never from a URL or the command line. Call before any thread starts.
+    pub fn use_password_file_in(secrets: &std::path::Path) {
+        let pgpass = secrets.join(PGPASS_FILE);
+        if std::env::var_os("PGPASSFILE").is_none() && pgpass.is_file() {
+            std::env::set_var("PGPASSFILE", pgpass);
+        }
+    }
+
     pub fn open(url: &str) -> Result<Self, StoreError> {
         let name = redacted(url);
         let runtime = io_runtime()?;
@@ -323,7 +335,15 @@ impl PgStore {
             &runtime,
             &name,
             PgConnection::connect(url),
-            async |connection: &mut PgConnection| POSTGRES_MIGRATOR.run(connection).await,
+            async |connection: &mut PgConnection| {
+                // The role nodes run as may not create tables: a database its owner role has
+                // migrated is left as it is, and only one that is not is migrated here.
+                if migrated(connection).await {
+                    Ok(())
+                } else {
+                    POSTGRES_MIGRATOR.run(connection).await
+                }
+            },
         )?;
         Ok(Self {
             name,
@@ -393,6 +413,28 @@ impl TradeStates {
     pub fn count(&self, status: &str) -> u64 {
         self.by_status.get(status).copied().unwrap_or(0)
     }
+}
+
+/// Whether every migration of this build is applied to the database, with the checksum it has
+/// here (false where the migrations' table is missing or unreadable).
+async fn migrated(connection: &mut PgConnection) -> bool {
+    let applied: Result<Vec<(i64, Vec<u8>)>, _> = sqlx::query_as(
+        "SELECT version, checksum FROM _sqlx_migrations WHERE success ORDER BY version",
+    )
+    .fetch_all(&mut *connection)
+    .await;
+    let Ok(applied) = applied else {
+        return false;
+    };
+    let applied: ahash::AHashMap<i64, Vec<u8>> = applied.into_iter().collect();
+    POSTGRES_MIGRATOR
+        .iter()
+        .filter(|migration| !migration.migration_type.is_down_migration())
+        .all(|migration| {
+            applied
+                .get(&migration.version)
+                .is_some_and(|checksum| checksum.as_slice() == &*migration.checksum)
+        })
 }
 
 /// Whether `error` is two sessions creating the same table at once: `CREATE TABLE IF NOT
@@ -610,14 +652,18 @@ async fn purge_partitions(
         .iter()
         .map(|&(table, month)| table.partition(month))
         .collect();
-    let drop = format!(
-        "DROP TABLE {}",
-        names
-            .iter()
-            .map(|name| format!("\"{name}\""))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+    // Through the function that drops them with the shard owner role's rights (migration
+    // 0005), in one transaction.
+    let drop: String = std::iter::once("BEGIN;".to_owned())
+        .chain(expired.iter().map(|&(table, month)| {
+            format!(
+                "SELECT ste_drop_partition('{}', '{}');",
+                table.name(),
+                month.first_day()
+            )
+        }))
+        .chain(std::iter::once("COMMIT;".to_owned()))
+        .collect();
     sqlx::raw_sql(&drop).execute(&mut *connection).await?;
     report.dropped = names;
     Ok((report, expired))
@@ -1012,8 +1058,7 @@ mod tests {
         assert!(november.ends_before(time::macros::date!(2026 - 12 - 01)));
         assert_eq!(
             create_partitions_sql(&[(PartitionedTable::Messages, december)]),
-            "CREATE TABLE IF NOT EXISTS \"messages_p202612\" PARTITION OF messages \
-             FOR VALUES FROM ('2026-12-01') TO ('2027-01-01');"
+            "SELECT ste_create_partition('messages', '2026-12-01');"
         );
     }
 
