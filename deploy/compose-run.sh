@@ -68,10 +68,33 @@ if [ "$mode" = sweep ]; then
   exit 0
 fi
 
-echo "== up: 3 NATS servers, 4 shards, keys, $nodes nodes, monitor"
+echo "== up: secrets, 3 NATS servers, 4 shards, the schema, keys, $nodes nodes, monitor"
 "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
-"${compose[@]}" up -d --no-build --scale node="$nodes" nats-0 nats-1 nats-2 shard-0 shard-1 shard-2 shard-3 keys node monitor
+"${compose[@]}" up -d --no-build --scale node="$nodes" secrets nats-0 nats-1 nats-2 shard-0 shard-1 shard-2 shard-3 migrate keys node monitor
 "${compose[@]}" ps
+
+echo "== secrets: in their volumes only, readable by their owner only"
+# Every secret value the cluster holds (the seeds, the passwords, the private keys' bodies).
+secret_values=$(docker run --rm --network none --entrypoint sh -v "${project}_secrets:/s:ro" ste:0.1 -c \
+  'cat /s/*.nk /s/*.password; grep -hv "^-----" /s/*.key')
+containers=$("${compose[@]}" ps -q)
+environments=$(for container in $containers; do docker inspect --format '{{json .Config.Env}}' "$container"; done)
+images=$(for image in ste:0.1 postgres:15 nats:2.15.1-alpine; do docker image inspect "$image"; docker history --no-trunc "$image"; done)
+leaked=0
+while read -r value; do
+  [ -n "$value" ] || continue
+  if grep -qF -- "$value" <<<"$environments$images"; then leaked=$((leaked + 1)); fi
+done <<<"$secret_values"
+[ "$leaked" -eq 0 ] || { echo "FAIL $leaked secret values in the containers' environment or the images"; exit 1; }
+echo "ok   no secret in any container's environment or in the images ($(wc -l <<<"$secret_values") values checked)"
+modes=$("${compose[@]}" exec -T node sh -c 'stat -c "%a %n" /run/secrets/*.nk /run/secrets/pgpass' | sed -n 1,20p)
+echo "$modes" | sed 's/^/     /'
+if grep -qv '^600 ' <<<"$modes"; then echo "FAIL a node's secret readable by others"; exit 1; fi
+echo "ok   a node's seed and passwords are mode 0600"
+if "${compose[@]}" exec -T node sh -c 'ls /run/secrets' | grep -qE 'nats-(sink|load|monitor|gateway)|pg-owner|\.key$'; then
+  echo "FAIL a node holds another role's secrets"; exit 1
+fi
+echo "ok   a node holds its own role's secrets only"
 
 echo "== driver: $trades trades, one node killed mid-run"
 "${compose[@]}" run --rm --no-deps -T driver >"$log/summary.json" 2>"$log/driver.err" &

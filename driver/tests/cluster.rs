@@ -14,10 +14,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{block_on, TempDatabases};
+use common::block_on;
 use sqlx::{Connection, PgConnection};
 use ste_driver::scale::NatsCluster;
-use ste_driver::secrets::SecretsSpec;
 use ste_engine::cluster::roles::Role;
 use ste_engine::cluster::{retrying, ClusterAccess, STARTING_PATIENCE};
 use ste_engine::lease::{Leased, Leases};
@@ -50,35 +49,40 @@ struct Cluster {
     _one: std::sync::MutexGuard<'static, ()>,
 }
 
-/// The shards' databases: on the PostgreSQL server every test shares, or on instances of the
-/// test's own (`deploy/local-cluster.sh`), which it can stop.
-enum Databases {
-    Shared(TempDatabases),
-    Own {
-        dir: tempfile::TempDir,
-        first_port: u32,
-    },
+/// The shards' databases, on PostgreSQL instances of the test's own (`deploy/local-cluster.sh`:
+/// each shard's role with a password over TLS, as every cluster runs), which it can stop.
+struct Databases {
+    dir: tempfile::TempDir,
+    first_port: u32,
 }
 
 impl Databases {
-    /// The shards' URLs, as the nodes and the driver are given them.
+    /// The shards' URLs, as the nodes and the driver are given them (each shard's run-time
+    /// role, whose password is in the secrets' pgpass).
     fn urls(&self) -> Vec<String> {
-        match self {
-            Self::Shared(databases) => databases.urls(),
-            Self::Own { dir, .. } => std::fs::read_to_string(dir.path().join("urls"))
-                .expect("the instances' URLs")
-                .lines()
-                .map(str::to_owned)
-                .collect(),
-        }
+        self.script_lines("urls")
     }
 
-    /// The shards' URLs for the test's own reads: on instances of its own, with each shard
-    /// role's password in them (the processes read theirs from the secrets' pgpass).
+    /// The shards' URLs as the role that owns them, who may make databases (a sweep's levels).
+    fn owner_urls(&self) -> Vec<String> {
+        self.script_lines("owner-urls")
+    }
+
+    fn script_lines(&self, command: &str) -> Vec<String> {
+        let output = Self::script(&[command], self.dir.path())
+            .output()
+            .expect("deploy/local-cluster.sh runs");
+        String::from_utf8(output.stdout)
+            .expect("UTF-8")
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The shards' URLs for the test's own reads, with each shard role's password in them (the
+    /// processes read theirs from the secrets' pgpass).
     fn reader_urls(&self) -> Vec<String> {
-        let Some(secrets) = self.secrets() else {
-            return self.urls();
-        };
+        let secrets = self.secrets();
         self.urls()
             .iter()
             .enumerate()
@@ -96,41 +100,47 @@ impl Databases {
             .collect()
     }
 
-    /// The folder of instances of the test's own.
+    /// The instances' folder.
     fn dir(&self) -> PathBuf {
-        match self {
-            Self::Shared(_) => panic!("the shared server has no folder of the test's"),
-            Self::Own { dir, .. } => dir.path().to_owned(),
-        }
+        self.dir.path().to_owned()
     }
 
-    /// The secrets folder of instances of the test's own (`deploy/local-cluster.sh` makes it).
-    fn secrets(&self) -> Option<PathBuf> {
-        match self {
-            Self::Shared(_) => None,
-            Self::Own { dir, .. } => Some(dir.path().join("secrets")),
-        }
+    /// The secrets folder `deploy/local-cluster.sh` made for the instances, which the NATS
+    /// servers, nodes and drivers of the cluster use too.
+    fn secrets(&self) -> PathBuf {
+        self.dir.path().join("secrets")
     }
 
-    fn instances(args: &[&str], dir: &std::path::Path) -> bool {
+    fn script(args: &[&str], dir: &std::path::Path) -> Command {
         let driver = PathBuf::from(env!("CARGO_BIN_EXE_driver"));
-        Command::new(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/local-cluster.sh"))
+        let mut command = Command::new(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/local-cluster.sh"),
+        );
+        command
             .args(args)
             .arg("--dir")
             .arg(dir)
-            .env("STE_BIN", driver.parent().expect("the binaries' folder"))
+            .env("STE_BIN", driver.parent().expect("the binaries' folder"));
+        command
+    }
+
+    fn instances(args: &[&str], dir: &std::path::Path) -> bool {
+        Self::script(args, dir)
             .stdout(Stdio::null())
             .status()
             .is_ok_and(|status| status.success())
     }
 
-    fn own() -> Self {
-        let dir = tempfile::tempdir().expect("a folder");
+    /// Instances for a test holding [`one_cluster`] (one set at a time), in a folder named
+    /// after `label`.
+    fn own(label: &str) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("{label}-"))
+            .tempdir()
+            .expect("a folder");
         // Below the kernel's ephemeral range (32768–60999 here), so that no outgoing
         // connection holds one of the ports.
-        static OWN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let next = OWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let first_port = 26_000 + (std::process::id() % 250) * 8 + (next % 2) * 4;
+        let first_port = 26_000 + (std::process::id() % 500) * 4;
         assert!(
             Self::instances(
                 &["up", &SHARDS.to_string(), "--port", &first_port.to_string()],
@@ -138,56 +148,48 @@ impl Databases {
             ),
             "the shards' PostgreSQL instances start"
         );
-        Self::Own { dir, first_port }
+        Self { dir, first_port }
     }
 
     /// Stops shard `shard`'s instance abruptly.
     fn crash(&self, shard: u32) {
-        let Self::Own { dir, .. } = self else {
-            panic!("only a test's own instances are stopped");
-        };
-        assert!(Self::instances(&["crash", &shard.to_string()], dir.path()));
+        assert!(Self::instances(
+            &["crash", &shard.to_string()],
+            self.dir.path()
+        ));
     }
 
     /// Starts every stopped instance again.
     fn restart(&self) {
-        let Self::Own { dir, first_port } = self else {
-            panic!("only a test's own instances are restarted");
-        };
         assert!(Self::instances(
-            &["up", &SHARDS.to_string(), "--port", &first_port.to_string()],
-            dir.path()
+            &[
+                "up",
+                &SHARDS.to_string(),
+                "--port",
+                &self.first_port.to_string()
+            ],
+            self.dir.path()
         ));
     }
 }
 
 impl Drop for Databases {
     fn drop(&mut self) {
-        if let Self::Own { dir, .. } = self {
-            Self::instances(&["down"], dir.path());
-        }
+        Self::instances(&["down"], self.dir.path());
     }
 }
 
 impl Cluster {
+    /// A cluster on NATS servers and PostgreSQL instances of its own, with TLS and identities
+    /// everywhere, as every cluster runs; one at a time.
     fn start(label: &str) -> Self {
-        Self::on(Databases::Shared(TempDatabases::create(
-            label,
-            SHARDS as usize,
-        )))
-    }
-
-    fn on(databases: Databases) -> Self {
         let one = one_cluster();
+        let databases = Databases::own(label);
         let dir = tempfile::tempdir().expect("a folder");
         let nats_dir = dir.path().join("nats");
         std::fs::create_dir_all(&nats_dir).expect("a folder");
-        // TLS and identities, as every cluster runs; on instances of the test's own, the
-        // secrets they were made with.
-        let secrets = databases
-            .secrets()
-            .unwrap_or_else(|| dir.path().join("secrets"));
-        ste_driver::secrets::ensure(&SecretsSpec::new(&secrets)).expect("the cluster's secrets");
+        // The secrets the instances were made with (local-cluster.sh), for NATS too.
+        let secrets = databases.secrets();
         let nats = NatsCluster::start(
             &ste_driver::scale::pinned_nats_server().expect("the pinned NATS release"),
             3,
@@ -684,7 +686,7 @@ fn a_stalled_owner_is_fenced_off_when_it_wakes_and_stands_down() {
 
 #[test]
 fn a_shard_database_stopped_for_ten_seconds_holds_only_its_own_shard_back() {
-    let cluster = Cluster::on(Databases::own()).with_three_nodes();
+    let cluster = Cluster::start("cluster_database_outage").with_three_nodes();
     // 2,500 messages/s for about 17 s: 3 s before the outage, 10 s of it, the rest after.
     let started = Instant::now();
     let driver = cluster.paced_driver(6000);
@@ -950,12 +952,16 @@ fn a_node_sweep_starts_a_cluster_per_level_and_draws_the_per_node_rate_beside_th
     let _one = one_cluster();
     let dir = tempfile::tempdir().expect("temp dir");
     let out = dir.path().join("sweep");
-    // Two shards on the shared server: the sweep makes ste_sweep_0 and ste_sweep_1 there.
-    let server = common::admin_url();
+    // Two shards on instances of the test's own, as their owner role, who may make the
+    // sweep's databases there.
+    let databases = Databases::own("cluster_sweep");
+    let servers = databases.owner_urls();
     let output = Command::new(env!("CARGO_BIN_EXE_driver"))
         .args(["sweep", "--nodes", "1,2", "--db-counts", "1,2"])
         .args(["--trades", "400", "--window", "256", "--quiet"])
-        .args(["--db", &server, "--db", &server, "--out"])
+        .arg("--secrets")
+        .arg(databases.secrets())
+        .args(["--db", &servers[0], "--db", &servers[1], "--out"])
         .arg(&out)
         .output()
         .expect("the driver runs");
@@ -1030,14 +1036,22 @@ fn a_node_sweep_starts_a_cluster_per_level_and_draws_the_per_node_rate_beside_th
     let svg = std::fs::read_to_string(out.join("nodes.svg")).expect("nodes.svg");
     assert!(svg.contains("Per-node rate") && svg.contains("2 DB measured"));
     // The levels' databases are gone.
-    let left: i64 = block_on(async {
-        let mut admin = PgConnection::connect(&server).await.expect("connects");
-        sqlx::query_scalar("SELECT COUNT(*) FROM pg_database WHERE datname LIKE 'ste_sweep_%'")
-            .fetch_one(&mut admin)
-            .await
-            .expect("counts")
-    });
-    assert_eq!(left, 0);
+    let password = std::fs::read_to_string(ste_driver::secrets::pg_password_file(
+        &databases.secrets(),
+        ste_driver::secrets::PG_OWNER,
+    ))
+    .expect("the owner's password");
+    for server in &servers {
+        let server = server.replacen("ste_owner@", &format!("ste_owner:{}@", password.trim()), 1);
+        let left: i64 = block_on(async {
+            let mut admin = PgConnection::connect(&server).await.expect("connects");
+            sqlx::query_scalar("SELECT COUNT(*) FROM pg_database WHERE datname LIKE 'ste_sweep_%'")
+                .fetch_one(&mut admin)
+                .await
+                .expect("counts")
+        });
+        assert_eq!(left, 0);
+    }
 }
 
 /// A raw NATS client of the attack test: TLS checked against the cluster's CA, signed in as
@@ -1318,8 +1332,9 @@ fn psql(url: &str, pgpass: &std::path::Path, sql: &str) -> (bool, String) {
 
 #[test]
 fn a_shard_role_does_a_shard_owners_work_in_its_own_database_and_nothing_more() {
-    let databases = Databases::own();
-    let secrets = databases.secrets().expect("the instances' secrets");
+    let _one = one_cluster();
+    let databases = Databases::own("cluster_database_roles");
+    let secrets = databases.secrets();
     let pgpass = ste_driver::secrets::pgpass_file(&secrets);
     let urls = databases.urls();
     let shard_0 = &urls[0];

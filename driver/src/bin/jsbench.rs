@@ -11,7 +11,14 @@
 //! per ACK for each. The server is `STE_NATS_SERVER` where set (the pinned release a cluster
 //! runs on), else the `nats-server` on the PATH.
 //!
+//! With `--trust ROUNDS`, what TLS and identities cost the inbound hop instead: the same
+//! batches published onto `ste.in.0` and consumed by `owner-0` at once, on a server without
+//! either and on one that requires both (certificates and nkeys made by `driver secrets`,
+//! published as `load-0`, consumed as `node`, with those roles' permissions), alternated, with
+//! each server's CPU per message.
+//!
 //! `cargo run --release -p ste-driver --bin jsbench -- --trades 50000`
+//! `cargo run --release -p ste-driver --bin jsbench -- --trades 50000 --trust 5`
 
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -37,12 +44,26 @@ struct Server {
 
 impl Server {
     fn start() -> anyhow::Result<Self> {
+        Self::start_with(None)
+    }
+
+    /// A server whose configuration adds `settings` (TLS and authorization) where given.
+    fn start_with(settings: Option<&str>) -> anyhow::Result<Self> {
         let port = ste_engine::ports::free_local_port()?;
-        let store = std::env::temp_dir().join(format!("jsbench-{}", std::process::id()));
+        let store = std::env::temp_dir().join(format!("jsbench-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&store)?;
+        let config = store.with_extension("conf");
+        std::fs::write(
+            &config,
+            format!(
+                "listen: 127.0.0.1:{port}\njetstream {{ store_dir: \"{}\" }}\n{}",
+                store.display(),
+                settings.unwrap_or_default()
+            ),
+        )?;
         let child = Command::new(server_binary())
-            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-            .arg(&store)
+            .arg("-c")
+            .arg(&config)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -68,6 +89,7 @@ impl Drop for Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.store);
+        let _ = std::fs::remove_file(self.store.with_extension("conf"));
     }
 }
 
@@ -89,14 +111,8 @@ fn publish(jetstream: &JetStream, queue: &str, batches: &[Vec<Envelope>]) -> any
 
 /// Takes `count` batches off `queue`, acknowledging each. Returns the seconds it took.
 fn consume(jetstream: &JetStream, queue: &str, count: usize) -> anyhow::Result<f64> {
-    let receiver = jetstream.receiver::<Envelope>(queue, "bench", false)?;
     let started = Instant::now();
-    for _ in 0..count {
-        let received = receiver
-            .recv_until(Some(Instant::now() + Duration::from_secs(30)))?
-            .context("a batch within 30 s")?;
-        received.receipt.ack()?;
-    }
+    consume_as(jetstream, queue, "bench", count)?;
     Ok(started.elapsed().as_secs_f64())
 }
 
@@ -113,6 +129,10 @@ fn main() -> anyhow::Result<()> {
         .collect();
     let messages = envelopes.len() as f64;
     let batch_bytes = postcard_bytes(&batches[0]);
+    let trust_rounds = arg("--trust", 0u64) as usize;
+    if trust_rounds > 0 {
+        return trust(&batches, envelopes.len(), trust_rounds);
+    }
     let server = Server::start()?;
     let jetstream = JetStream::connect(&server.url)?;
 
@@ -164,6 +184,95 @@ fn main() -> anyhow::Result<()> {
             arrived as f64 / seconds,
             server_s * 1e6 / messages
         );
+    }
+    Ok(())
+}
+
+/// The inbound hop on a server without TLS or identities and on one with both, alternated
+/// `rounds` times: messages a second and the server's CPU per message of each.
+fn trust(batches: &[Vec<Envelope>], messages: usize, rounds: usize) -> anyhow::Result<()> {
+    use ste_engine::cluster::roles::Role;
+    use ste_engine::queue::jetstream::NatsCredentials;
+    let secrets = std::env::temp_dir().join(format!("jsbench-secrets-{}", std::process::id()));
+    ste_driver::secrets::ensure(&ste_driver::secrets::SecretsSpec::new(&secrets))?;
+    let settings = ste_driver::secrets::nats_server_settings(&secrets)?.top;
+    let as_role =
+        |role: Role| NatsCredentials::from_secrets(&secrets, &role.name(), role.inbox_prefix());
+    let (load, node) = (as_role(Role::Load(0))?, as_role(Role::Node)?);
+    let none = NatsCredentials::none();
+    println!(
+        "jsbench --trust: {messages} messages in {} batches onto ste.in.0 and off it by owner-0 at once, nats-server {}",
+        batches.len(),
+        server_version()
+    );
+    println!("  round  server                         msg/s   server CPU us/msg");
+    let mut totals = [(0.0, 0.0); 2];
+    for round in 1..=rounds {
+        for (index, (what, settings, publisher, consumer)) in [
+            ("plain, no identities", None, &none, &none),
+            (
+                "TLS, nkeys, permissions",
+                Some(settings.as_str()),
+                &load,
+                &node,
+            ),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let server = Server::start_with(settings)?;
+            let publishing = JetStream::connect_as(&server.url, publisher)?;
+            let consuming = JetStream::connect_as(&server.url, consumer)?;
+            publishing.ensure_queue("in.0", LIMITS)?;
+            let pid = server.child.id();
+            let (cpu, started) = (cpu_s(pid), Instant::now());
+            std::thread::scope(|scope| -> anyhow::Result<()> {
+                let taker =
+                    scope.spawn(|| consume_as(&consuming, "in.0", "owner-0", batches.len()));
+                let sender = publishing.sender::<Envelope>("in.0");
+                for batch in batches {
+                    sender.send(batch.clone())?;
+                }
+                taker
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("the consumer panicked"))?
+            })?;
+            let seconds = started.elapsed().as_secs_f64();
+            let server_us = (cpu_s(pid) - cpu) * 1e6 / messages as f64;
+            let rate = messages as f64 / seconds;
+            totals[index].0 += rate;
+            totals[index].1 += server_us;
+            println!("  {round:>5}  {what:<28} {rate:>9.0}   {server_us:>8.2}");
+        }
+    }
+    let mean = |index: usize| {
+        (
+            totals[index].0 / rounds as f64,
+            totals[index].1 / rounds as f64,
+        )
+    };
+    let ((plain_rate, plain_us), (trust_rate, trust_us)) = (mean(0), mean(1));
+    println!(
+        "  mean: plain {plain_rate:.0} msg/s, {plain_us:.2} us/msg; TLS and identities {trust_rate:.0} msg/s ({:+.1}%), {trust_us:.2} us/msg",
+        (trust_rate / plain_rate - 1.0) * 100.0
+    );
+    let _ = std::fs::remove_dir_all(&secrets);
+    Ok(())
+}
+
+/// Takes `count` batches off `queue` through the durable consumer `durable`, acknowledging each.
+fn consume_as(
+    jetstream: &JetStream,
+    queue: &str,
+    durable: &str,
+    count: usize,
+) -> anyhow::Result<()> {
+    let receiver = jetstream.receiver::<Envelope>(queue, durable, false)?;
+    for _ in 0..count {
+        let received = receiver
+            .recv_until(Some(Instant::now() + Duration::from_secs(30)))?
+            .context("a batch within 30 s")?;
+        received.receipt.ack()?;
     }
     Ok(())
 }
