@@ -13,9 +13,9 @@
 //!
 //! With `--trust ROUNDS`, what TLS and identities cost the inbound hop instead: the same
 //! batches published onto `ste.in.0` and consumed by `owner-0` at once, on a server without
-//! either and on one that requires both (certificates and nkeys made by `driver secrets`,
-//! published as `load-0`, consumed as `node`, with those roles' permissions), alternated, with
-//! each server's CPU per message.
+//! either, on one that requires identities only, and on one that requires both (certificates
+//! and nkeys made by `driver secrets`, published as `load-0`, consumed as `node`, with those
+//! roles' permissions), alternated, with each server's CPU per message.
 //!
 //! `cargo run --release -p ste-driver --bin jsbench -- --trades 50000`
 //! `cargo run --release -p ste-driver --bin jsbench -- --trades 50000 --trust 5`
@@ -196,9 +196,12 @@ fn trust(batches: &[Vec<Envelope>], messages: usize, rounds: usize) -> anyhow::R
     let secrets = std::env::temp_dir().join(format!("jsbench-secrets-{}", std::process::id()));
     ste_driver::secrets::ensure(&ste_driver::secrets::SecretsSpec::new(&secrets))?;
     let settings = ste_driver::secrets::nats_server_settings(&secrets)?.top;
+    let authorization =
+        std::fs::read_to_string(secrets.join(ste_driver::secrets::NATS_AUTHORIZATION))?;
     let as_role =
         |role: Role| NatsCredentials::from_secrets(&secrets, &role.name(), role.inbox_prefix());
     let (load, node) = (as_role(Role::Load(0))?, as_role(Role::Node)?);
+    let (load_plain, node_plain) = (load.clone().without_tls(), node.clone().without_tls());
     let none = NatsCredentials::none();
     println!(
         "jsbench --trust: {messages} messages in {} batches onto ste.in.0 and off it by owner-0 at once, nats-server {}",
@@ -206,10 +209,16 @@ fn trust(batches: &[Vec<Envelope>], messages: usize, rounds: usize) -> anyhow::R
         server_version()
     );
     println!("  round  server                         msg/s   server CPU us/msg");
-    let mut totals = [(0.0, 0.0); 2];
+    let mut totals = [(0.0, 0.0); 3];
     for round in 1..=rounds {
         for (index, (what, settings, publisher, consumer)) in [
             ("plain, no identities", None, &none, &none),
+            (
+                "plain, nkeys, permissions",
+                Some(authorization.as_str()),
+                &load_plain,
+                &node_plain,
+            ),
             (
                 "TLS, nkeys, permissions",
                 Some(settings.as_str()),
@@ -251,9 +260,11 @@ fn trust(batches: &[Vec<Envelope>], messages: usize, rounds: usize) -> anyhow::R
             totals[index].1 / rounds as f64,
         )
     };
-    let ((plain_rate, plain_us), (trust_rate, trust_us)) = (mean(0), mean(1));
+    let ((plain_rate, plain_us), (auth_rate, auth_us), (trust_rate, trust_us)) =
+        (mean(0), mean(1), mean(2));
     println!(
-        "  mean: plain {plain_rate:.0} msg/s, {plain_us:.2} us/msg; TLS and identities {trust_rate:.0} msg/s ({:+.1}%), {trust_us:.2} us/msg",
+        "  mean: plain {plain_rate:.0} msg/s, {plain_us:.2} us/msg; identities alone {auth_rate:.0} msg/s ({:+.1}%), {auth_us:.2} us/msg; TLS and identities {trust_rate:.0} msg/s ({:+.1}%), {trust_us:.2} us/msg",
+        (auth_rate / plain_rate - 1.0) * 100.0,
         (trust_rate / plain_rate - 1.0) * 100.0
     );
     let _ = std::fs::remove_dir_all(&secrets);

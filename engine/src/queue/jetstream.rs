@@ -320,6 +320,13 @@ impl NatsCredentials {
         })
     }
 
+    /// These credentials without TLS: for a server that asks for identities and not TLS (a
+    /// benchmark that tells the two costs apart; no cluster runs so).
+    pub fn without_tls(mut self) -> Self {
+        self.ca = None;
+        self
+    }
+
     /// The identity's name, if it has one.
     pub fn identity(&self) -> Option<&str> {
         self.identity.as_deref()
