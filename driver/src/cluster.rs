@@ -13,12 +13,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use ste_engine::cluster::roles::Role;
 use ste_engine::cluster::{
-    retrying, ClsFeed, ClusterAccess, ClusterLayout, Ingress, STARTING_PATIENCE,
+    retrying, retrying_carrier, ClsFeed, ClusterAccess, ClusterLayout, Ingress, STARTING_PATIENCE,
 };
 use ste_engine::cluster_samples::{MemoryReading, NodeMemory, SampleCollector};
 use ste_engine::generator::RunOutcome;
 use ste_engine::lease::Leases;
-use ste_engine::network::PipelineError;
 use ste_engine::queue::jetstream::Placement;
 use ste_engine::refdata::RefData;
 use ste_engine::routing::shard_of;
@@ -154,13 +153,8 @@ pub fn run_cluster(
     }
     let sink_connection =
         retrying(patience, || access.connect(Role::Sink)).context("connecting as the sink")?;
-    let mut feed = retrying(patience, || {
-        match ClsFeed::open(&sink_connection, &layout) {
-            Err(PipelineError::Queue(error)) => Err(error),
-            other => Ok(other),
-        }
-    })?
-    .context("opening the CLS queue")?;
+    let mut feed = retrying_carrier(patience, || ClsFeed::open(&sink_connection, &layout))
+        .context("opening the CLS queue")?;
     let clock = RunClock::start();
     let started = Instant::now();
     // The nodes' stations and the queues' lengths, in one samples.csv.

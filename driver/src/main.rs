@@ -491,8 +491,14 @@ fn run_cli() -> anyhow::Result<()> {
         )
         .init();
     let cli = Cli::parse();
-    // The database roles' passwords for every run and sweep, and for the nodes a sweep starts.
-    if let Some(secrets) = &cli.run.secrets {
+    // The database roles' passwords for every run, sweep and migration, and for the nodes a
+    // sweep starts.
+    let secrets = match &cli.command {
+        Some(Command::Sweep { run, .. }) => run.secrets.as_ref(),
+        Some(Command::Migrate { secrets, .. }) => secrets.as_ref(),
+        _ => None,
+    };
+    if let Some(secrets) = secrets.or(cli.run.secrets.as_ref()) {
         ste_engine::store::PgStore::use_password_file_in(secrets);
     }
     match cli.command {
@@ -556,10 +562,7 @@ fn run_cli() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Some(Command::Migrate { db, secrets }) => {
-            if let Some(secrets) = &secrets {
-                ste_engine::store::PgStore::use_password_file_in(secrets);
-            }
+        Some(Command::Migrate { db, .. }) => {
             for url in &db {
                 ste_engine::store::PgStore::open(url).context("migrating a shard's database")?;
             }
@@ -590,9 +593,6 @@ fn run_cli() -> anyhow::Result<()> {
             compose,
             out,
         }) => {
-            if let Some(secrets) = &run.secrets {
-                ste_engine::store::PgStore::use_password_file_in(secrets);
-            }
             if !nodes.is_empty() {
                 return node_sweep::sweep_nodes(*run, &nodes, &db_counts, node_cpus, compose, out);
             }

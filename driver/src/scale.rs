@@ -342,17 +342,21 @@ impl NatsCluster {
             }
             monitor_get(port, "/healthz").is_some_and(|(status, _)| status == 200)
         });
-        let log = std::fs::read_to_string(&member.log).unwrap_or_default();
-        let tail: Vec<&str> = log.lines().rev().take(5).collect();
-        let tail = tail.into_iter().rev().collect::<Vec<_>>().join("\n");
+        let tail = || {
+            let log = std::fs::read_to_string(&member.log).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            format!(
+                "the end of {}:\n{}",
+                member.log.display(),
+                lines[lines.len().saturating_sub(5)..].join("\n")
+            )
+        };
         if let Some(status) = exited {
+            let tail = tail();
             member.child = None;
-            bail!(
-                "NATS server {index} exited ({status}); the end of {}:\n{tail}",
-                member.log.display()
-            );
+            bail!("NATS server {index} exited ({status}); {tail}");
         }
-        waited.with_context(|| format!("the end of {}:\n{tail}", member.log.display()))
+        waited.with_context(tail)
     }
 
     /// Waits (30 s at most) until the JetStream meta group has a leader that counts every

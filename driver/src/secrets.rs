@@ -26,8 +26,8 @@ use rcgen::{
     KeyUsagePurpose,
 };
 use ste_engine::cluster::roles::{nats_authorization, NatsIdentity, Role};
-use ste_engine::keys::write_private;
-use ste_engine::queue::jetstream::{ca_file, nkey_file, read_secret};
+use ste_engine::keys::{read_private, write_private};
+use ste_engine::queue::jetstream::{ca_file, nkey_file};
 
 /// Names every server certificate answers to besides those asked for: loopback, and the
 /// services of `deploy/docker-compose.yml`.
@@ -144,7 +144,7 @@ pub fn ensure(spec: &SecretsSpec) -> anyhow::Result<Vec<PathBuf>> {
         let path = pg_password_file(dir, role);
         if !path.exists() {
             let password: [u8; 24] = rand::random();
-            write_private(&path, format!("{}\n", hex(&password)).as_bytes())
+            write_private(&path, format!("{}\n", hex::encode(password)).as_bytes())
                 .with_context(|| format!("writing {}", path.display()))?;
             made.push(path);
         }
@@ -153,30 +153,32 @@ pub fn ensure(spec: &SecretsSpec) -> anyhow::Result<Vec<PathBuf>> {
     Ok(made)
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+/// The files of `dir` named `<prefix><stem><suffix>`, in name order, with their stems.
+fn files_named(dir: &Path, prefix: &str, suffix: &str) -> anyhow::Result<Vec<(String, PathBuf)>> {
+    let mut files: Vec<(String, PathBuf)> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .filter_map(|entry| {
+            let path = entry.ok()?.path();
+            let stem = path
+                .file_name()?
+                .to_str()?
+                .strip_prefix(prefix)?
+                .strip_suffix(suffix)?
+                .to_owned();
+            Some((stem, path))
+        })
+        .collect();
+    files.sort();
+    Ok(files)
 }
 
 /// Writes `pgpass` from every database role's password file in `dir`: any host, port and
 /// database, the role's name and its password.
 fn write_pgpass(dir: &Path) -> anyhow::Result<()> {
     let mut lines = String::new();
-    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("reading {}", dir.display()))?
-        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
-        .collect();
-    paths.sort();
-    for path in paths {
-        let Some(name) = path
-            .file_name()
-            .and_then(|name| name.to_str())
-            .and_then(|name| name.strip_prefix("pg-"))
-            .and_then(|name| name.strip_suffix(".password"))
-        else {
-            continue;
-        };
+    for (name, path) in files_named(dir, "pg-", ".password")? {
         let role = format!("ste_{}", name.replace('-', "_"));
-        lines.push_str(&format!("*:*:*:{role}:{}\n", read_secret(&path)?));
+        lines.push_str(&format!("*:*:*:{role}:{}\n", read_private(&path)?));
     }
     let path = pgpass_file(dir);
     write_private(&path, lines.as_bytes()).with_context(|| format!("writing {}", path.display()))
@@ -215,7 +217,7 @@ fn write_seed(path: &Path) -> anyhow::Result<()> {
 }
 
 fn public_key_of(seed_file: &Path) -> anyhow::Result<String> {
-    let seed = read_secret(seed_file)?;
+    let seed = read_private(seed_file)?;
     Ok(nkeys::KeyPair::from_seed(&seed)
         .with_context(|| format!("{} holds no nkey seed", seed_file.display()))?
         .public_key())
@@ -224,22 +226,8 @@ fn public_key_of(seed_file: &Path) -> anyhow::Result<String> {
 /// Writes the servers' authorization from every seed in `dir` (and the keys being retired).
 fn write_authorization(dir: &Path) -> anyhow::Result<()> {
     let mut identities = Vec::new();
-    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("reading {}", dir.display()))?
-        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
-        .collect();
-    names.sort();
-    for path in names {
-        let Some(name) = path.file_name().and_then(|name| name.to_str()) else {
-            continue;
-        };
-        let Some(identity) = name
-            .strip_prefix("nats-")
-            .and_then(|rest| rest.strip_suffix(".nk"))
-        else {
-            continue;
-        };
-        let role = Role::parse(identity)?;
+    for (identity, path) in files_named(dir, "nats-", ".nk")? {
+        let role = Role::parse(&identity)?;
         let mut public_keys = vec![public_key_of(&path)?];
         let retiring = retiring_file(dir, role);
         if retiring.exists() {
@@ -276,7 +264,7 @@ fn validity(params: &mut CertificateParams) {
 fn ensure_ca(dir: &Path, made: &mut Vec<PathBuf>) -> anyhow::Result<Issuer<'static, KeyPair>> {
     let (cert_path, key_path) = (ca_file(dir), dir.join("ca.key"));
     let key = if key_path.exists() {
-        KeyPair::from_pem(&read_secret(&key_path)?)
+        KeyPair::from_pem(&read_private(&key_path)?)
             .with_context(|| format!("{} holds no private key", key_path.display()))?
     } else {
         if cert_path.exists() {

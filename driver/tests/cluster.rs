@@ -252,6 +252,30 @@ impl Cluster {
         address
     }
 
+    /// Node `node-a` serving the participants' listeners and running the sink, `node-b` and
+    /// `node-c` beside it, every shard held; returns node-a's framed-XML address.
+    fn with_gateway_node(&mut self) -> String {
+        let address = self.start_gateway_node("node-a");
+        for id in ["node-b", "node-c"] {
+            self.start_node(id);
+        }
+        self.wait_until_held(&self.leases());
+        address
+    }
+
+    /// A participant's driver over TCP to the gateway at `address`, with `args`: a faulty
+    /// load whose summary comes in JSON on its standard output.
+    fn participant(&self, address: &str, args: &[&str]) -> Command {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_driver"));
+        command
+            .args(args)
+            .args(["--fault-rate", "0.1"])
+            .args(["--target", &format!("tcp://{address}"), "--quiet", "--json"])
+            .arg("--keys")
+            .arg(&self.keys);
+        command
+    }
+
     fn spawn_node(&self, id: &str, extra: &[&str], stdout: Stdio) -> Child {
         let log = std::fs::File::create(self.dir.path().join(format!("{id}.log"))).expect("log");
         Command::new(engine_binary())
@@ -732,26 +756,12 @@ fn a_shard_database_stopped_for_ten_seconds_holds_only_its_own_shard_back() {
 #[test]
 fn participants_connected_to_a_node_get_every_answer_and_their_cls_from_the_cluster() {
     let mut cluster = Cluster::start("cluster_gateway");
-    let address = cluster.start_gateway_node("node-a");
-    for id in ["node-b", "node-c"] {
-        cluster.start_node(id);
-    }
-    cluster.wait_until_held(&cluster.leases());
-    let output = Command::new(env!("CARGO_BIN_EXE_driver"))
-        .args(["--trades", "3000", "--fault-rate", "0.1", "--shuffle"])
-        .args(["--target", &format!("tcp://{address}"), "--quiet", "--json"])
-        .arg("--keys")
-        .arg(&cluster.keys)
+    let address = cluster.with_gateway_node();
+    let output = cluster
+        .participant(&address, &["--trades", "3000", "--shuffle"])
         .output()
         .expect("the driver runs");
-    assert!(
-        output.status.success(),
-        "driver: {}\nnode-a: {}",
-        String::from_utf8_lossy(&output.stderr),
-        cluster.log("node-a")
-    );
-    let summary: serde_json::Value =
-        serde_json::from_slice(&output.stdout).expect("the summary in JSON");
+    let summary = summary_of(&output, &cluster);
     // Answers, NAKs by code and one CLS pushed per matched trade, as the generator expected.
     assert_eq!(summary["matches_expected"], true, "{summary:#}");
     assert_eq!(summary["conserved"], true, "{summary:#}");
@@ -1111,17 +1121,10 @@ fn hears(client: &async_nats::Client, subject: &str) -> bool {
 #[test]
 fn a_holder_of_one_roles_key_can_do_that_role_and_nothing_else_while_participants_trade() {
     let mut cluster = Cluster::start("cluster_trust");
-    let address = cluster.start_gateway_node("node-a");
-    for id in ["node-b", "node-c"] {
-        cluster.start_node(id);
-    }
-    cluster.wait_until_held(&cluster.leases());
+    let address = cluster.with_gateway_node();
     // A well-behaved participant trades through the gateway while the attacks go on.
-    let participant = Command::new(env!("CARGO_BIN_EXE_driver"))
-        .args(["--trades", "3000", "--rate", "1000", "--fault-rate", "0.1"])
-        .args(["--target", &format!("tcp://{address}"), "--quiet", "--json"])
-        .arg("--keys")
-        .arg(&cluster.keys)
+    let participant = cluster
+        .participant(&address, &["--trades", "3000", "--rate", "1000"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -1236,14 +1239,7 @@ fn a_holder_of_one_roles_key_can_do_that_role_and_nothing_else_while_participant
 
     // The participant's run ends as the generator said, one CLS per trade.
     let output = participant.wait_with_output().expect("the driver ends");
-    assert!(
-        output.status.success(),
-        "driver: {}\nnode-a: {}",
-        String::from_utf8_lossy(&output.stderr),
-        cluster.log("node-a")
-    );
-    let summary: serde_json::Value =
-        serde_json::from_slice(&output.stdout).expect("the summary in JSON");
+    let summary = summary_of(&output, &cluster);
     assert_eq!(summary["matches_expected"], true, "{summary:#}");
     assert_eq!(summary["conserved"], true, "{summary:#}");
     assert_eq!(cluster.stored_twice(), 0);

@@ -246,6 +246,33 @@ impl ParticipantKeys {
     }
 }
 
+/// Reads the file `path` that holds a secret (trimmed), refusing one that others than its owner
+/// may read; every error names the file.
+pub fn read_private(path: &Path) -> std::io::Result<String> {
+    let named = |error: std::io::Error| {
+        std::io::Error::new(error.kind(), format!("{}: {error}", path.display()))
+    };
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt as _;
+        let mode = std::fs::metadata(path).map_err(named)?.mode();
+        if mode & 0o077 != 0 {
+            return Err(named(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "holds a secret but its mode is {:o}: make it readable by its owner only \
+                     (chmod 600)",
+                    mode & 0o777
+                ),
+            )));
+        }
+    }
+    Ok(std::fs::read_to_string(path)
+        .map_err(named)?
+        .trim()
+        .to_owned())
+}
+
 /// Writes `contents` to `path` as a file readable by its owner only (mode 0600, an existing
 /// file narrowed too), synced: for every file that holds a secret.
 pub fn write_private(path: &Path, contents: &[u8]) -> std::io::Result<()> {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::roles::Role;
-use super::{retrying, ClusterAccess, ClusterLayout};
+use super::{retrying, retrying_carrier, ClusterAccess, ClusterLayout};
 use crate::lease::{DeliveryBook, LeaseKeeper, Leased, Leases};
 use crate::network::{Ack, Delivery, Envelope, OutboundEvent, PipelineError, Submitter};
 use crate::queue::jetstream::{JetStream, JetStreamReceiver, PlainReceiver, StopReceiving};
@@ -144,13 +144,9 @@ impl Ingress {
             let number = access.secrets.as_ref().and(role.gateway_number());
             // A request may time out while the servers elect the bucket's leader; a number held
             // by another is not waited for.
-            let opened = retrying(patience, || {
-                match Self::open(&jetstream, layout, leases.clone(), node_id, number) {
-                    Err(PipelineError::Queue(error)) => Err(error),
-                    other => Ok(other),
-                }
-            })
-            .map_err(PipelineError::Queue)?;
+            let opened = retrying_carrier(patience, || {
+                Self::open(&jetstream, layout, leases.clone(), node_id, number)
+            });
             match opened {
                 Ok(ingress) => return Ok((ingress, jetstream)),
                 Err(PipelineError::Config(why)) => last = Some(why),

@@ -29,7 +29,7 @@ pub mod owner;
 pub mod roles;
 
 pub use ingress::{AckRouter, ClsFeed, Ingress, GATEWAYS_MAX};
-pub use node::{retrying, Holdings, Node, NodeConfig, STARTING_PATIENCE};
+pub use node::{retrying, retrying_carrier, Holdings, Node, NodeConfig, STARTING_PATIENCE};
 pub use owner::{OwnershipReport, ShardOwner, ShardOwnerConfig};
 
 use std::path::PathBuf;

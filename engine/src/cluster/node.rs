@@ -395,6 +395,19 @@ pub fn retrying<T, E: std::fmt::Display>(
     }
 }
 
+/// [`retrying`] only what fails on its carrier (the queues' servers starting or electing
+/// leaders): any other error of `attempt` ends the wait at once.
+pub fn retrying_carrier<T>(
+    patience: Duration,
+    mut attempt: impl FnMut() -> Result<T, PipelineError>,
+) -> Result<T, PipelineError> {
+    retrying(patience, || match attempt() {
+        Err(PipelineError::Queue(error)) => Err(error),
+        other => Ok(other),
+    })
+    .map_err(PipelineError::Queue)?
+}
+
 /// Takes out of `items` those for which `ended` holds.
 fn drain_where<T>(items: &mut Vec<T>, ended: impl Fn(&T) -> bool) -> Vec<T> {
     let (gone, kept): (Vec<T>, Vec<T>) = std::mem::take(items).into_iter().partition(ended);

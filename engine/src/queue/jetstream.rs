@@ -57,21 +57,16 @@ const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 /// `aside.<queue>`; its stream is `STE_ASIDE`.
 pub const ASIDE_TOPIC: &str = "aside";
 /// Headers of a batch set aside: the queue it came from, its sequence there, and why.
-pub const ASIDE_QUEUE_HEADER: &str = "Ste-Aside-Queue";
-pub const ASIDE_SEQUENCE_HEADER: &str = "Ste-Aside-Sequence";
-pub const ASIDE_CAUSE_HEADER: &str = "Ste-Aside-Cause";
+const ASIDE_QUEUE_HEADER: &str = "Ste-Aside-Queue";
+const ASIDE_SEQUENCE_HEADER: &str = "Ste-Aside-Sequence";
+const ASIDE_CAUSE_HEADER: &str = "Ste-Aside-Cause";
 /// Bounds of the aside stream: the oldest go first past them.
 const ASIDE_BATCHES_MAX: i64 = 10_000;
 const ASIDE_BYTES_MAX: i64 = 64 << 20;
 /// How long a receiver waits for the aside stream to take a batch.
 const ASIDE_WAIT_MAX: Duration = Duration::from_secs(5);
-/// Batches this process has set aside.
+/// Batches this process has set aside (each one's log line gives the count so far).
 static BATCHES_SET_ASIDE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Batches this process's receivers have set aside because they did not decode.
-pub fn batches_set_aside() -> u64 {
-    BATCHES_SET_ASIDE.load(Ordering::Relaxed)
-}
 
 /// A name for each batch this process publishes, unique across processes.
 fn batch_id() -> String {
@@ -273,24 +268,6 @@ pub fn ca_file(secrets: &Path) -> PathBuf {
     secrets.join("ca.pem")
 }
 
-/// Reads a file that holds a secret, refusing one that others than its owner may read.
-pub fn read_secret(path: &Path) -> Result<String, QueueError> {
-    use std::os::unix::fs::MetadataExt;
-    let what = path.display().to_string();
-    let metadata = std::fs::metadata(path).map_err(|error| carrier(&what, error))?;
-    if metadata.mode() & 0o077 != 0 {
-        return Err(carrier(
-            &what,
-            format!(
-                "holds a secret but its mode is {:o}: make it readable by its owner only (chmod 600)",
-                metadata.mode() & 0o777
-            ),
-        ));
-    }
-    let text = std::fs::read_to_string(path).map_err(|error| carrier(&what, error))?;
-    Ok(text.trim().to_owned())
-}
-
 impl NatsCredentials {
     /// No identity and no TLS: for a server that asks for neither (a test's own, a
     /// developer's).
@@ -314,7 +291,10 @@ impl NatsCredentials {
         }
         Ok(Self {
             identity: Some(identity.to_owned()),
-            nkey_seed: Some(read_secret(&nkey_file(secrets, identity))?),
+            nkey_seed: Some(
+                crate::keys::read_private(&nkey_file(secrets, identity))
+                    .map_err(|error| carrier(identity, error))?,
+            ),
             inbox_prefix: Some(inbox_prefix),
             ca: Some(ca),
         })
@@ -325,11 +305,6 @@ impl NatsCredentials {
     pub fn without_tls(mut self) -> Self {
         self.ca = None;
         self
-    }
-
-    /// The identity's name, if it has one.
-    pub fn identity(&self) -> Option<&str> {
-        self.identity.as_deref()
     }
 
     fn options(&self) -> async_nats::ConnectOptions {
@@ -475,6 +450,11 @@ impl JetStream {
             duplicate_window: DUPLICATE_WINDOW,
             ..Default::default()
         };
+        self.ensure_stream(queue, config)
+    }
+
+    /// Creates the stream of `config` where it does not exist yet (`what` names it in errors).
+    fn ensure_stream(&self, what: &str, config: stream::Config) -> Result<(), QueueError> {
         let name = config.name.clone();
         self.runtime.block_on(async {
             match self.context.get_or_create_stream(config).await {
@@ -484,7 +464,7 @@ impl JetStream {
                 // made, which is all it wanted.
                 Err(error) => match self.context.get_stream(&name).await {
                     Ok(_) => Ok(()),
-                    Err(_) => Err(carrier(queue, error)),
+                    Err(_) => Err(carrier(what, error)),
                 },
             }
         })
@@ -504,33 +484,7 @@ impl JetStream {
             max_bytes: ASIDE_BYTES_MAX,
             ..Default::default()
         };
-        let name = config.name.clone();
-        self.runtime.block_on(async {
-            match self.context.get_or_create_stream(config).await {
-                Ok(_) => Ok(()),
-                Err(error) => match self.context.get_stream(&name).await {
-                    Ok(_) => Ok(()),
-                    Err(_) => Err(carrier(ASIDE_TOPIC, error)),
-                },
-            }
-        })
-    }
-
-    /// Drops every batch the stream of `queue` holds (a gateway taking a number whose ACK
-    /// queue may hold answers for the connections of the gateway before it).
-    pub fn purge_queue(&self, queue: &str) -> Result<(), QueueError> {
-        self.runtime.block_on(async {
-            let stream = self
-                .context
-                .get_stream(stream_name(queue))
-                .await
-                .map_err(|error| carrier(queue, error))?;
-            stream
-                .purge()
-                .await
-                .map(|_| ())
-                .map_err(|error| carrier(queue, error))
-        })
+        self.ensure_stream(ASIDE_TOPIC, config)
     }
 
     /// Batches held by the stream of `queue`: its length.
@@ -623,23 +577,7 @@ impl JetStream {
             jetstream: self.clone(),
             subject: subject(queue),
             station: Station::new(queue),
-            give_up: None,
             _items: std::marker::PhantomData,
-        }
-    }
-
-    /// A sender onto `queue` that stops waiting at a full queue once `give_up` says so (asked
-    /// about once a second while it waits): the send then fails with
-    /// [`QueueError::Carrier`]. For queues whose consumer may be gone for good (a gateway's
-    /// ACK queue), so that their producers are not held for ever.
-    pub fn sender_giving_up<T: Serialize + Send + Sync + 'static>(
-        &self,
-        queue: &str,
-        give_up: impl Fn() -> bool + Send + Sync + 'static,
-    ) -> JetStreamSender<T> {
-        JetStreamSender {
-            give_up: Some(Arc::new(give_up)),
-            ..self.sender(queue)
         }
     }
 
@@ -730,18 +668,11 @@ impl Listener {
     }
 }
 
-/// Whether a sender waiting at a full queue should stop waiting.
-type GiveUp = Arc<dyn Fn() -> bool + Send + Sync>;
-
-/// How often a sender waiting at a full queue asks whether to give up.
-const GIVE_UP_ASKED_EVERY: Duration = Duration::from_secs(1);
-
 /// Sends onto a JetStream queue.
 pub struct JetStreamSender<T> {
     jetstream: JetStream,
     subject: String,
     station: Arc<Station>,
-    give_up: Option<GiveUp>,
     _items: std::marker::PhantomData<fn(T)>,
 }
 
@@ -751,7 +682,6 @@ impl<T> Clone for JetStreamSender<T> {
             jetstream: self.jetstream.clone(),
             subject: self.subject.clone(),
             station: self.station.clone(),
-            give_up: self.give_up.clone(),
             _items: std::marker::PhantomData,
         }
     }
@@ -796,7 +726,6 @@ impl<T: Serialize> JetStreamSender<T> {
         headers: &async_nats::HeaderMap,
     ) -> Result<(), QueueError> {
         let mut backoff = Duration::from_millis(1);
-        let mut asked = Instant::now();
         let mut outage = Outage::new(&self.jetstream.stopping);
         loop {
             let published = self.jetstream.runtime.block_on(async {
@@ -809,14 +738,6 @@ impl<T: Serialize> JetStreamSender<T> {
             match published {
                 Ok(_) => return Ok(()),
                 Err(error) if is_full(&error) => {
-                    if let Some(give_up) = &self.give_up {
-                        if asked.elapsed() >= GIVE_UP_ASKED_EVERY {
-                            if give_up() {
-                                return Err(carrier(&self.subject, "full, and given up"));
-                            }
-                            asked = Instant::now();
-                        }
-                    }
                     std::thread::sleep(backoff);
                     backoff = (backoff * 2).min(FULL_RETRY_MAX);
                 }
@@ -1087,7 +1008,7 @@ impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
         Ok(())
     }
 
-    /// Moves a batch that does not decode onto the aside stream ([`ASIDE_STREAM`]), with its
+    /// Moves a batch that does not decode onto the aside stream ([`ASIDE_TOPIC`]), with its
     /// queue, stream sequence and cause in headers, and acknowledges it: logged and counted
     /// (the aside stream's length). Where the aside stream does not take it, the batch is left
     /// unacknowledged and comes again after the ack wait.

@@ -87,6 +87,17 @@ pub struct Validated {
 }
 
 impl RejectedItem {
+    /// `envelope`'s message, rejected with `rejection`.
+    pub(crate) fn of(envelope: crate::network::Envelope, rejection: Rejection) -> Self {
+        Self {
+            rejection,
+            sender: envelope.sender,
+            bytes: envelope.bytes,
+            correlation: envelope.correlation,
+            origin: envelope.origin,
+        }
+    }
+
     /// The code it was rejected with.
     pub fn code(&self) -> crate::reason::ReasonCode {
         self.rejection.code

@@ -93,13 +93,7 @@ pub(crate) fn run_validator(
                             identity: *identity,
                         }),
                         None => {
-                            rejected.push(RejectedItem {
-                                rejection,
-                                sender: envelope.sender,
-                                bytes: envelope.bytes,
-                                correlation: envelope.correlation,
-                                origin: envelope.origin,
-                            });
+                            rejected.push(RejectedItem::of(envelope, rejection));
                             continue;
                         }
                     }
@@ -118,8 +112,9 @@ pub(crate) fn run_validator(
                     // parse: the message names its trade more than once, or the gateway put it
                     // on the wrong queue. Either way it is not this shard's to keep, and a
                     // shard's owner puts nothing onto inbound queues.
-                    rejected.push(RejectedItem {
-                        rejection: Rejection::new(
+                    rejected.push(RejectedItem::of(
+                        envelope,
+                        Rejection::new(
                             ReasonCode::Parse,
                             format!(
                                 "the message came to shard {own} but its trade {broker}/{trade_ref} \
@@ -127,11 +122,7 @@ pub(crate) fn run_validator(
                                  canonical layout does"
                             ),
                         ),
-                        sender: envelope.sender,
-                        bytes: envelope.bytes,
-                        correlation: envelope.correlation,
-                        origin: envelope.origin,
-                    });
+                    ));
                     continue;
                 }
             };
