@@ -276,7 +276,9 @@ case "$command" in
   down)
     for pid_file in "$dir"/node-*.pid; do stop_pid_file "$pid_file"; done
     for pid_file in "$dir"/nats-*.pid "$dir/nats.pid"; do stop_pid_file "$pid_file"; done
-    for data in $(ls -d "$dir"/shard-* 2>/dev/null | grep -v '\.' | sort -V); do
+    # The instances' data folders (shard-N; shard-N.port and shard-N.log are files beside them).
+    for data in "$dir"/shard-*; do
+      [ -d "$data" ] || continue
       if as_postgres "$bindir/pg_ctl" -D "$data" status >/dev/null 2>&1; then
         as_postgres "$bindir/pg_ctl" -D "$data" -m fast -w stop >/dev/null
       fi
