@@ -129,6 +129,7 @@ fn main() -> anyhow::Result<()> {
         .collect();
     let messages = envelopes.len() as f64;
     let batch_bytes = postcard_bytes(&batches[0]);
+    let sent_bytes = ste_engine::queue::jetstream::payload_bytes(&batches[0]);
     let trust_rounds = arg("--trust", 0u64) as usize;
     if trust_rounds > 0 {
         return trust(&batches, envelopes.len(), trust_rounds);
@@ -152,11 +153,12 @@ fn main() -> anyhow::Result<()> {
     })?;
 
     println!(
-        "jsbench: {} messages of {trades} trades in {} batches of {} ({} bytes a batch in postcard), nats-server {} with file storage",
+        "jsbench: {} messages of {trades} trades in {} batches of {} ({} bytes a batch in postcard, {} as sent), nats-server {} with file storage",
         envelopes.len(),
         batches.len(),
         INBOUND_BATCH_MESSAGES,
         batch_bytes,
+        sent_bytes,
         server_version()
     );
     for (what, seconds) in [
@@ -204,8 +206,9 @@ fn trust(batches: &[Vec<Envelope>], messages: usize, rounds: usize) -> anyhow::R
     let (load_plain, node_plain) = (load.clone().without_tls(), node.clone().without_tls());
     let none = NatsCredentials::none();
     println!(
-        "jsbench --trust: {messages} messages in {} batches onto ste.in.0 and off it by owner-0 at once, nats-server {}",
+        "jsbench --trust: {messages} messages in {} batches ({} bytes each as sent) onto ste.in.0 and off it by owner-0 at once, nats-server {}",
         batches.len(),
+        ste_engine::queue::jetstream::payload_bytes(&batches[0]),
         server_version()
     );
     println!("  round  server                         msg/s   server CPU us/msg");

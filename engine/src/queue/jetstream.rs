@@ -4,9 +4,10 @@
 //! is acknowledged), bounded in batches and in bytes with discard-new (a full queue refuses a
 //! publish and the sender waits and tries again: backpressure, nothing dropped), file storage.
 //! One durable pull consumer per queue, explicit acknowledgement. A batch is one JetStream
-//! message: its items in postcard, its enqueue time (wall clock, nanoseconds since the Unix
-//! epoch, so that it means the same on every node) in a header. A batch too large for the
-//! server's payload limit is split.
+//! message: its items in postcard, LZ4-compressed where it is large enough to gain (a header
+//! says so; a compressed batch decodes to at most 1 MiB), its enqueue time (wall clock,
+//! nanoseconds since the Unix epoch, so that it means the same on every node) in a header. A
+//! batch too large for the server's payload limit is split.
 //!
 //! Only this file names NATS. The sending and the receiving node each keep a [`Station`] for
 //! the queue: the sender counts arrivals on its own, the receiver counts arrivals as it takes
@@ -65,8 +66,74 @@ const ASIDE_BATCHES_MAX: i64 = 10_000;
 const ASIDE_BYTES_MAX: i64 = 64 << 20;
 /// How long a receiver waits for the aside stream to take a batch.
 const ASIDE_WAIT_MAX: Duration = Duration::from_secs(5);
+/// The header naming how a batch's payload is compressed; absent, the payload is the batch's
+/// postcard as it is.
+const ENCODING_HEADER: &str = "Ste-Encoding";
+/// [`ENCODING_HEADER`]'s value for an LZ4 block with the postcard's length before it (four
+/// bytes, little-endian).
+const LZ4_ENCODING: &str = "lz4";
+/// Batches of fewer postcard bytes go uncompressed: too little to gain.
+const COMPRESS_FROM_BYTES: usize = 512;
+/// Most bytes a compressed batch may decode to: what a batch may be uncompressed
+/// ([`BATCH_PAYLOAD_MAX_BYTES`]) with room for one item larger than that on its own. A batch
+/// claiming more is not decoded (it is set aside, unread).
+const DECODED_MAX_BYTES: usize = 1 << 20;
 /// Batches this process has set aside (each one's log line gives the count so far).
 static BATCHES_SET_ASIDE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A batch's payload: its items in postcard, LZ4-compressed where that makes it smaller
+/// (`true`). XML compresses to about a quarter, and every byte a batch saves is a byte the NATS
+/// server and both clients do not encrypt, decrypt, copy or store.
+fn encode<T: Serialize>(items: &[T]) -> Result<(Vec<u8>, bool), postcard::Error> {
+    let plain = postcard::to_allocvec(items)?;
+    if plain.len() >= COMPRESS_FROM_BYTES {
+        let compressed = lz4_flex::block::compress_prepend_size(&plain);
+        if compressed.len() < plain.len() {
+            return Ok((compressed, true));
+        }
+    }
+    Ok((plain, false))
+}
+
+/// The bytes `items` take as a batch's payload, compressed where that is smaller.
+pub fn payload_bytes<T: Serialize>(items: &[T]) -> usize {
+    encode(items).map_or(0, |(payload, _)| payload.len())
+}
+
+/// The headers of a payload [`encode`] compressed, or none.
+fn encoding_headers(compressed: bool) -> async_nats::HeaderMap {
+    let mut headers = async_nats::HeaderMap::new();
+    if compressed {
+        headers.insert(ENCODING_HEADER, LZ4_ENCODING);
+    }
+    headers
+}
+
+/// The items of a batch's payload, as [`encode`] made it and its headers say; `Err` with why
+/// where it does not decode. A compressed payload is decoded only where it claims at most
+/// [`DECODED_MAX_BYTES`], so that no payload costs more memory than that.
+fn decode<T: DeserializeOwned>(
+    payload: &[u8],
+    headers: Option<&async_nats::HeaderMap>,
+) -> Result<Vec<T>, String> {
+    let encoding = headers.and_then(|headers| headers.get(ENCODING_HEADER));
+    match encoding.map(|value| value.as_str()) {
+        None => postcard::from_bytes(payload).map_err(|error| error.to_string()),
+        Some(LZ4_ENCODING) => {
+            let (size, block) =
+                lz4_flex::block::uncompressed_size(payload).map_err(|error| error.to_string())?;
+            if size > DECODED_MAX_BYTES {
+                return Err(format!(
+                    "claims {size} bytes decompressed, more than {DECODED_MAX_BYTES}"
+                ));
+            }
+            let plain =
+                lz4_flex::block::decompress(block, size).map_err(|error| error.to_string())?;
+            postcard::from_bytes(&plain).map_err(|error| error.to_string())
+        }
+        Some(other) => Err(format!("unknown encoding {other:?}")),
+    }
+}
 
 /// A name for each batch this process publishes, unique across processes.
 fn batch_id() -> String {
@@ -513,17 +580,33 @@ impl JetStream {
     /// Publishes `payload` on the plain (not persisted) subject `ste.<topic>`: for notices that
     /// may be lost, such as a node's station counters, which are cumulative.
     pub fn notify(&self, topic: &str, payload: Vec<u8>) -> Result<(), QueueError> {
+        self.notify_with(topic, async_nats::HeaderMap::new(), payload)
+    }
+
+    /// [`JetStream::notify`] with headers (none sent where `headers` is empty).
+    fn notify_with(
+        &self,
+        topic: &str,
+        headers: async_nats::HeaderMap,
+        payload: Vec<u8>,
+    ) -> Result<(), QueueError> {
+        let payload = bytes::Bytes::from(payload);
         self.runtime.block_on(async {
             // A client cut off from its server buffers publishes until its buffer is full and
             // then waits: a notice is not worth waiting for.
-            tokio::time::timeout(
-                NOTICE_WAIT_MAX,
-                self.client
-                    .publish(subject(topic), bytes::Bytes::from(payload)),
-            )
-            .await
-            .map_err(|_| carrier(topic, "the server is not taking notices"))?
-            .map_err(|error| carrier(topic, error))
+            let publish = async {
+                if headers.is_empty() {
+                    self.client.publish(subject(topic), payload).await
+                } else {
+                    self.client
+                        .publish_with_headers(subject(topic), headers, payload)
+                        .await
+                }
+            };
+            tokio::time::timeout(NOTICE_WAIT_MAX, publish)
+                .await
+                .map_err(|_| carrier(topic, "the server is not taking notices"))?
+                .map_err(|error| carrier(topic, error))
         })
     }
 
@@ -567,8 +650,8 @@ impl JetStream {
     /// what may be lost because whoever misses it asks again (a gateway's answers). `Err` when
     /// the connection does not take it within a second.
     pub fn publish_plain<T: Serialize>(&self, topic: &str, items: &[T]) -> Result<(), QueueError> {
-        let payload = postcard::to_allocvec(items).map_err(|error| carrier(topic, error))?;
-        self.notify(topic, payload)
+        let (payload, compressed) = encode(items).map_err(|error| carrier(topic, error))?;
+        self.notify_with(topic, encoding_headers(compressed), payload)
     }
 
     /// A sender onto `queue`, whose stream must exist.
@@ -661,10 +744,14 @@ impl Listener {
     /// The payload of the next notice, waiting at most `wait`; `None` when none came (or the
     /// subscription ended).
     pub fn next(&mut self, wait: Duration) -> Option<bytes::Bytes> {
+        self.next_message(wait).map(|message| message.payload)
+    }
+
+    /// The next notice, headers and all ([`Listener::next`]).
+    fn next_message(&mut self, wait: Duration) -> Option<async_nats::Message> {
         self.runtime
             .block_on(async { tokio::time::timeout(wait, self.subscriber.next()).await })
             .ok()?
-            .map(|message| message.payload)
     }
 }
 
@@ -707,15 +794,14 @@ impl<T: Serialize> JetStreamSender<T> {
         items: &[T],
         enqueued_ns: u64,
     ) -> Result<Vec<(bytes::Bytes, async_nats::HeaderMap)>, QueueError> {
-        let payload =
-            postcard::to_allocvec(items).map_err(|error| carrier(&self.subject, error))?;
+        let (payload, compressed) = encode(items).map_err(|error| carrier(&self.subject, error))?;
         if payload.len() > BATCH_PAYLOAD_MAX_BYTES && items.len() > 1 {
             let (first, second) = items.split_at(items.len() / 2);
             let mut messages = self.messages(first, enqueued_ns)?;
             messages.extend(self.messages(second, enqueued_ns)?);
             return Ok(messages);
         }
-        Ok(vec![message(payload, enqueued_ns)])
+        Ok(vec![message(payload, compressed, enqueued_ns)])
     }
 
     /// Publishes one batch's message until the server holds it: waiting while the stream is
@@ -749,8 +835,12 @@ impl<T: Serialize> JetStreamSender<T> {
 
 /// A batch's message: its payload, and headers with the time it was enqueued and an id of its
 /// own (tried again after a lost acknowledgement, the batch is stored once).
-fn message(payload: Vec<u8>, enqueued_ns: u64) -> (bytes::Bytes, async_nats::HeaderMap) {
-    let mut headers = async_nats::HeaderMap::new();
+fn message(
+    payload: Vec<u8>,
+    compressed: bool,
+    enqueued_ns: u64,
+) -> (bytes::Bytes, async_nats::HeaderMap) {
+    let mut headers = encoding_headers(compressed);
     headers.insert(ENQUEUED_NS_HEADER, enqueued_ns.to_string().as_str());
     headers.insert(MSG_ID_HEADER, batch_id().as_str());
     (bytes::Bytes::from(payload), headers)
@@ -880,9 +970,9 @@ impl<T: DeserializeOwned + Send + 'static> BatchReceiver<T> for PlainReceiver<T>
                 .listener
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .next(wait);
-            if let Some(payload) = copy {
-                match postcard::from_bytes::<Vec<T>>(&payload) {
+                .next_message(wait);
+            if let Some(copy) = copy {
+                match decode::<T>(&copy.payload, copy.headers.as_ref()) {
                     Ok(items) => {
                         self.station.arrive(items.len() as u64);
                         return Ok(Some(Received {
@@ -1018,7 +1108,16 @@ impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
             .map(|info| info.stream_sequence)
             .unwrap_or_default();
         let bytes = message.payload.len();
+        // Kept with its encoding, so that it can be read as it came.
+        let encoding = message
+            .headers
+            .as_ref()
+            .and_then(|headers| headers.get(ENCODING_HEADER))
+            .map(|value| value.as_str().to_owned());
         let mut headers = async_nats::HeaderMap::new();
+        if let Some(encoding) = encoding {
+            headers.insert(ENCODING_HEADER, encoding.as_str());
+        }
         headers.insert(ASIDE_QUEUE_HEADER, self.queue.as_str());
         headers.insert(ASIDE_SEQUENCE_HEADER, sequence.to_string().as_str());
         headers.insert(ASIDE_CAUSE_HEADER, cause);
@@ -1076,9 +1175,9 @@ impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
         &self,
         message: jetstream::Message,
     ) -> Result<Received<T>, (jetstream::Message, String)> {
-        let items: Vec<T> = match postcard::from_bytes(&message.payload) {
+        let items: Vec<T> = match decode(&message.payload, message.headers.as_ref()) {
             Ok(items) => items,
-            Err(error) => return Err((message, error.to_string())),
+            Err(cause) => return Err((message, cause)),
         };
         let enqueued_ns = message
             .headers
@@ -1145,5 +1244,99 @@ impl<T: DeserializeOwned + Send + 'static> BatchReceiver<T> for JetStreamReceive
 
     fn now_ns(&self) -> u64 {
         wall_ns()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lz4() -> async_nats::HeaderMap {
+        encoding_headers(true)
+    }
+
+    fn xml_batch(count: usize) -> Vec<String> {
+        (0..count)
+            .map(|n| {
+                format!(
+                    "<Message><MsgId>M{n:08}</MsgId><TradeRef>T{:06}</TradeRef>\
+                     <Quantity>{}</Quantity></Message>",
+                    n / 7,
+                    1000 + n
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_large_batch_goes_compressed_and_comes_back_whole() {
+        let items = xml_batch(256);
+        let (payload, compressed) = encode(&items).expect("encodes");
+        assert!(compressed);
+        assert!(payload.len() * 2 < postcard::to_allocvec(&items).expect("encodes").len());
+        let back: Vec<String> =
+            decode(&payload, Some(&encoding_headers(compressed))).expect("decodes");
+        assert_eq!(back, items);
+    }
+
+    #[test]
+    fn a_small_batch_goes_as_postcard_without_a_header() {
+        let items = xml_batch(1);
+        let (payload, compressed) = encode(&items).expect("encodes");
+        assert!(!compressed);
+        assert!(encoding_headers(compressed).is_empty());
+        assert_eq!(payload, postcard::to_allocvec(&items).expect("encodes"));
+        let back: Vec<String> = decode(&payload, None).expect("decodes");
+        assert_eq!(back, items);
+    }
+
+    #[test]
+    fn a_compressed_batch_claiming_more_than_the_bound_is_not_decompressed() {
+        let mut payload = ((DECODED_MAX_BYTES + 1) as u32).to_le_bytes().to_vec();
+        payload.extend_from_slice(&[0x1f, b'x', 0, 0, 0]);
+        let error = decode::<String>(&payload, Some(&lz4())).expect_err("refused");
+        assert!(error.contains("more than"), "{error}");
+        let mut claims_4_gib = u32::MAX.to_le_bytes().to_vec();
+        claims_4_gib.push(0);
+        assert!(decode::<String>(&claims_4_gib, Some(&lz4())).is_err());
+    }
+
+    #[test]
+    fn a_compressed_batch_larger_than_it_claims_or_cut_short_is_refused() {
+        let items = xml_batch(64);
+        let (payload, _) = encode(&items).expect("encodes");
+        let mut understated = payload.clone();
+        understated[..4].copy_from_slice(&100u32.to_le_bytes());
+        assert!(decode::<String>(&understated, Some(&lz4())).is_err());
+        let cut = &payload[..payload.len() / 2];
+        assert!(decode::<String>(cut, Some(&lz4())).is_err());
+        assert!(decode::<String>(&payload[..3], Some(&lz4())).is_err());
+    }
+
+    #[test]
+    fn an_unknown_encoding_is_refused_by_name() {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(ENCODING_HEADER, "zstd");
+        let error = decode::<String>(b"\x00", Some(&headers)).expect_err("refused");
+        assert!(error.contains("zstd"), "{error}");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn no_payload_said_to_be_compressed_makes_decoding_panic(
+            payload in proptest::collection::vec(proptest::num::u8::ANY, 0..2048)
+        ) {
+            let _ = decode::<String>(&payload, Some(&lz4()));
+        }
+
+        #[test]
+        fn hostile_bytes_after_a_true_length_do_not_make_decoding_panic(
+            body in proptest::collection::vec(proptest::num::u8::ANY, 0..2048),
+            size in 0u32..4096,
+        ) {
+            let mut payload = size.to_le_bytes().to_vec();
+            payload.extend_from_slice(&body);
+            let _ = decode::<Vec<u8>>(&payload, Some(&lz4()));
+        }
     }
 }
