@@ -74,9 +74,9 @@ const ENCODING_HEADER: &str = "Ste-Encoding";
 const LZ4_ENCODING: &str = "lz4";
 /// Batches of fewer postcard bytes go uncompressed: too little to gain.
 const COMPRESS_FROM_BYTES: usize = 512;
-/// Most bytes a compressed batch may decode to: what a batch may be uncompressed
-/// ([`BATCH_PAYLOAD_MAX_BYTES`]) with room for one item larger than that on its own. A batch
-/// claiming more is not decoded (it is set aside, unread).
+/// Most bytes a compressed batch may decode to. Senders split batches past
+/// [`BATCH_PAYLOAD_MAX_BYTES`] of postcard, whatever they compress to, and refuse to send one
+/// item past this; a batch claiming more is not decoded (it is set aside, unread).
 const DECODED_MAX_BYTES: usize = 1 << 20;
 /// Batches this process has set aside (each one's log line gives the count so far).
 static BATCHES_SET_ASIDE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -84,8 +84,22 @@ static BATCHES_SET_ASIDE: std::sync::atomic::AtomicU64 = std::sync::atomic::Atom
 /// A batch's payload: its items in postcard, LZ4-compressed where that makes it smaller
 /// (`true`). XML compresses to about a quarter, and every byte a batch saves is a byte the NATS
 /// server and both clients do not encrypt, decrypt, copy or store.
-fn encode<T: Serialize>(items: &[T]) -> Result<(Vec<u8>, bool), postcard::Error> {
-    let plain = postcard::to_allocvec(items)?;
+/// `Err` where the batch decodes to more than [`DECODED_MAX_BYTES`], which no receiver would
+/// take: the sender splits its batches well below it, so only a single item that large gets here.
+#[cfg(test)]
+fn encode<T: Serialize>(items: &[T]) -> Result<(Vec<u8>, bool), String> {
+    let plain = postcard::to_allocvec(items).map_err(|error| error.to_string())?;
+    compress(plain)
+}
+
+/// [`encode`]'s second half: a batch's postcard, compressed where that makes it smaller.
+fn compress(plain: Vec<u8>) -> Result<(Vec<u8>, bool), String> {
+    if plain.len() > DECODED_MAX_BYTES {
+        return Err(format!(
+            "a batch of {} bytes is more than a receiver takes ({DECODED_MAX_BYTES})",
+            plain.len()
+        ));
+    }
     if plain.len() >= COMPRESS_FROM_BYTES {
         let compressed = lz4_flex::block::compress_prepend_size(&plain);
         if compressed.len() < plain.len() {
@@ -97,7 +111,10 @@ fn encode<T: Serialize>(items: &[T]) -> Result<(Vec<u8>, bool), postcard::Error>
 
 /// The bytes `items` take as a batch's payload, compressed where that is smaller.
 pub fn payload_bytes<T: Serialize>(items: &[T]) -> usize {
-    encode(items).map_or(0, |(payload, _)| payload.len())
+    postcard::to_allocvec(items)
+        .ok()
+        .and_then(|plain| compress(plain).ok())
+        .map_or(0, |(payload, _)| payload.len())
 }
 
 /// The headers of a payload [`encode`] compressed, or none.
@@ -650,7 +667,8 @@ impl JetStream {
     /// what may be lost because whoever misses it asks again (a gateway's answers). `Err` when
     /// the connection does not take it within a second.
     pub fn publish_plain<T: Serialize>(&self, topic: &str, items: &[T]) -> Result<(), QueueError> {
-        let (payload, compressed) = encode(items).map_err(|error| carrier(topic, error))?;
+        let plain = postcard::to_allocvec(items).map_err(|error| carrier(topic, error))?;
+        let (payload, compressed) = compress(plain).map_err(|error| carrier(topic, error))?;
         self.notify_with(topic, encoding_headers(compressed), payload)
     }
 
@@ -794,13 +812,17 @@ impl<T: Serialize> JetStreamSender<T> {
         items: &[T],
         enqueued_ns: u64,
     ) -> Result<Vec<(bytes::Bytes, async_nats::HeaderMap)>, QueueError> {
-        let (payload, compressed) = encode(items).map_err(|error| carrier(&self.subject, error))?;
-        if payload.len() > BATCH_PAYLOAD_MAX_BYTES && items.len() > 1 {
+        let plain = postcard::to_allocvec(items).map_err(|error| carrier(&self.subject, error))?;
+        // Split by the bytes a receiver decodes, whatever they compress to, so that no batch
+        // decodes to more than it takes (a compressed payload is smaller still).
+        if plain.len() > BATCH_PAYLOAD_MAX_BYTES && items.len() > 1 {
             let (first, second) = items.split_at(items.len() / 2);
             let mut messages = self.messages(first, enqueued_ns)?;
             messages.extend(self.messages(second, enqueued_ns)?);
             return Ok(messages);
         }
+        let (payload, compressed) =
+            compress(plain).map_err(|error| carrier(&self.subject, error))?;
         Ok(vec![message(payload, compressed, enqueued_ns)])
     }
 
@@ -1311,6 +1333,13 @@ mod tests {
         let cut = &payload[..payload.len() / 2];
         assert!(decode::<String>(cut, Some(&lz4())).is_err());
         assert!(decode::<String>(&payload[..3], Some(&lz4())).is_err());
+    }
+
+    #[test]
+    fn a_batch_that_would_decode_to_more_than_a_receiver_takes_is_not_sent() {
+        let one_item = vec![vec![7u8; DECODED_MAX_BYTES + 1]];
+        let error = encode(&one_item).expect_err("refused");
+        assert!(error.contains("more than a receiver takes"), "{error}");
     }
 
     #[test]
