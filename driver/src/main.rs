@@ -173,6 +173,11 @@ struct GenerationArgs {
     /// Shuffle each trade's messages (where the fault allows it).
     #[arg(long)]
     shuffle: bool,
+    /// This run's tag in every TradeRef and MsgId (5 of 0-9 and A-Z); default: drawn at
+    /// random and printed, so that runs against one long-lived node or cluster never meet
+    /// each other's trades. Give a former run's to send its messages again.
+    #[arg(long, value_name = "ID")]
+    run_id: Option<String>,
 }
 
 #[derive(Copy, Clone, ValueEnum)]
@@ -306,6 +311,10 @@ struct RunArgs {
     /// Connections to the --target engine; a trade's messages share one.
     #[arg(long, default_value_t = 4)]
     connections: usize,
+    /// With --target: once every message is answered, how long to go on waiting while no CLS
+    /// comes before reporting the trades that did not complete (and failing).
+    #[arg(long, value_name = "SECONDS", default_value_t = ste_driver::remote::CLS_WAIT_DEFAULT.as_secs_f64())]
+    cls_wait: f64,
     /// Print the summary as one JSON object.
     #[arg(long)]
     json: bool,
@@ -356,11 +365,20 @@ fn generator_config(args: &GenerationArgs) -> anyhow::Result<GeneratorConfig> {
     if !(0.0..=1.0).contains(&args.fault_rate) {
         bail!("--fault-rate must be between 0 and 1");
     }
+    let run = match &args.run_id {
+        Some(run) if !ste_engine::generator::is_run_id(run) => {
+            bail!("--run-id {run:?} is not 5 characters of 0-9 and A-Z")
+        }
+        Some(run) => run.clone(),
+        None => ste_engine::generator::random_run_id(),
+    };
+    eprintln!("run id {run}: TradeRefs T{run}…, MsgIds <Sender>-{run}…");
     Ok(GeneratorConfig {
         trades: args.trades,
         seed: args.seed,
         fault_rate: args.fault_rate,
         shuffle: args.shuffle,
+        run,
     })
 }
 
@@ -692,6 +710,8 @@ fn run_remote(args: RunArgs, target: String, refdata: Arc<RefData>) -> anyhow::R
             None => Source::Generated(generator_config(&args.generation)?),
         },
         progress: !args.quiet,
+        cls_wait: Duration::try_from_secs_f64(args.cls_wait)
+            .context("--cls-wait is a number of seconds")?,
     };
     let summary = run_remote_load(&config, refdata)?;
     if json {
@@ -725,7 +745,59 @@ fn run_remote(args: RunArgs, target: String, refdata: Arc<RefData>) -> anyhow::R
             );
         }
     }
+    if summary.missing_cls > 0 {
+        report_missing(&summary, config.cls_wait);
+    }
     check_outcome(summary.conserved, summary.matches_expected)
+}
+
+/// Says which trades did not complete within the wait for their CLS, and what the answers
+/// say about why: the reason codes that came more or less often than the generator expected.
+fn report_missing(summary: &ste_driver::remote::RemoteSummary, waited: Duration) {
+    eprintln!(
+        "{} trades expected to match have no CLS after {:.0} s without one: {}{}",
+        summary.missing_cls,
+        waited.as_secs_f64(),
+        summary.missing_cls_ids.join(" "),
+        if summary.missing_cls > summary.missing_cls_ids.len() as u64 {
+            " …"
+        } else {
+            ""
+        }
+    );
+    let Some(expected) = &summary.expected else {
+        return;
+    };
+    let codes: std::collections::BTreeSet<&String> = expected
+        .exceptions
+        .keys()
+        .chain(summary.exceptions.keys())
+        .collect();
+    for code in codes {
+        let (want, got) = (
+            expected.exceptions.get(code).copied().unwrap_or(0),
+            summary.exceptions.get(code).copied().unwrap_or(0),
+        );
+        if want != got {
+            eprintln!("  {code}: {got} answered, {want} expected");
+        }
+    }
+    if expected.accepted != summary.accepted || expected.duplicates != summary.duplicates {
+        eprintln!(
+            "  accepted {} and duplicates {}, against {} and {} expected",
+            summary.accepted, summary.duplicates, expected.accepted, expected.duplicates
+        );
+    }
+    let count = |outcome: &std::collections::BTreeMap<String, u64>| {
+        outcome.get("E_DUPID").copied().unwrap_or(0)
+    };
+    if count(&summary.exceptions) > count(&expected.exceptions)
+        || summary.duplicates > expected.duplicates
+    {
+        eprintln!(
+            "  more E_DUPID or duplicates than expected: MsgIds this node had seen before (a run with the same --run-id, or a file replayed)"
+        );
+    }
 }
 
 fn check_summary(summary: &Summary) -> anyhow::Result<()> {

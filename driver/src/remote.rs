@@ -18,14 +18,17 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 use ste_bridge::client::{self, FrameWriter, Logon};
 use ste_bridge::frame::{Frame, PushClass};
-use ste_engine::generator::{Generator, RunOutcome};
+use ste_engine::generator::{FinalState, Generator, RunOutcome};
 use ste_engine::pipeline::{inbound_index, sign_line};
 use ste_engine::refdata::RefData;
 
 use crate::{LatencySummary, MessageSetReader, Progress, Source, Tally};
 
-/// How long the driver waits for CLS that are still due once every message is answered.
-const CLS_WAIT: Duration = Duration::from_secs(60);
+/// How long the driver waits, once every message is answered, for a CLS still due before it
+/// gives up on the rest ([`RemoteConfig::cls_wait`]'s default).
+pub const CLS_WAIT_DEFAULT: Duration = Duration::from_secs(30);
+/// Missing CLS a report names one by one; the rest are counted.
+const MISSING_NAMED_MAX: usize = 20;
 
 /// A run against an engine node.
 #[derive(Debug, Clone)]
@@ -39,6 +42,9 @@ pub struct RemoteConfig {
     pub window: u64,
     pub source: Source,
     pub progress: bool,
+    /// How long, once every message is answered, the driver goes on waiting for CLS that are
+    /// due while none comes; then it reports the trades that did not complete.
+    pub cls_wait: Duration,
 }
 
 /// What a run against an engine node measured.
@@ -64,6 +70,10 @@ pub struct RemoteSummary {
     pub expected: Option<RunOutcome>,
     /// Messages, ACKs, NAKs by code and CLS as the generator expected.
     pub matches_expected: Option<bool>,
+    /// Trades the generator expected to match whose CLS did not come within the wait: how many,
+    /// and the ClsIds of the first of them.
+    pub missing_cls: u64,
+    pub missing_cls_ids: Vec<String>,
 }
 
 /// What the reader of one connection counts.
@@ -290,7 +300,7 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
             last_progress = (seen, Instant::now());
         }
         let quiet = last_progress.1.elapsed();
-        if quiet > CLS_WAIT || (cls_due.is_none() && quiet > Duration::from_secs(2)) {
+        if quiet > config.cls_wait || (cls_due.is_none() && quiet > Duration::from_secs(2)) {
             break;
         }
         std::thread::sleep(Duration::from_millis(5));
@@ -328,6 +338,12 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
             && e.exceptions == exceptions
             && e.cls == cls.len() as u64
     });
+    let (missing_cls, missing_cls_ids) = match (&config.source, expected.as_ref()) {
+        (Source::Generated(generator), Some(expected)) if (cls.len() as u64) < expected.cls => {
+            missing(&refdata, generator, &cls)
+        }
+        _ => (0, Vec::new()),
+    };
     let ms = |us: u64| us as f64 / 1000.0;
     Ok(RemoteSummary {
         target: config.address.clone(),
@@ -352,7 +368,34 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
         conserved: messages_in == accepted + duplicates + exceptions_total,
         expected,
         matches_expected,
+        missing_cls,
+        missing_cls_ids,
     })
+}
+
+/// The trades of `generator`'s set that should have matched and whose CLS is not among `seen`
+/// (hashes of ClsIds): how many, and the ClsIds of the first [`MISSING_NAMED_MAX`]. The set is
+/// generated again rather than kept, so that a run holds no list of its trades.
+fn missing(
+    refdata: &RefData,
+    generator: &ste_engine::generator::GeneratorConfig,
+    seen: &AHashSet<u128>,
+) -> (u64, Vec<String>) {
+    let mut trades = Generator::new(refdata, generator.clone());
+    let (mut count, mut named) = (0, Vec::new());
+    while let Some(case) = trades.next_trade() {
+        if case.final_state != FinalState::Matched {
+            continue;
+        }
+        let cls_id = format!("CLS-{}", case.trade_key.replacen('/', "-", 1));
+        if !seen.contains(&xxhash_rust::xxh3::xxh3_128(cls_id.as_bytes())) {
+            count += 1;
+            if named.len() < MISSING_NAMED_MAX {
+                named.push(cls_id);
+            }
+        }
+    }
+    (count, named)
 }
 
 /// The ClsId of a pushed CLS.

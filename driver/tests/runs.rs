@@ -39,6 +39,7 @@ fn fault_mix(trades: u64) -> Source {
         seed: 7,
         fault_rate: 0.4,
         shuffle: true,
+        run: String::new(),
     })
 }
 

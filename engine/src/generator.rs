@@ -31,6 +31,9 @@ const UNKNOWN_SENDER: &str = "ZZZZSG21XXX";
 /// An amount error far beyond every tolerance band.
 const MISMATCH_UNITS: i128 = 50;
 
+/// Characters of a run id ([`GeneratorConfig::run`]).
+pub const RUN_ID_LEN: usize = 5;
+
 /// What to generate.
 #[derive(Debug, Clone)]
 pub struct GeneratorConfig {
@@ -40,18 +43,41 @@ pub struct GeneratorConfig {
     pub fault_rate: f64,
     /// Shuffle each trade's messages (where the fault allows).
     pub shuffle: bool,
+    /// A run's own tag in every TradeRef and MsgId (`T{run}{n:011}`,
+    /// `{sender}-{run}{n:012}-{nn}`), so that the trades of two runs against one long-lived
+    /// store never meet: empty, or [`RUN_ID_LEN`] characters of `0-9A-Z` ([`is_run_id`]).
+    pub run: String,
 }
 
 impl GeneratorConfig {
-    /// `trades` clean standard trades with the default seed.
+    /// `trades` clean standard trades with the default seed, no run id.
     pub fn clean(trades: u64) -> Self {
         Self {
             trades,
             seed: DEFAULT_SEED,
             fault_rate: 0.0,
             shuffle: false,
+            run: String::new(),
         }
     }
+}
+
+/// Whether `text` is a run id: [`RUN_ID_LEN`] characters of `0-9A-Z`. Within it, a MsgId of a
+/// generated trade is 32 characters and its corrections' 34, under the 35 a MsgId may have.
+pub fn is_run_id(text: &str) -> bool {
+    text.len() == RUN_ID_LEN
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_digit() || b.is_ascii_uppercase())
+}
+
+/// A run id drawn from the operating system's generator (60 million of them: two runs meet
+/// once in tens of millions of pairs).
+pub fn random_run_id() -> String {
+    const DIGITS: &[u8; 36] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ";
+    (0..RUN_ID_LEN)
+        .map(|_| char::from(DIGITS[rand::random::<usize>() % DIGITS.len()]))
+        .collect()
 }
 
 /// The counts of a run: what a generated set must produce, and what the driver's summary reports.
@@ -286,7 +312,8 @@ impl<'r> Generator<'r> {
         for _ in 0..2 {
             settle_date = self.business_day_on_or_after(&market, settle_date + Duration::days(1));
         }
-        let trade_ref = format!("T{:011}", index + 1);
+        let run = self.config.run.clone();
+        let trade_ref = format!("T{run}{:011}", index + 1);
         let sent_at = format!("{}T09:30:00.000Z", format_date(trade_date));
         let template = Msg {
             msg_id: String::new(),
@@ -321,7 +348,7 @@ impl<'r> Generator<'r> {
         let mut sequence = 0;
         let mut next_id = |sender: &str| {
             sequence += 1;
-            format!("{sender}-{:012}-{sequence:02}", index + 1)
+            format!("{sender}-{run}{:012}-{sequence:02}", index + 1)
         };
         let mut messages = Vec::with_capacity(MESSAGES_PER_TRADE);
         messages.push(Msg {

@@ -244,6 +244,76 @@ fn a_restarted_pipeline_rebuilds_its_matchers_from_the_shards() {
     assert_eq!(matched.len() as u64, trades);
 }
 
+#[test]
+fn runs_with_run_ids_of_their_own_follow_each_other_on_one_store_and_a_repeated_one_meets_the_first(
+) {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let refdata = refdata();
+    let trades = 120;
+    let set = |run: &str| -> Vec<Vec<u8>> {
+        let config = GeneratorConfig {
+            run: run.to_owned(),
+            fault_rate: 0.3,
+            shuffle: true,
+            ..GeneratorConfig::clean(trades)
+        };
+        Generator::new(&refdata, config).collect()
+    };
+    let (first, second) = (set("RUN01"), set("RUN02"));
+    let text = String::from_utf8_lossy(&first[0]).into_owned();
+    assert!(
+        text.contains("<TradeRef>TRUN0100000000001</TradeRef>"),
+        "{text}"
+    );
+    assert!(text.contains("-RUN01000000000001-01</MsgId>"), "{text}");
+    let accepted = |results: &[AckResult]| {
+        results
+            .iter()
+            .filter(|r| **r == AckResult::Accepted)
+            .count()
+    };
+    let config = embedded(dir.path(), 2);
+    let (results_first, cls_first) = run_lines(&config, &refdata, &first);
+    // The same seed's trades under another run id: nothing of the first run is met again.
+    let again = PipelineConfig {
+        recover: true,
+        ..embedded(dir.path(), 2)
+    };
+    let (results_second, cls_second) = run_lines(&again, &refdata, &second);
+    let tally = |results: &[AckResult]| {
+        let mut answers: Vec<String> = results.iter().map(|r| format!("{r:?}")).collect();
+        answers.sort();
+        answers
+    };
+    assert_eq!(tally(&results_second), tally(&results_first));
+    assert!(accepted(&results_second) > 500);
+    assert_eq!(
+        cls_second.iter().filter(|(_, again)| !again).count(),
+        cls_first.len()
+    );
+    assert!(cls_first.len() > 50);
+    // The first run's set once more: every message meets its first sending.
+    let (results_third, cls_third) = run_lines(&again, &refdata, &first);
+    assert_eq!(accepted(&results_third), 0);
+    assert!(cls_third.iter().all(|(_, again)| *again));
+}
+
+#[test]
+fn a_run_id_is_five_of_0_to_9_and_a_to_z() {
+    use ste_engine::generator::{is_run_id, random_run_id};
+    assert!(is_run_id("K7Q2M"));
+    assert!(!is_run_id("k7q2m"));
+    assert!(!is_run_id("K7Q2"));
+    assert!(!is_run_id("K7Q2M1"));
+    assert!(!is_run_id("K7-2M"));
+    let drawn: Vec<String> = (0..20).map(|_| random_run_id()).collect();
+    assert!(drawn.iter().all(|run| is_run_id(run)), "{drawn:?}");
+    let mut distinct = drawn.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert!(distinct.len() > 15, "{drawn:?}");
+}
+
 /// `line` with the text of its first `<tag>` element replaced.
 fn with_element(line: &[u8], tag: &str, value: &str) -> Vec<u8> {
     let text = std::str::from_utf8(line).expect("UTF-8");

@@ -117,6 +117,7 @@ fn a_bounded_matcher_reads_back_from_its_shard_what_it_retired() {
             seed: 23,
             fault_rate: 0.3,
             shuffle: true,
+            run: String::new(),
         },
     );
     let lines: Vec<Vec<u8>> = generator.by_ref().collect();
