@@ -243,11 +243,25 @@ pub fn run_cluster(
     }
     let elapsed_s = run_seconds(&tally, started);
     let cpu = cpu_before.until(&CpuReading::now());
-    while jetstream
-        .queue_len(ClusterLayout::CLS_QUEUE)
-        .context("reading the CLS queue")?
-        > 0
-    {
+    // The CLS of every commit are on their queue; the sink takes them. Waiting is bounded as
+    // the answers' is: a queue that does not shrink for the stall timeout ends the run, and a
+    // sink that ended says why below.
+    let mut draining = (u64::MAX, Instant::now());
+    loop {
+        let left = jetstream
+            .queue_len(ClusterLayout::CLS_QUEUE)
+            .context("reading the CLS queue")?;
+        if left == 0 || sink_thread.is_finished() {
+            break;
+        }
+        if left < draining.0 {
+            draining = (left, Instant::now());
+        } else if draining.1.elapsed() > target.stall_timeout {
+            bail!(
+                "the CLS queue has held {left} batches for {} s that the sink does not take",
+                target.stall_timeout.as_secs()
+            );
+        }
         std::thread::sleep(DRAIN_POLL);
     }
     sink_stopper.stop();
