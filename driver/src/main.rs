@@ -789,7 +789,10 @@ fn report_missing(summary: &ste_driver::remote::RemoteSummary, waited: Duration)
         );
     }
     let count = |outcome: &std::collections::BTreeMap<String, u64>| {
-        outcome.get("E_DUPID").copied().unwrap_or(0)
+        outcome
+            .get(ste_engine::reason::ReasonCode::DupId.as_str())
+            .copied()
+            .unwrap_or(0)
     };
     if count(&summary.exceptions) > count(&expected.exceptions)
         || summary.duplicates > expected.duplicates

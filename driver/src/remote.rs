@@ -387,7 +387,10 @@ fn missing(
         if case.final_state != FinalState::Matched {
             continue;
         }
-        let cls_id = format!("CLS-{}", case.trade_key.replacen('/', "-", 1));
+        let Some((broker, trade_ref)) = case.trade_key.split_once('/') else {
+            continue;
+        };
+        let cls_id = ste_engine::model::cls_id(broker, trade_ref);
         if !seen.contains(&xxhash_rust::xxh3::xxh3_128(cls_id.as_bytes())) {
             count += 1;
             if named.len() < MISSING_NAMED_MAX {

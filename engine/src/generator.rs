@@ -71,12 +71,13 @@ pub fn is_run_id(text: &str) -> bool {
             .all(|b| b.is_ascii_digit() || b.is_ascii_uppercase())
 }
 
-/// A run id drawn from the operating system's generator (60 million of them: two runs meet
-/// once in tens of millions of pairs).
+/// A run id drawn at random (by `rand`'s thread generator, seeded from the operating system):
+/// one of 60 million, so that two runs meet once in tens of millions of pairs.
 pub fn random_run_id() -> String {
     const DIGITS: &[u8; 36] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ";
+    let mut rng = rand::thread_rng();
     (0..RUN_ID_LEN)
-        .map(|_| char::from(DIGITS[rand::random::<usize>() % DIGITS.len()]))
+        .map(|_| char::from(DIGITS[rng.gen_range(0..DIGITS.len())]))
         .collect()
 }
 

@@ -81,18 +81,11 @@ const DECODED_MAX_BYTES: usize = 1 << 20;
 /// Batches this process has set aside (each one's log line gives the count so far).
 static BATCHES_SET_ASIDE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// A batch's payload: its items in postcard, LZ4-compressed where that makes it smaller
-/// (`true`). XML compresses to about a quarter, and every byte a batch saves is a byte the NATS
-/// server and both clients do not encrypt, decrypt, copy or store.
-/// `Err` where the batch decodes to more than [`DECODED_MAX_BYTES`], which no receiver would
-/// take: the sender splits its batches well below it, so only a single item that large gets here.
-#[cfg(test)]
-fn encode<T: Serialize>(items: &[T]) -> Result<(Vec<u8>, bool), String> {
-    let plain = postcard::to_allocvec(items).map_err(|error| error.to_string())?;
-    compress(plain)
-}
-
-/// [`encode`]'s second half: a batch's postcard, compressed where that makes it smaller.
+/// A batch's payload from its postcard `plain`: LZ4-compressed where that makes it smaller
+/// (`true`). XML compresses to about a fifth, and every byte a batch saves is a byte the NATS
+/// server and both clients do not encrypt, decrypt, copy or store. `Err` where the batch
+/// decodes to more than [`DECODED_MAX_BYTES`], which no receiver would take: senders split
+/// their batches well below it, so only a single item that large gets here.
 fn compress(plain: Vec<u8>) -> Result<(Vec<u8>, bool), String> {
     if plain.len() > DECODED_MAX_BYTES {
         return Err(format!(
@@ -117,7 +110,7 @@ pub fn payload_bytes<T: Serialize>(items: &[T]) -> usize {
         .map_or(0, |(payload, _)| payload.len())
 }
 
-/// The headers of a payload [`encode`] compressed, or none.
+/// The headers of a payload [`compress`] compressed, or none.
 fn encoding_headers(compressed: bool) -> async_nats::HeaderMap {
     let mut headers = async_nats::HeaderMap::new();
     if compressed {
@@ -126,7 +119,7 @@ fn encoding_headers(compressed: bool) -> async_nats::HeaderMap {
     headers
 }
 
-/// The items of a batch's payload, as [`encode`] made it and its headers say; `Err` with why
+/// The items of a batch's payload, as [`compress`] made it and its headers say; `Err` with why
 /// where it does not decode. A compressed payload is decoded only where it claims at most
 /// [`DECODED_MAX_BYTES`], so that no payload costs more memory than that.
 fn decode<T: DeserializeOwned>(
@@ -1275,6 +1268,11 @@ mod tests {
 
     fn lz4() -> async_nats::HeaderMap {
         encoding_headers(true)
+    }
+
+    /// A batch's payload as a sender makes it.
+    fn encode<T: Serialize>(items: &[T]) -> Result<(Vec<u8>, bool), String> {
+        compress(postcard::to_allocvec(items).map_err(|error| error.to_string())?)
     }
 
     fn xml_batch(count: usize) -> Vec<String> {
