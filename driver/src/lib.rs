@@ -22,6 +22,7 @@ use ste_engine::validate::MESSAGE_SIZE_MAX_BYTES;
 use ste_sink::Sink;
 
 pub mod cluster;
+pub mod nemesis;
 pub mod remote;
 pub mod scale;
 pub mod secrets;

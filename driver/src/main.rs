@@ -150,6 +150,42 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Start a cluster on this machine (three NATS servers, four PostgreSQL instances, three
+    /// owner nodes and a gateway node, TLS and identities everywhere), load it through the
+    /// gateway in rounds of faulty, shuffled trades, and meanwhile inject faults drawn from
+    /// --seed: owner nodes killed or stopped, NATS servers killed, PostgreSQL instances
+    /// stopped, each healed later. Every round and then every shard is checked; a failure
+    /// names the seed and the faults applied by then. The schedule, the faults as applied, the
+    /// rounds and report.json go to --dir.
+    Nemesis {
+        /// Seed of the schedule: the same seed, the same faults at the same times.
+        #[arg(long)]
+        seed: u64,
+        /// Minutes of load (the faults fall within it).
+        #[arg(long, default_value_t = 2.0)]
+        minutes: f64,
+        /// Mean time between faults, seconds.
+        #[arg(long, default_value_t = 3.0)]
+        gap: f64,
+        /// The kinds of fault to draw from, comma-separated (default: every kind).
+        #[arg(long, value_enum, value_delimiter = ',')]
+        kinds: Vec<ste_driver::nemesis::FaultKind>,
+        /// Apply only the first K faults of the schedule (the prefix a failure names).
+        #[arg(long, value_name = "K")]
+        faults: Option<usize>,
+        /// Trades of each round of load.
+        #[arg(long, default_value_t = 1_000)]
+        round_trades: u64,
+        /// The run folder; default runs/nemesis-<seed>-<time>.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Print the report as JSON on stdout.
+        #[arg(long)]
+        json: bool,
+        /// No progress on stderr.
+        #[arg(long)]
+        quiet: bool,
+    },
     /// Write the reference-data CSV files (deterministic).
     Refdata {
         /// Folder to write into.
@@ -312,7 +348,8 @@ struct RunArgs {
     #[arg(long, default_value_t = 4)]
     connections: usize,
     /// With --target: once every message is answered, how long to go on waiting while no CLS
-    /// comes before reporting the trades that did not complete (and failing).
+    /// comes before reporting the trades that did not complete (and failing); also how long to
+    /// wait while no answer comes before counting the messages still unanswered (and failing).
     #[arg(long, value_name = "SECONDS", default_value_t = ste_driver::remote::CLS_WAIT_DEFAULT.as_secs_f64())]
     cls_wait: f64,
     /// Print the summary as one JSON object.
@@ -519,6 +556,24 @@ fn run_cli() -> anyhow::Result<()> {
     if let Some(secrets) = secrets.or(cli.run.secrets.as_ref()) {
         ste_engine::store::PgStore::use_password_file_in(secrets);
     }
+    let nemesis_dir = match &cli.command {
+        Some(Command::Nemesis { dir, seed, .. }) => Some(dir.clone().unwrap_or_else(|| {
+            PathBuf::from(format!(
+                "runs/nemesis-{seed}-{}",
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |since| since.as_secs())
+            ))
+        })),
+        _ => None,
+    };
+    if let Some(dir) = &nemesis_dir {
+        // The run makes the shards' roles' passwords there once its instances start; nothing
+        // else has started yet.
+        if std::env::var_os("PGPASSFILE").is_none() {
+            std::env::set_var("PGPASSFILE", ste_driver::nemesis::password_file(dir));
+        }
+    }
     match cli.command {
         Some(Command::Refdata { out }) => {
             ste_engine::refdata::generate::write_files(&out)
@@ -587,6 +642,39 @@ fn run_cli() -> anyhow::Result<()> {
             eprintln!("{} shard databases migrated", db.len());
             Ok(())
         }
+        Some(Command::Nemesis {
+            seed,
+            minutes,
+            gap,
+            kinds,
+            faults,
+            round_trades,
+            dir: _,
+            json,
+            quiet,
+        }) => nemesis(
+            ste_driver::nemesis::NemesisConfig {
+                seed,
+                span: Duration::try_from_secs_f64(minutes * 60.0)
+                    .context("--minutes is a number of minutes")?,
+                mean_gap: Duration::try_from_secs_f64(gap)
+                    .context("--gap is a number of seconds")?,
+                kinds: if kinds.is_empty() {
+                    ste_driver::nemesis::FaultKind::ALL.to_vec()
+                } else {
+                    kinds
+                },
+                faults,
+                round_trades: round_trades.max(1),
+                dir: nemesis_dir.expect("set for the nemesis"),
+                engine: PathBuf::new(),
+                nats_server: PathBuf::new(),
+                local_cluster: PathBuf::new(),
+                bin_dir: PathBuf::new(),
+                progress: !quiet,
+            },
+            json,
+        ),
         Some(Command::Keys { out, refdata }) => {
             let refdata = load_refdata(refdata.as_ref())?;
             KeyRing::generate_for(&refdata)
@@ -692,6 +780,57 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     check_summary(&summary)
 }
 
+/// Runs the nemesis with the programs beside this driver and the repository's
+/// `deploy/local-cluster.sh`, prints its report and fails on any violation.
+fn nemesis(mut config: ste_driver::nemesis::NemesisConfig, json: bool) -> anyhow::Result<()> {
+    let (engine, nats_server) = ste_driver::scale::local_programs()?;
+    config.bin_dir = engine.parent().context("the programs' folder")?.to_owned();
+    config.engine = engine;
+    config.nats_server = nats_server;
+    config.local_cluster = match std::env::var_os("STE_LOCAL_CLUSTER") {
+        Some(path) => PathBuf::from(path),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/local-cluster.sh"),
+    };
+    if !config.local_cluster.exists() {
+        bail!(
+            "{} is missing: run the nemesis from the repository, or name the script in \
+             STE_LOCAL_CLUSTER",
+            config.local_cluster.display()
+        );
+    }
+    let (seed, minutes) = (config.seed, config.span.as_secs_f64() / 60.0);
+    let report = ste_driver::nemesis::run(&config, load_refdata(None)?)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "nemesis seed {seed}: {} faults applied of {} scheduled, {} rounds, {} messages, \
+             {:.0} answers/s over {:.0} s",
+            report.faults.len(),
+            report.faults_scheduled,
+            report.rounds.len(),
+            report.messages,
+            report.answers_per_s,
+            report.elapsed_s
+        );
+        print!("{}", ste_driver::nemesis::by_kind(&report));
+        println!("run folder {}", config.dir.display());
+    }
+    match &report.failure {
+        None => Ok(()),
+        Some(failure) => bail!(
+            "nemesis seed {seed} failed {:.1} s into the load, after {} faults: {}\n\
+             the schedule's prefix that shows it: driver nemesis --seed {seed} --minutes {minutes} \
+             --faults {} (schedule.csv and faults.csv in {})",
+            failure.at_s,
+            failure.faults_applied,
+            failure.what,
+            failure.faults_applied,
+            config.dir.display()
+        ),
+    }
+}
+
 /// In-flight messages per connection to a --target engine unless --window says otherwise.
 const REMOTE_WINDOW: u64 = 4096;
 
@@ -712,6 +851,7 @@ fn run_remote(args: RunArgs, target: String, refdata: Arc<RefData>) -> anyhow::R
         progress: !args.quiet,
         cls_wait: Duration::try_from_secs_f64(args.cls_wait)
             .context("--cls-wait is a number of seconds")?,
+        answers: Default::default(),
     };
     let summary = run_remote_load(&config, refdata)?;
     if json {
@@ -744,6 +884,13 @@ fn run_remote(args: RunArgs, target: String, refdata: Arc<RefData>) -> anyhow::R
                 if matches { "matched" } else { "DIFFERS" }
             );
         }
+    }
+    if summary.unanswered > 0 {
+        eprintln!(
+            "{} messages had no answer after {:.0} s without one",
+            summary.unanswered,
+            config.cls_wait.as_secs_f64()
+        );
     }
     if summary.missing_cls > 0 {
         report_missing(&summary, config.cls_wait);

@@ -43,8 +43,12 @@ pub struct RemoteConfig {
     pub source: Source,
     pub progress: bool,
     /// How long, once every message is answered, the driver goes on waiting for CLS that are
-    /// due while none comes; then it reports the trades that did not complete.
+    /// due while none comes; then it reports the trades that did not complete. Also how long it
+    /// waits for answers while none comes: past it, the messages still unanswered are counted
+    /// ([`RemoteSummary::unanswered`]) and the run ends.
     pub cls_wait: Duration,
+    /// Counts every answer as it comes (an observer's view of progress, e.g. the nemesis's).
+    pub answers: Arc<AtomicU64>,
 }
 
 /// What a run against an engine node measured.
@@ -58,8 +62,10 @@ pub struct RemoteSummary {
     pub accepted: u64,
     pub duplicates: u64,
     pub exceptions: BTreeMap<String, u64>,
-    /// Distinct CLS pushed to the driver.
+    /// Distinct CLS of this run's trades pushed to the driver.
     pub cls: u64,
+    /// CLS of other runs' trades pushed meanwhile (a run with a run id tells them apart).
+    pub other_runs_cls: u64,
     pub mismatched_advices: u64,
     pub elapsed_s: f64,
     pub throughput_msg_s: f64,
@@ -74,11 +80,17 @@ pub struct RemoteSummary {
     /// and the ClsIds of the first of them.
     pub missing_cls: u64,
     pub missing_cls_ids: Vec<String>,
+    /// Messages sent that had no answer when the driver stopped waiting (no answer came for
+    /// the wait of [`RemoteConfig::cls_wait`]).
+    pub unanswered: u64,
 }
 
 /// What the reader of one connection counts.
 #[derive(Default)]
 struct Counts {
+    /// CLS of trades of other runs (a subscriber gets every CLS still owed to it, and one the
+    /// cluster was not sure it had delivered comes again).
+    other_runs_cls: u64,
     duplicates: u64,
     exceptions: BTreeMap<String, u64>,
     cls: AHashSet<u128>,
@@ -151,6 +163,14 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
             cls: AtomicU64::new(0),
         });
         let (tally, link_for_reader) = (tally.clone(), link.clone());
+        let answers = config.answers.clone();
+        // A generated run with a run id knows its own CLS by the TradeRefs in their ids.
+        let own_run: Option<Vec<u8>> = match &config.source {
+            Source::Generated(generator) if !generator.run.is_empty() => {
+                Some(format!("-T{}", generator.run).into_bytes())
+            }
+            _ => None,
+        };
         readers.push(std::thread::spawn(move || {
             let mut counts = Counts::default();
             let mut latency =
@@ -185,7 +205,15 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
                         class: PushClass::Cls,
                         xml,
                     } => {
-                        if counts.cls.insert(xxhash_rust::xxh3::xxh3_128(cls_id(xml))) {
+                        let id = cls_id(xml);
+                        if own_run
+                            .as_ref()
+                            .is_some_and(|tag| ste_engine::sign::find(id, tag).is_none())
+                        {
+                            counts.other_runs_cls += 1;
+                            continue;
+                        }
+                        if counts.cls.insert(xxhash_rust::xxh3::xxh3_128(id)) {
                             link_for_reader.cls.fetch_add(1, Ordering::Relaxed);
                         }
                         continue;
@@ -211,6 +239,7 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
                 let now_ns = started.elapsed().as_nanos() as u64;
                 latency.saturating_record((now_ns.saturating_sub(seq) / 1000).max(1));
                 link_for_reader.answered.fetch_add(1, Ordering::Relaxed);
+                answers.fetch_add(1, Ordering::Relaxed);
                 tally.acked.fetch_add(1, Ordering::Relaxed);
                 tally.last_ack_ns.store(now_ns, Ordering::Relaxed);
             }
@@ -230,6 +259,7 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
         window,
         started,
         submitted: &progress.submitted,
+        patience: config.cls_wait,
     };
     let sent = match &config.source {
         Source::Generated(generator_config) => {
@@ -282,9 +312,18 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
             .sum::<u64>()
     };
     let readers_done = || readers.iter().all(|r| r.is_finished());
+    // Answers may stop coming (a node lost what it owed): the wait ends once none has come for
+    // the patience, and what is missing is counted.
+    let mut last_answer = (answered(), Instant::now());
     while answered() < messages_in && !readers_done() {
+        if answered() != last_answer.0 {
+            last_answer = (answered(), Instant::now());
+        } else if last_answer.1.elapsed() > config.cls_wait {
+            break;
+        }
         std::thread::sleep(Duration::from_millis(1));
     }
+    let unanswered = messages_in.saturating_sub(answered());
     let elapsed_s = match tally.last_ack_ns.load(Ordering::Relaxed) {
         0 => started.elapsed().as_secs_f64(),
         last => last as f64 / 1e9,
@@ -312,7 +351,7 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
 
     let mut latency = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("a histogram");
     let mut exceptions = BTreeMap::new();
-    let (mut duplicates, mut advices) = (0, 0);
+    let (mut duplicates, mut advices, mut other_runs_cls) = (0, 0, 0);
     let mut cls = AHashSet::new();
     for reader in readers {
         let (counts, histogram) = reader
@@ -327,6 +366,7 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
         }
         duplicates += counts.duplicates;
         advices += counts.advices;
+        other_runs_cls += counts.other_runs_cls;
         cls.extend(counts.cls);
     }
     let accepted = tally.accepted.load(Ordering::Relaxed);
@@ -355,6 +395,7 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
         duplicates,
         exceptions,
         cls: cls.len() as u64,
+        other_runs_cls,
         mismatched_advices: advices,
         elapsed_s,
         throughput_msg_s: messages_in as f64 / elapsed_s.max(1e-9),
@@ -370,6 +411,7 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
         matches_expected,
         missing_cls,
         missing_cls_ids,
+        unanswered,
     })
 }
 
@@ -423,6 +465,8 @@ struct Sender<'a> {
     window: u64,
     started: Instant,
     submitted: &'a AtomicU64,
+    /// How long a full window waits for an answer before the run gives up.
+    patience: Duration,
 }
 
 impl Sender<'_> {
@@ -433,7 +477,18 @@ impl Sender<'_> {
         if sent.saturating_sub(link.answered.load(Ordering::Relaxed)) >= self.window {
             // The window is full: what is buffered must go, or its answers never come.
             self.writers[index].flush().context("sending")?;
+            let mut last = (link.answered.load(Ordering::Relaxed), Instant::now());
             while sent.saturating_sub(link.answered.load(Ordering::Relaxed)) >= self.window {
+                let answered = link.answered.load(Ordering::Relaxed);
+                if answered != last.0 {
+                    last = (answered, Instant::now());
+                } else if last.1.elapsed() > self.patience {
+                    bail!(
+                        "no answer for {:.0} s with {} messages in flight on connection {index}",
+                        self.patience.as_secs_f64(),
+                        sent.saturating_sub(answered)
+                    );
+                }
                 std::thread::sleep(Duration::from_micros(50));
             }
         }

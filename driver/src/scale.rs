@@ -515,6 +515,40 @@ pub fn local_programs() -> anyhow::Result<(PathBuf, PathBuf)> {
     Ok((engine, nats))
 }
 
+/// What every node of a local cluster is started with.
+pub struct NodeSpec<'a> {
+    pub engine: &'a Path,
+    pub nats_url: &'a str,
+    pub placement: &'a str,
+    /// The cluster's secrets folder (`driver secrets`).
+    pub secrets: &'a Path,
+    /// The participants' key set.
+    pub keys: &'a Path,
+    /// One per shard.
+    pub db_urls: &'a [String],
+    pub max_shards: u32,
+}
+
+/// The command line of engine node `id` of a local cluster (its log level from `RUST_LOG`,
+/// else info); the caller adds further arguments and the node's output.
+pub fn node_command(spec: &NodeSpec<'_>, id: &str) -> Command {
+    let mut command = Command::new(spec.engine);
+    command
+        .args(["--nats", spec.nats_url, "--node-id", id])
+        .args(["--nats-placement", spec.placement])
+        .arg("--secrets")
+        .arg(spec.secrets)
+        .arg("--keys")
+        .arg(spec.keys)
+        .args(spec.db_urls.iter().flat_map(|url| ["--db", url.as_str()]))
+        .args(["--max-shards", &spec.max_shards.to_string()])
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "info,sqlx=error".into()),
+        );
+    command
+}
+
 fn free_port() -> anyhow::Result<u16> {
     ste_engine::ports::free_local_port().context("finding a free port")
 }
@@ -550,29 +584,23 @@ impl LocalCluster {
             let id = format!("node-{node}");
             let log = std::fs::File::create(spec.dir.join(format!("{id}.log")))
                 .with_context(|| format!("{id}.log"))?;
-            let child = Command::new(spec.engine)
-                .args(["--nats", &cluster.nats_url, "--node-id", &id])
-                .args(["--nats-placement", &cluster.nats.placement])
-                .arg("--secrets")
-                .arg(&cluster.secrets)
-                .arg("--keys")
-                .arg(spec.keys)
-                .args(
-                    cluster
-                        .db_urls
-                        .iter()
-                        .flat_map(|url| ["--db", url.as_str()]),
-                )
-                .args(["--max-shards", &spec.share.max_shards().to_string()])
-                .args(spec.node_args)
-                .env(
-                    "RUST_LOG",
-                    std::env::var("RUST_LOG").unwrap_or_else(|_| "info,sqlx=error".into()),
-                )
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .with_context(|| format!("starting {}", spec.engine.display()));
+            let child = node_command(
+                &NodeSpec {
+                    engine: spec.engine,
+                    nats_url: &cluster.nats_url,
+                    placement: &cluster.nats_placement,
+                    secrets: &cluster.secrets,
+                    keys: spec.keys,
+                    db_urls: &cluster.db_urls,
+                    max_shards: spec.share.max_shards(),
+                },
+                &id,
+            )
+            .args(spec.node_args)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", spec.engine.display()));
             match child {
                 Ok(child) => {
                     let pid = child.id();

@@ -96,7 +96,8 @@ pub struct RunOutcome {
 }
 
 impl RunOutcome {
-    fn add(&mut self, other: &RunOutcome) {
+    /// Adds `other`'s counts to these (the outcome of two runs together).
+    pub fn add(&mut self, other: &RunOutcome) {
         self.trades += other.trades;
         self.messages_in += other.messages_in;
         self.accepted += other.accepted;

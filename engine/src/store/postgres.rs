@@ -369,6 +369,27 @@ impl PgStore {
         result.map_err(|source| database_error(&self.name, source))
     }
 
+    /// Messages (sender and MsgId) the shard holds more than once, and CLS ids its outbox
+    /// holds more than once: both must be none, whatever failed meanwhile.
+    pub fn stored_twice(&mut self) -> Result<(u64, u64), StoreError> {
+        let result = self.runtime.block_on(async {
+            let messages: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM (SELECT 1 FROM messages \
+                 GROUP BY sender, msg_id HAVING COUNT(*) > 1) twice",
+            )
+            .fetch_one(&mut self.connection)
+            .await?;
+            let cls: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM (SELECT 1 FROM cls_outbox \
+                 GROUP BY cls_id HAVING COUNT(*) > 1) twice",
+            )
+            .fetch_one(&mut self.connection)
+            .await?;
+            Ok::<_, sqlx::Error>((messages as u64, cls as u64))
+        });
+        result.map_err(|source| database_error(&self.name, source))
+    }
+
     pub fn trade_states(&mut self) -> Result<TradeStates, StoreError> {
         let result = self.runtime.block_on(async {
             let by_status: Vec<(String, i64)> =

@@ -1,0 +1,77 @@
+//! `driver nemesis` for two minutes on a fixed seed: a cluster of this machine's (three NATS
+//! servers, four PostgreSQL instances, owner nodes and a gateway node, on TLS and identities)
+//! loaded through the gateway while owner nodes are killed and stopped, NATS servers killed and
+//! PostgreSQL instances stopped, as the seed's schedule says. Every round and every shard must
+//! pass the checker, and every kind of fault must have been applied and healed.
+//!
+//! The engine binary is the workspace's (`cargo test --workspace` builds it beside the
+//! driver's).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The seed CI runs the nemesis on.
+const SEED: &str = "20261203";
+
+#[test]
+fn two_minutes_of_faults_drawn_from_a_fixed_seed_lose_nothing_and_double_nothing() {
+    let engine = PathBuf::from(env!("CARGO_BIN_EXE_driver")).with_file_name("engine");
+    assert!(
+        engine.exists(),
+        "{} is missing: cargo test --workspace builds it (or cargo build -p ste-bridge --bin engine)",
+        engine.display()
+    );
+    let dir = tempfile::Builder::new()
+        .prefix("nemesis-")
+        .tempdir()
+        .expect("a folder");
+    let run = dir.path().join("run");
+    let output = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .args(["nemesis", "--seed", SEED, "--minutes", "2", "--json"])
+        .arg("--dir")
+        .arg(&run)
+        .env("RUST_LOG", "warn,sqlx=error")
+        .output()
+        .expect("the nemesis runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    eprintln!("{stderr}");
+    if !output.status.success() {
+        // The run folder stays for whoever reads the failure.
+        let kept = dir.keep();
+        panic!(
+            "the nemesis failed (its folder kept: {}):\n{stderr}",
+            kept.display()
+        );
+    }
+    let report: serde_json::Value =
+        serde_json::from_slice(&output.stdout).expect("the report in JSON");
+    assert_eq!(report["failure"], serde_json::Value::Null, "{report:#}");
+    let rounds = report["rounds"].as_array().expect("rounds");
+    assert!(rounds.len() >= 2, "several rounds: {report:#}");
+    assert!(rounds
+        .iter()
+        .all(|round| round["violations"].as_array().is_some_and(Vec::is_empty)));
+    let faults = report["faults"].as_array().expect("faults");
+    for kind in ["kill-node", "stop-node", "kill-nats", "stop-db"] {
+        assert!(
+            faults.iter().any(|fault| fault["kind"] == kind),
+            "a {kind} fault applied: {report:#}"
+        );
+    }
+    assert!(faults
+        .iter()
+        .all(|fault| fault["healed_s"].as_f64() >= fault["applied_s"].as_f64()));
+    // What was applied is the schedule's, in its order.
+    let schedule = std::fs::read_to_string(run.join("schedule.csv")).expect("schedule.csv");
+    let planned: Vec<&str> = schedule.lines().skip(1).collect();
+    assert_eq!(
+        planned.len() as u64,
+        report["faults_scheduled"].as_u64().expect("a count")
+    );
+    for (fault, line) in faults.iter().zip(&planned) {
+        let fields: Vec<&str> = line.split(',').collect();
+        assert_eq!(fault["number"].to_string(), fields[0]);
+        assert_eq!(fault["kind"], fields[1]);
+        assert_eq!(fault["target"].to_string(), fields[2]);
+    }
+}
