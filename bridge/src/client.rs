@@ -119,6 +119,25 @@ impl FrameReader {
     pub fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
         self.input.get_ref().set_read_timeout(timeout)
     }
+
+    /// A handle that closes the connection from outside: a reader blocked waiting for frames
+    /// that will not come then sees the end of the stream.
+    pub fn closer(&self) -> std::io::Result<Closer> {
+        Ok(Closer(self.input.get_ref().try_clone()?))
+    }
+}
+
+/// Closes a connection from outside its reader ([`FrameReader::closer`]).
+pub struct Closer(Stream);
+
+impl Closer {
+    /// Shuts the connection down both ways.
+    pub fn close(&self) {
+        let _ = match &self.0 {
+            Stream::Tcp(stream) => stream.shutdown(std::net::Shutdown::Both),
+            Stream::Local(stream) => stream.shutdown(std::net::Shutdown::Both),
+        };
+    }
 }
 
 /// Connects, answers the challenge with one logon per participant, and waits for each to be

@@ -27,6 +27,8 @@ use crate::{LatencySummary, MessageSetReader, Progress, Source, Tally};
 /// How long the driver waits, once every message is answered, for a CLS still due before it
 /// gives up on the rest ([`RemoteConfig::cls_wait`]'s default).
 pub const CLS_WAIT_DEFAULT: Duration = Duration::from_secs(30);
+/// How long the driver waits, once it said bye, for the engine to close its connections.
+const BYE_WAIT: Duration = Duration::from_secs(10);
 /// Missing CLS a report names one by one; the rest are counted.
 const MISSING_NAMED_MAX: usize = 20;
 
@@ -141,6 +143,7 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
     let mut writers = Vec::with_capacity(connections);
     let mut readers = Vec::with_capacity(connections);
     let mut links = Vec::with_capacity(connections);
+    let mut closers = Vec::with_capacity(connections);
     for index in 0..connections {
         let logons: Vec<Logon<'_>> = participants
             .iter()
@@ -158,6 +161,7 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
         };
         let (writer, mut reader) =
             connected.with_context(|| format!("connecting to {}", config.address))?;
+        closers.push(reader.closer().context("a connection's handle")?);
         let link = Arc::new(Link {
             answered: AtomicU64::new(0),
             cls: AtomicU64::new(0),
@@ -346,6 +350,15 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
     }
     for writer in writers {
         let _ = writer.bye();
+    }
+    // The engine answers what is in flight and closes; one that owes answers it will never
+    // give keeps the connection open, and the driver closes it after a while.
+    let bye_at = Instant::now();
+    while !readers_done() && bye_at.elapsed() < config.cls_wait.min(BYE_WAIT) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if !readers_done() {
+        closers.iter().for_each(client::Closer::close);
     }
     progress.finish();
 
