@@ -23,6 +23,7 @@ use ste_sink::Sink;
 
 pub mod cluster;
 pub mod nemesis;
+pub mod proxy;
 pub mod remote;
 pub mod scale;
 pub mod secrets;

@@ -36,6 +36,7 @@ use ste_engine::refdata::RefData;
 use ste_engine::routing::shard_of;
 use ste_engine::store::{PgStore, Store};
 
+use crate::proxy::Proxy;
 use crate::remote::{run_remote, RemoteConfig, RemoteSummary};
 use crate::scale::{node_command, NatsCluster, NodeSpec, LOCAL_NATS_SERVERS};
 use crate::Source;
@@ -66,14 +67,21 @@ pub enum FaultKind {
     KillNats,
     /// A shard's PostgreSQL instance stopped abruptly (immediate shutdown) and started again.
     StopDb,
+    /// An owner node cut off from every NATS server (its connections closed, new ones
+    /// refused) while the rest of the cluster reaches them; healed later.
+    CutNats,
+    /// An owner node cut off from every shard's database, likewise.
+    CutDb,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 4] = [
+    pub const ALL: [FaultKind; 6] = [
         FaultKind::KillNode,
         FaultKind::StopNode,
         FaultKind::KillNats,
         FaultKind::StopDb,
+        FaultKind::CutNats,
+        FaultKind::CutDb,
     ];
 
     pub fn name(self) -> &'static str {
@@ -82,6 +90,8 @@ impl FaultKind {
             FaultKind::StopNode => "stop-node",
             FaultKind::KillNats => "kill-nats",
             FaultKind::StopDb => "stop-db",
+            FaultKind::CutNats => "cut-nats",
+            FaultKind::CutDb => "cut-db",
         }
     }
 
@@ -93,6 +103,7 @@ impl FaultKind {
             FaultKind::StopNode => (OWNER_NODES, 300, 6_000),
             FaultKind::KillNats => (LOCAL_NATS_SERVERS as u32, 500, 5_000),
             FaultKind::StopDb => (SHARDS, 500, 6_000),
+            FaultKind::CutNats | FaultKind::CutDb => (OWNER_NODES, 500, 6_000),
         }
     }
 
@@ -100,7 +111,9 @@ impl FaultKind {
     /// most one NATS server is down at a time (a majority of three stays up).
     fn resource(self, target: u32) -> (u8, u32) {
         match self {
-            FaultKind::KillNode | FaultKind::StopNode => (0, target),
+            FaultKind::KillNode | FaultKind::StopNode | FaultKind::CutNats | FaultKind::CutDb => {
+                (0, target)
+            }
             FaultKind::KillNats => (1, 0),
             FaultKind::StopDb => (2, target),
         }
@@ -190,8 +203,10 @@ pub struct Applied {
     /// When it was applied and healed, from the start of the load (s).
     pub applied_s: f64,
     pub healed_s: f64,
-    /// From its heal until answers flowed again at half the run's median rate (s); None when
-    /// the load ended first.
+    /// The longest time without any answer while it lasted (s).
+    pub stall_s: f64,
+    /// From its heal until answers came again, when none had come in the half second before
+    /// it; 0 when answers were flowing at the heal; None when the load ended first (s).
     pub recovery_s: Option<f64>,
     /// Answers per second while it lasted.
     pub answers_per_s: f64,
@@ -465,6 +480,46 @@ impl Drop for Instances {
     }
 }
 
+/// What stands between an owner node and the servers: a forwarder per NATS server and per
+/// database, which a cut closes.
+struct Links {
+    nats: Vec<Proxy>,
+    databases: Vec<Proxy>,
+    /// The NATS URLs and database URLs the node is given: the forwarders'.
+    nats_url: String,
+    db_urls: Vec<String>,
+}
+
+impl Links {
+    fn start(nats_url: &str, db_urls: &[String]) -> anyhow::Result<Self> {
+        let mut links = Links {
+            nats: Vec::new(),
+            databases: Vec::new(),
+            nats_url: String::new(),
+            db_urls: Vec::new(),
+        };
+        let mut urls = Vec::new();
+        for url in nats_url.split(',') {
+            let address = url.trim_start_matches("nats://");
+            let proxy = Proxy::start(address.parse().context("a NATS server's address")?)?;
+            urls.push(format!("nats://127.0.0.1:{}", proxy.port()));
+            links.nats.push(proxy);
+        }
+        links.nats_url = urls.join(",");
+        for url in db_urls {
+            // postgres://role@127.0.0.1:PORT/db?…
+            let (head, rest) = url.split_once('@').context("a database URL with a role")?;
+            let (address, tail) = rest.split_once('/').context("a database URL's path")?;
+            let proxy = Proxy::start(address.parse().context("a database's address")?)?;
+            links
+                .db_urls
+                .push(format!("{head}@127.0.0.1:{}/{tail}", proxy.port()));
+            links.databases.push(proxy);
+        }
+        Ok(links)
+    }
+}
+
 /// The cluster a nemesis run attacks.
 struct Cluster {
     dir: PathBuf,
@@ -475,6 +530,8 @@ struct Cluster {
     db_urls: Vec<String>,
     /// The owner nodes, by number (None while killed).
     owners: Vec<Option<Child>>,
+    /// Each owner node's way to the servers.
+    links: Vec<Links>,
     gateway: Option<Child>,
     gateway_address: String,
     /// Last, so that the nodes go before their databases.
@@ -506,6 +563,7 @@ impl Cluster {
             secrets,
             db_urls,
             owners: Vec::new(),
+            links: Vec::new(),
             gateway: None,
             gateway_address: String::new(),
             instances,
@@ -513,13 +571,17 @@ impl Cluster {
         cluster.start_gateway()?;
         for node in 0..OWNER_NODES {
             cluster.owners.push(None);
+            cluster
+                .links
+                .push(Links::start(&cluster.nats.url, &cluster.db_urls)?);
             cluster.start_owner(node)?;
         }
         cluster.wait_until_held()?;
         Ok(cluster)
     }
 
-    fn node(&self, id: &str, max_shards: u32) -> anyhow::Result<Command> {
+    /// Node `id`, reaching the servers directly or through `links`.
+    fn node(&self, id: &str, max_shards: u32, links: Option<&Links>) -> anyhow::Result<Command> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -528,11 +590,11 @@ impl Cluster {
         let mut command = node_command(
             &NodeSpec {
                 engine: &self.engine,
-                nats_url: &self.nats.url,
+                nats_url: links.map_or(&self.nats.url, |links| &links.nats_url),
                 placement: &self.nats.placement,
                 secrets: &self.secrets,
                 keys: &self.keys,
-                db_urls: &self.db_urls,
+                db_urls: links.map_or(&self.db_urls, |links| &links.db_urls),
                 max_shards,
             },
             id,
@@ -550,7 +612,11 @@ impl Cluster {
 
     fn start_owner(&mut self, node: u32) -> anyhow::Result<()> {
         let child = self
-            .node(&format!("owner-{node}"), 2)?
+            .node(
+                &format!("owner-{node}"),
+                2,
+                Some(&self.links[node as usize]),
+            )?
             .stdout(Stdio::null())
             .spawn()
             .context("starting an owner node")?;
@@ -561,7 +627,7 @@ impl Cluster {
     /// The gateway node: the participants' listeners and the sink, no shard of its own.
     fn start_gateway(&mut self) -> anyhow::Result<()> {
         let mut child = self
-            .node("gateway", 0)?
+            .node("gateway", 0, None)?
             .args(["--gateway", "--sink"])
             .args(ste_bridge::bench::LOOPBACK_LISTENERS)
             .stdout(Stdio::piped())
@@ -636,6 +702,20 @@ impl Cluster {
                 Ok(())
             }
             FaultKind::StopDb => self.instances.crash(fault.target),
+            FaultKind::CutNats => {
+                self.links[fault.target as usize]
+                    .nats
+                    .iter()
+                    .for_each(Proxy::cut);
+                Ok(())
+            }
+            FaultKind::CutDb => {
+                self.links[fault.target as usize]
+                    .databases
+                    .iter()
+                    .for_each(Proxy::cut);
+                Ok(())
+            }
         }
     }
 
@@ -645,6 +725,20 @@ impl Cluster {
             FaultKind::StopNode => self.signal(fault.target, "CONT"),
             FaultKind::KillNats => self.nats.start_again(fault.target as usize),
             FaultKind::StopDb => self.instances.up(),
+            FaultKind::CutNats => {
+                self.links[fault.target as usize]
+                    .nats
+                    .iter()
+                    .for_each(Proxy::heal);
+                Ok(())
+            }
+            FaultKind::CutDb => {
+                self.links[fault.target as usize]
+                    .databases
+                    .iter()
+                    .for_each(Proxy::heal);
+                Ok(())
+            }
         }
     }
 
@@ -856,11 +950,12 @@ pub fn run(config: &NemesisConfig, refdata: RefData) -> anyhow::Result<NemesisRe
         .zip(&times)
         .filter(|(_, (applied_s, _))| !applied_s.is_nan())
         .map(|(fault, &(applied_s, healed_s))| {
-            let (recovery_s, answers_per_s) = recovery(&samples, applied_s, healed_s);
+            let (stall_s, recovery_s, answers_per_s) = recovery(&samples, applied_s, healed_s);
             Applied {
                 fault: fault.clone(),
                 applied_s,
                 healed_s,
+                stall_s,
                 recovery_s,
                 answers_per_s,
             }
@@ -977,25 +1072,10 @@ fn rounds(
     Ok((rounds, expected))
 }
 
-/// From the answer samples: how long after `healed_s` answers flowed again at half the run's
-/// median rate (over 500 ms), and the rate of answers between `applied_s` and `healed_s`.
-fn recovery(samples: &[(f64, u64)], applied_s: f64, healed_s: f64) -> (Option<f64>, f64) {
-    const WINDOW: usize = 5;
-    let rates: Vec<(f64, f64)> = samples
-        .windows(WINDOW + 1)
-        .map(|w| {
-            let (t0, a0) = w[0];
-            let (t1, a1) = w[WINDOW];
-            (t0, (a1 - a0) as f64 / (t1 - t0).max(1e-9))
-        })
-        .collect();
-    let mut sorted: Vec<f64> = rates.iter().map(|&(_, rate)| rate).collect();
-    sorted.sort_by(f64::total_cmp);
-    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
-    let recovered = rates
-        .iter()
-        .find(|&&(t, rate)| t >= healed_s && rate >= median / 2.0)
-        .map(|&(t, _)| (t - healed_s).max(0.0));
+/// From the answer samples (every 100 ms): the longest time without an answer while the
+/// fault lasted, how long after its heal answers came again when none had come in the half
+/// second before it (0 when they were flowing), and the rate of answers while it lasted.
+fn recovery(samples: &[(f64, u64)], applied_s: f64, healed_s: f64) -> (f64, Option<f64>, f64) {
     let at = |time: f64| {
         samples
             .iter()
@@ -1003,8 +1083,30 @@ fn recovery(samples: &[(f64, u64)], applied_s: f64, healed_s: f64) -> (Option<f6
             .find(|&&(t, _)| t <= time)
             .map_or(0, |&(_, answers)| answers)
     };
-    let during = (at(healed_s) - at(applied_s)) as f64 / (healed_s - applied_s).max(1e-3);
-    (recovered, during)
+    let mut stall_s: f64 = 0.0;
+    let mut last_change = applied_s;
+    let mut previous = at(applied_s);
+    for &(t, answers) in samples
+        .iter()
+        .filter(|&&(t, _)| t > applied_s && t <= healed_s)
+    {
+        if answers != previous {
+            previous = answers;
+            last_change = t;
+        }
+        stall_s = stall_s.max(t - last_change);
+    }
+    let at_heal = at(healed_s);
+    let recovery_s = if at(healed_s - 0.5) < at_heal {
+        Some(0.0)
+    } else {
+        samples
+            .iter()
+            .find(|&&(t, answers)| t > healed_s && answers > at_heal)
+            .map(|&(t, _)| t - healed_s)
+    };
+    let during = (at_heal - at(applied_s)) as f64 / (healed_s - applied_s).max(1e-3);
+    (stall_s, recovery_s, during)
 }
 
 fn write_csv(path: &Path, header: &str, rows: impl Iterator<Item = String>) -> anyhow::Result<()> {
@@ -1021,16 +1123,17 @@ fn write_report(dir: &Path, report: &NemesisReport) -> anyhow::Result<()> {
     let opt = |value: Option<f64>| value.map_or(String::new(), |v| format!("{v:.3}"));
     write_csv(
         &dir.join("faults.csv"),
-        "number,kind,target,planned_s,applied_s,healed_s,recovery_s,answers_per_s",
+        "number,kind,target,planned_s,applied_s,healed_s,stall_s,recovery_s,answers_per_s",
         report.faults.iter().map(|f| {
             format!(
-                "{},{},{},{:.3},{:.3},{:.3},{},{:.0}",
+                "{},{},{},{:.3},{:.3},{:.3},{:.1},{},{:.0}",
                 f.fault.number,
                 f.fault.kind.name(),
                 f.fault.target,
                 f.fault.at_ms as f64 / 1e3,
                 f.applied_s,
                 f.healed_s,
+                f.stall_s,
                 opt(f.recovery_s),
                 f.answers_per_s
             )
@@ -1060,12 +1163,20 @@ fn write_report(dir: &Path, report: &NemesisReport) -> anyhow::Result<()> {
         .with_context(|| format!("writing {}", path.display()))
 }
 
-/// Faults by kind: how many, recovery (median and max, s) and answers per second while they
-/// lasted (mean), as the table a run prints.
+/// Faults by kind, as the table a run prints: how many; how long they lasted (mean, s); the
+/// longest stall of answers within one (median and max, s); the recovery after the heal
+/// (median and max, s); answers per second while they lasted (mean), beside the run's.
 pub fn by_kind(report: &NemesisReport) -> String {
     let mut table = String::from(
-        "kind        faults  recovery p50 s  recovery max s  answers/s during  (run: answers/s)\n",
+        "kind        faults  lasted s  stall p50/max s  recovery p50/max s  answers/s during (run)\n",
     );
+    let median_max = |mut values: Vec<f64>| {
+        values.sort_by(f64::total_cmp);
+        (
+            values.get(values.len() / 2).copied().unwrap_or(f64::NAN),
+            values.last().copied().unwrap_or(f64::NAN),
+        )
+    };
     for kind in FaultKind::ALL {
         let faults: Vec<&Applied> = report
             .faults
@@ -1075,21 +1186,22 @@ pub fn by_kind(report: &NemesisReport) -> String {
         if faults.is_empty() {
             continue;
         }
-        let mut recoveries: Vec<f64> = faults.iter().filter_map(|f| f.recovery_s).collect();
-        recoveries.sort_by(f64::total_cmp);
-        let p50 = recoveries
-            .get(recoveries.len() / 2)
-            .copied()
-            .unwrap_or(f64::NAN);
-        let max = recoveries.last().copied().unwrap_or(f64::NAN);
-        let during = faults.iter().map(|f| f.answers_per_s).sum::<f64>() / faults.len() as f64;
+        let count = faults.len() as f64;
+        let lasted = faults.iter().map(|f| f.healed_s - f.applied_s).sum::<f64>() / count;
+        let (stall_p50, stall_max) = median_max(faults.iter().map(|f| f.stall_s).collect());
+        let (recovery_p50, recovery_max) =
+            median_max(faults.iter().filter_map(|f| f.recovery_s).collect());
+        let during = faults.iter().map(|f| f.answers_per_s).sum::<f64>() / count;
         let _ = writeln!(
             table,
-            "{:<11} {:>6}  {:>14.2}  {:>14.2}  {:>16.0}  ({:.0})",
+            "{:<11} {:>6}  {:>8.1}  {:>7.1}/{:<7.1}  {:>8.1}/{:<9.1}  {:>7.0} ({:.0})",
             kind.name(),
             faults.len(),
-            p50,
-            max,
+            lasted,
+            stall_p50,
+            stall_max,
+            recovery_p50,
+            recovery_max,
             during,
             report.answers_per_s
         );

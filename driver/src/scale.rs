@@ -262,7 +262,10 @@ impl NatsCluster {
                 .with_context(|| format!("creating {}", store.display()))?;
             let cluster = if count > 1 {
                 format!(
-                    "cluster {{\n  name: ste-{}\n  listen: 127.0.0.1:{route}\n  routes: [{}]\n  {route_tls}\n}}\n",
+                    // Clients use the URLs they were given and no other (a nemesis's forwarders
+                    // stand between some of them and the servers).
+                    "cluster {{\n  name: ste-{}\n  listen: 127.0.0.1:{route}\n  routes: [{}]\n  \
+                     no_advertise: true\n  {route_tls}\n}}\n",
                     ports[0][0],
                     routes.join(", ")
                 )
