@@ -5,6 +5,7 @@
 #   - NATS: Debian's nats-server for the tests of the JetStream carrier, and the pinned release
 #     a cluster runs on (scripts/nats-server.sh) for the cluster's tests;
 #   - Debian's chromium, for the dashboard's browser test;
+#   - Debian's faketime (libfaketime), whose library jumps the clocks of the nemesis's nodes;
 #   - zeep, simplefix and quickfix from PyPI, the third-party SOAP and FIX clients of the bridge's
 #     tests (quickfix builds its C++ engine from source the first time, several minutes; pip keeps
 #     the wheel in its cache, so later runs on the same machine install it at once).
@@ -38,6 +39,11 @@ echo "== the NATS release a cluster runs on (scripts/nats-server.sh: pinned, che
 STE_NATS_SERVER=$(scripts/nats-server.sh)
 export STE_NATS_SERVER
 "$STE_NATS_SERVER" --version
+
+echo "== libfaketime, which jumps the clocks of the nemesis's nodes (Debian's faketime)"
+if ! [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ] && [ -z "${STE_LIBFAKETIME:-}" ]; then
+  apt_install faketime
+fi
 
 echo "== browser for the dashboard test (Debian's chromium)"
 if [ -z "${STE_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then

@@ -154,7 +154,8 @@ enum Command {
     /// owner nodes and a gateway node, TLS and identities everywhere), load it through the
     /// gateway in rounds of faulty, shuffled trades, and meanwhile inject faults drawn from
     /// --seed: owner nodes killed or stopped, NATS servers killed, PostgreSQL instances
-    /// stopped, each healed later. Every round and then every shard is checked; a failure
+    /// stopped, owner nodes cut off from NATS or from their databases, owner nodes' clocks
+    /// jumped (libfaketime), each healed later. Every round and then every shard is checked; a failure
     /// names the seed and the faults applied by then. The schedule, the faults as applied, the
     /// rounds and report.json go to --dir.
     Nemesis {
@@ -340,8 +341,10 @@ struct RunArgs {
     /// Seconds a --nats run waits without any new answer before it gives up.
     #[arg(long, default_value_t = 120)]
     stall_timeout_s: u64,
-    /// Seconds a --nats run waits without any new answer before it sends the unanswered
-    /// messages again (answers travel on plain NATS, and one may be lost on its way).
+    /// Seconds a --nats run, or a connection of a --target run, waits without any new answer
+    /// before it sends the unanswered messages again (a cluster's answers travel on plain
+    /// NATS, and one may be lost on its way; the shard answers a message it holds as a
+    /// duplicate).
     #[arg(long, default_value_t = 5)]
     resend_after_s: u64,
     /// Connections to the --target engine; a trade's messages share one.
@@ -671,6 +674,7 @@ fn run_cli() -> anyhow::Result<()> {
                 nats_server: PathBuf::new(),
                 local_cluster: PathBuf::new(),
                 bin_dir: PathBuf::new(),
+                libfaketime: ste_driver::nemesis::find_libfaketime(),
                 progress: !quiet,
             },
             json,
@@ -852,6 +856,7 @@ fn run_remote(args: RunArgs, target: String, refdata: Arc<RefData>) -> anyhow::R
         cls_wait: Duration::try_from_secs_f64(args.cls_wait)
             .context("--cls-wait is a number of seconds")?,
         answers: Default::default(),
+        resend_after: Duration::from_secs(args.resend_after_s.max(1)),
     };
     let summary = run_remote_load(&config, refdata)?;
     if json {

@@ -50,6 +50,14 @@ pub const OWNER_NODES: u32 = 3;
 const LEASE_TTL_MS: u64 = 2_000;
 /// Warm-up before the first fault.
 const FIRST_FAULT_AFTER: Duration = Duration::from_secs(3);
+/// How long a connection of the load goes without an answer before it sends its unanswered
+/// messages again (the participants' part: an answer may be lost on its way).
+const RESEND_AFTER: Duration = Duration::from_secs(5);
+/// The size of a clock jump, seconds.
+const CLOCK_JUMP_MIN_S: i64 = 5;
+const CLOCK_JUMP_MAX_S: i64 = 600;
+/// How often a node under libfaketime reads its clock's offset again, seconds.
+const FAKETIME_REREAD_S: &str = "1";
 /// How long a round waits, while nothing comes, for answers and CLS before it counts what is
 /// missing: well past the longest fault and its recovery.
 const ROUND_PATIENCE: Duration = Duration::from_secs(60);
@@ -72,16 +80,21 @@ pub enum FaultKind {
     CutNats,
     /// An owner node cut off from every shard's database, likewise.
     CutDb,
+    /// An owner node's wall clock jumped forward or back (by up to ten minutes, through
+    /// libfaketime; its monotonic clock untouched, as a stepped system clock leaves it) and
+    /// set right later.
+    ClockJump,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 6] = [
+    pub const ALL: [FaultKind; 7] = [
         FaultKind::KillNode,
         FaultKind::StopNode,
         FaultKind::KillNats,
         FaultKind::StopDb,
         FaultKind::CutNats,
         FaultKind::CutDb,
+        FaultKind::ClockJump,
     ];
 
     pub fn name(self) -> &'static str {
@@ -92,6 +105,7 @@ impl FaultKind {
             FaultKind::StopDb => "stop-db",
             FaultKind::CutNats => "cut-nats",
             FaultKind::CutDb => "cut-db",
+            FaultKind::ClockJump => "clock-jump",
         }
     }
 
@@ -103,7 +117,9 @@ impl FaultKind {
             FaultKind::StopNode => (OWNER_NODES, 300, 6_000),
             FaultKind::KillNats => (LOCAL_NATS_SERVERS as u32, 500, 5_000),
             FaultKind::StopDb => (SHARDS, 500, 6_000),
-            FaultKind::CutNats | FaultKind::CutDb => (OWNER_NODES, 500, 6_000),
+            FaultKind::CutNats | FaultKind::CutDb | FaultKind::ClockJump => {
+                (OWNER_NODES, 500, 6_000)
+            }
         }
     }
 
@@ -111,9 +127,11 @@ impl FaultKind {
     /// most one NATS server is down at a time (a majority of three stays up).
     fn resource(self, target: u32) -> (u8, u32) {
         match self {
-            FaultKind::KillNode | FaultKind::StopNode | FaultKind::CutNats | FaultKind::CutDb => {
-                (0, target)
-            }
+            FaultKind::KillNode
+            | FaultKind::StopNode
+            | FaultKind::CutNats
+            | FaultKind::CutDb
+            | FaultKind::ClockJump => (0, target),
             FaultKind::KillNats => (1, 0),
             FaultKind::StopDb => (2, target),
         }
@@ -132,6 +150,8 @@ pub struct Fault {
     pub at_ms: u64,
     /// How long until it is healed.
     pub lasts_ms: u64,
+    /// A clock jump's size, seconds (forward when positive); 0 for other kinds.
+    pub jump_s: i64,
 }
 
 /// The faults of `seed` within `span`: one every `mean_gap` on average (uniform between half
@@ -156,6 +176,17 @@ pub fn schedule(seed: u64, span: Duration, mean_gap: Duration, kinds: &[FaultKin
         let (targets, shortest, longest) = kind.bounds();
         let target = rng.gen_range(0..targets);
         let lasts_ms = rng.gen_range(shortest..=longest);
+        let jump_s = match kind {
+            FaultKind::ClockJump => {
+                let size = rng.gen_range(CLOCK_JUMP_MIN_S..=CLOCK_JUMP_MAX_S);
+                if rng.gen_bool(0.5) {
+                    size
+                } else {
+                    -size
+                }
+            }
+            _ => 0,
+        };
         let resource = kind.resource(target);
         if busy_until.get(&resource).is_some_and(|&until| until > at) {
             continue;
@@ -167,6 +198,7 @@ pub fn schedule(seed: u64, span: Duration, mean_gap: Duration, kinds: &[FaultKin
             target,
             at_ms: at,
             lasts_ms,
+            jump_s,
         });
     }
 }
@@ -191,8 +223,26 @@ pub struct NemesisConfig {
     pub local_cluster: PathBuf,
     /// Where the driver's own programs are (for local-cluster.sh's `STE_BIN`).
     pub bin_dir: PathBuf,
+    /// libfaketime's multithreaded library, which the owner nodes are started under when the
+    /// kinds include clock jumps.
+    pub libfaketime: Option<PathBuf>,
     /// Shows progress on stderr.
     pub progress: bool,
+}
+
+/// Where Debian's `libfaketime` package puts the library (`STE_LIBFAKETIME` names another).
+pub fn find_libfaketime() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("STE_LIBFAKETIME") {
+        return Some(PathBuf::from(path));
+    }
+    [
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
+        "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
+        "/usr/lib/faketime/libfaketimeMT.so.1",
+    ]
+    .into_iter()
+    .map(PathBuf::from)
+    .find(|path| path.exists())
 }
 
 /// A fault as it happened.
@@ -225,6 +275,10 @@ pub struct Round {
     pub cls: u64,
     /// CLS of earlier rounds delivered again during this one.
     pub other_runs_cls: u64,
+    /// Messages sent again for want of an answer, and answers that came for a message already
+    /// answered.
+    pub resent: u64,
+    pub repeat_answers: u64,
     /// What the checker found wrong with it (empty when nothing).
     pub violations: Vec<String>,
 }
@@ -532,6 +586,8 @@ struct Cluster {
     owners: Vec<Option<Child>>,
     /// Each owner node's way to the servers.
     links: Vec<Links>,
+    /// libfaketime, when owner nodes' clocks are to jump.
+    libfaketime: Option<PathBuf>,
     gateway: Option<Child>,
     gateway_address: String,
     /// Last, so that the nodes go before their databases.
@@ -564,6 +620,11 @@ impl Cluster {
             db_urls,
             owners: Vec::new(),
             links: Vec::new(),
+            libfaketime: config
+                .kinds
+                .contains(&FaultKind::ClockJump)
+                .then(|| config.libfaketime.clone())
+                .flatten(),
             gateway: None,
             gateway_address: String::new(),
             instances,
@@ -610,13 +671,34 @@ impl Cluster {
         Ok(command)
     }
 
+    /// The file owner node `node`'s clock offset is read from (libfaketime's format: `+0`,
+    /// `-300`).
+    fn clock_file(&self, node: u32) -> PathBuf {
+        self.dir.join(format!("owner-{node}.clock"))
+    }
+
+    fn set_clock(&self, node: u32, offset_s: i64) -> anyhow::Result<()> {
+        let path = self.clock_file(node);
+        std::fs::write(&path, format!("{offset_s:+}\n"))
+            .with_context(|| format!("writing {}", path.display()))
+    }
+
     fn start_owner(&mut self, node: u32) -> anyhow::Result<()> {
-        let child = self
-            .node(
-                &format!("owner-{node}"),
-                2,
-                Some(&self.links[node as usize]),
-            )?
+        let mut command = self.node(
+            &format!("owner-{node}"),
+            2,
+            Some(&self.links[node as usize]),
+        )?;
+        if let Some(library) = &self.libfaketime {
+            // A node started again starts on the right time.
+            self.set_clock(node, 0)?;
+            command
+                .env("LD_PRELOAD", library)
+                .env("FAKETIME_TIMESTAMP_FILE", self.clock_file(node))
+                .env("FAKETIME_CACHE_DURATION", FAKETIME_REREAD_S)
+                .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+        }
+        let child = command
             .stdout(Stdio::null())
             .spawn()
             .context("starting an owner node")?;
@@ -716,6 +798,20 @@ impl Cluster {
                     .for_each(Proxy::cut);
                 Ok(())
             }
+            FaultKind::ClockJump => {
+                // Within the day: a node whose date changes is another fault (a business
+                // date is not a node's clock's to decide), so a jump that would cross
+                // midnight goes the other way.
+                let now = time::OffsetDateTime::now_utc();
+                let crosses =
+                    |jump: i64| (now + time::Duration::seconds(jump)).date() != now.date();
+                let jump = if crosses(fault.jump_s) {
+                    -fault.jump_s
+                } else {
+                    fault.jump_s
+                };
+                self.set_clock(fault.target, jump)
+            }
         }
     }
 
@@ -739,6 +835,7 @@ impl Cluster {
                     .for_each(Proxy::heal);
                 Ok(())
             }
+            FaultKind::ClockJump => self.set_clock(fault.target, 0),
         }
     }
 
@@ -780,6 +877,12 @@ pub fn password_file(dir: &Path) -> PathBuf {
 pub fn run(config: &NemesisConfig, refdata: RefData) -> anyhow::Result<NemesisReport> {
     std::fs::create_dir_all(&config.dir)
         .with_context(|| format!("creating {}", config.dir.display()))?;
+    if config.kinds.contains(&FaultKind::ClockJump) && config.libfaketime.is_none() {
+        bail!(
+            "clock jumps need libfaketime (Debian: apt-get install faketime; or STE_LIBFAKETIME \
+             names the library); or leave clock-jump out of --kinds"
+        );
+    }
     let mut planned = schedule(config.seed, config.span, config.mean_gap, &config.kinds);
     let scheduled = planned.len();
     if let Some(prefix) = config.faults {
@@ -787,15 +890,16 @@ pub fn run(config: &NemesisConfig, refdata: RefData) -> anyhow::Result<NemesisRe
     }
     write_csv(
         &config.dir.join("schedule.csv"),
-        "number,kind,target,at_s,lasts_s",
+        "number,kind,target,at_s,lasts_s,jump_s",
         planned.iter().map(|f| {
             format!(
-                "{},{},{},{:.3},{:.3}",
+                "{},{},{},{:.3},{:.3},{}",
                 f.number,
                 f.kind.name(),
                 f.target,
                 f.at_ms as f64 / 1e3,
-                f.lasts_ms as f64 / 1e3
+                f.lasts_ms as f64 / 1e3,
+                f.jump_s
             )
         }),
     )?;
@@ -1019,6 +1123,7 @@ fn rounds(
             progress: false,
             cls_wait: ROUND_PATIENCE,
             answers: answers.clone(),
+            resend_after: RESEND_AFTER,
         };
         let started_s = started.elapsed().as_secs_f64();
         let (summary, violations) = match run_remote(&config, refdata.clone()) {
@@ -1042,6 +1147,8 @@ fn rounds(
             duplicates: summary.as_ref().map_or(0, |s| s.duplicates),
             cls: summary.as_ref().map_or(0, |s| s.cls),
             other_runs_cls: summary.as_ref().map_or(0, |s| s.other_runs_cls),
+            resent: summary.as_ref().map_or(0, |s| s.resent),
+            repeat_answers: summary.as_ref().map_or(0, |s| s.repeat_answers),
             violations,
         };
         if progress {
@@ -1141,10 +1248,11 @@ fn write_report(dir: &Path, report: &NemesisReport) -> anyhow::Result<()> {
     )?;
     write_csv(
         &dir.join("rounds.csv"),
-        "number,run_id,started_s,ended_s,messages,accepted,duplicates,cls,other_runs_cls,violations",
+        "number,run_id,started_s,ended_s,messages,accepted,duplicates,cls,other_runs_cls,resent,\
+         repeat_answers,violations",
         report.rounds.iter().map(|r| {
             format!(
-                "{},{},{:.3},{:.3},{},{},{},{},{},\"{}\"",
+                "{},{},{:.3},{:.3},{},{},{},{},{},{},{},\"{}\"",
                 r.number,
                 r.run_id,
                 r.started_s,
@@ -1154,6 +1262,8 @@ fn write_report(dir: &Path, report: &NemesisReport) -> anyhow::Result<()> {
                 r.duplicates,
                 r.cls,
                 r.other_runs_cls,
+                r.resent,
+                r.repeat_answers,
                 r.violations.join("; ").replace('"', "'")
             )
         }),

@@ -9,10 +9,10 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::BufReader;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ahash::AHashSet;
+use ahash::{AHashMap, AHashSet};
 use anyhow::{bail, Context};
 use hdrhistogram::Histogram;
 use serde::Serialize;
@@ -51,6 +51,10 @@ pub struct RemoteConfig {
     pub cls_wait: Duration,
     /// Counts every answer as it comes (an observer's view of progress, e.g. the nemesis's).
     pub answers: Arc<AtomicU64>,
+    /// How long a connection goes without any answer before its unanswered messages are sent
+    /// again: a cluster's answers travel on plain NATS and one may be lost on its way; the
+    /// shard answers a message it holds as a duplicate.
+    pub resend_after: Duration,
 }
 
 /// What a run against an engine node measured.
@@ -85,11 +89,16 @@ pub struct RemoteSummary {
     /// Messages sent that had no answer when the driver stopped waiting (no answer came for
     /// the wait of [`RemoteConfig::cls_wait`]).
     pub unanswered: u64,
+    /// Messages sent again after [`RemoteConfig::resend_after`] without an answer, and
+    /// answers to a message already answered (a late answer of a message sent again).
+    pub resent: u64,
+    pub repeat_answers: u64,
 }
 
 /// What the reader of one connection counts.
 #[derive(Default)]
 struct Counts {
+    repeat_answers: u64,
     /// CLS of trades of other runs (a subscriber gets every CLS still owed to it, and one the
     /// cluster was not sure it had delivered comes again).
     other_runs_cls: u64,
@@ -102,8 +111,44 @@ struct Counts {
 
 /// One connection's shared state.
 struct Link {
+    /// Messages answered (the first answer of each).
     answered: AtomicU64,
     cls: AtomicU64,
+    /// When the last answer came (ns since the run's start).
+    last_answer_ns: AtomicU64,
+    in_flight: Mutex<InFlight>,
+}
+
+/// A connection's unanswered messages, kept to be sent again.
+#[derive(Default)]
+struct InFlight {
+    /// The sequence number of every sending of an unanswered message → its number.
+    by_seq: AHashMap<u64, u64>,
+    /// Unanswered messages by number.
+    unanswered: BTreeMap<u64, Unanswered>,
+}
+
+struct Unanswered {
+    last_sent_ns: u64,
+    seqs: Vec<u64>,
+    sender: String,
+    signature: [u8; 32],
+    xml: Vec<u8>,
+}
+
+impl InFlight {
+    /// The answer of sequence number `seq`: true when it is its message's first.
+    fn answer(&mut self, seq: u64) -> bool {
+        let Some(number) = self.by_seq.remove(&seq) else {
+            return false;
+        };
+        if let Some(message) = self.unanswered.remove(&number) {
+            for other in message.seqs {
+                self.by_seq.remove(&other);
+            }
+        }
+        true
+    }
 }
 
 /// Runs the source against the engine at `config.address`.
@@ -165,6 +210,8 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
         let link = Arc::new(Link {
             answered: AtomicU64::new(0),
             cls: AtomicU64::new(0),
+            last_answer_ns: AtomicU64::new(0),
+            in_flight: Mutex::default(),
         });
         let (tally, link_for_reader) = (tally.clone(), link.clone());
         let answers = config.answers.clone();
@@ -188,7 +235,18 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
                         break;
                     }
                 };
+                let first = |seq: u64| {
+                    link_for_reader
+                        .in_flight
+                        .lock()
+                        .map(|mut in_flight| in_flight.answer(seq))
+                        .unwrap_or(false)
+                };
                 let seq = match &frame {
+                    Frame::Ack { seq, .. } | Frame::Nak { seq, .. } if !first(*seq) => {
+                        counts.repeat_answers += 1;
+                        continue;
+                    }
                     Frame::Ack { seq, duplicate } => {
                         if *duplicate {
                             counts.duplicates += 1;
@@ -242,6 +300,9 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
                 // The sequence number of a message is its send time (see `Sender::send`).
                 let now_ns = started.elapsed().as_nanos() as u64;
                 latency.saturating_record((now_ns.saturating_sub(seq) / 1000).max(1));
+                link_for_reader
+                    .last_answer_ns
+                    .store(now_ns, Ordering::Relaxed);
                 link_for_reader.answered.fetch_add(1, Ordering::Relaxed);
                 answers.fetch_add(1, Ordering::Relaxed);
                 tally.acked.fetch_add(1, Ordering::Relaxed);
@@ -264,6 +325,9 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
         started,
         submitted: &progress.submitted,
         patience: config.cls_wait,
+        resend_after: config.resend_after,
+        last_resend_check: Instant::now(),
+        resent: 0,
     };
     let sent = match &config.source {
         Source::Generated(generator_config) => {
@@ -325,8 +389,10 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
         } else if last_answer.1.elapsed() > config.cls_wait {
             break;
         }
+        sender.resend_due()?;
         std::thread::sleep(Duration::from_millis(1));
     }
+    let resent = sender.resent;
     let unanswered = messages_in.saturating_sub(answered());
     let elapsed_s = match tally.last_ack_ns.load(Ordering::Relaxed) {
         0 => started.elapsed().as_secs_f64(),
@@ -364,7 +430,7 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
 
     let mut latency = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("a histogram");
     let mut exceptions = BTreeMap::new();
-    let (mut duplicates, mut advices, mut other_runs_cls) = (0, 0, 0);
+    let (mut duplicates, mut advices, mut other_runs_cls, mut repeat_answers) = (0, 0, 0, 0);
     let mut cls = AHashSet::new();
     for reader in readers {
         let (counts, histogram) = reader
@@ -380,6 +446,7 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
         duplicates += counts.duplicates;
         advices += counts.advices;
         other_runs_cls += counts.other_runs_cls;
+        repeat_answers += counts.repeat_answers;
         cls.extend(counts.cls);
     }
     let accepted = tally.accepted.load(Ordering::Relaxed);
@@ -425,6 +492,8 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
         missing_cls,
         missing_cls_ids,
         unanswered,
+        resent,
+        repeat_answers,
     })
 }
 
@@ -480,6 +549,9 @@ struct Sender<'a> {
     submitted: &'a AtomicU64,
     /// How long a full window waits for an answer before the run gives up.
     patience: Duration,
+    resend_after: Duration,
+    last_resend_check: Instant,
+    resent: u64,
 }
 
 impl Sender<'_> {
@@ -502,6 +574,7 @@ impl Sender<'_> {
                         sent.saturating_sub(answered)
                     );
                 }
+                self.resend_due()?;
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
@@ -517,9 +590,77 @@ impl Sender<'_> {
             signature: envelope.signature.unwrap_or([0; 32]),
             xml: envelope.bytes,
         };
+        if let Frame::Message {
+            sender,
+            signature,
+            xml,
+            ..
+        } = &frame
+        {
+            // Kept until answered, to be sent again if its answer is lost.
+            let mut in_flight = link.in_flight.lock().expect("in flight");
+            in_flight.by_seq.insert(seq, sent);
+            in_flight.unanswered.insert(
+                sent,
+                Unanswered {
+                    last_sent_ns: seq,
+                    seqs: vec![seq],
+                    sender: sender.clone(),
+                    signature: *signature,
+                    xml: xml.clone(),
+                },
+            );
+        }
         self.writers[index].send(&frame).context("sending")?;
         self.sent[index] += 1;
+        self.resend_due()?;
         self.submitted.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Sends again, on a connection that has had no answer for the resend time, the messages
+    /// it has not had answered for as long (looked at every 100 ms).
+    fn resend_due(&mut self) -> anyhow::Result<()> {
+        if self.last_resend_check.elapsed() < Duration::from_millis(100) {
+            return Ok(());
+        }
+        self.last_resend_check = Instant::now();
+        let after_ns = self.resend_after.as_nanos() as u64;
+        for (index, link) in self.links.iter().enumerate() {
+            let now_ns = self.started.elapsed().as_nanos() as u64;
+            if now_ns.saturating_sub(link.last_answer_ns.load(Ordering::Relaxed)) < after_ns {
+                continue;
+            }
+            let mut frames = Vec::new();
+            {
+                let mut in_flight = link.in_flight.lock().expect("in flight");
+                let InFlight { by_seq, unanswered } = &mut *in_flight;
+                for (number, message) in unanswered.iter_mut() {
+                    if now_ns.saturating_sub(message.last_sent_ns) < after_ns {
+                        continue;
+                    }
+                    // A sequence number of its own, after every other of this connection.
+                    let seq = (now_ns + frames.len() as u64).max(message.last_sent_ns + 1);
+                    message.last_sent_ns = seq;
+                    message.seqs.push(seq);
+                    by_seq.insert(seq, *number);
+                    frames.push(Frame::Message {
+                        seq,
+                        sender: message.sender.clone(),
+                        signature: message.signature,
+                        xml: message.xml.clone(),
+                    });
+                }
+            }
+            if frames.is_empty() {
+                continue;
+            }
+            self.resent += frames.len() as u64;
+            for frame in &frames {
+                self.writers[index].send(frame).context("sending again")?;
+            }
+            self.writers[index].flush().context("sending again")?;
+        }
         Ok(())
     }
 

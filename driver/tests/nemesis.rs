@@ -52,7 +52,15 @@ fn two_minutes_of_faults_drawn_from_a_fixed_seed_lose_nothing_and_double_nothing
         .iter()
         .all(|round| round["violations"].as_array().is_some_and(Vec::is_empty)));
     let faults = report["faults"].as_array().expect("faults");
-    for kind in ["kill-node", "stop-node", "kill-nats", "stop-db"] {
+    for kind in [
+        "kill-node",
+        "stop-node",
+        "kill-nats",
+        "stop-db",
+        "cut-nats",
+        "cut-db",
+        "clock-jump",
+    ] {
         assert!(
             faults.iter().any(|fault| fault["kind"] == kind),
             "a {kind} fault applied: {report:#}"
