@@ -784,18 +784,8 @@ impl Cluster {
                 Ok(())
             }
             FaultKind::StopDb => self.instances.crash(fault.target),
-            FaultKind::CutNats => {
-                self.links[fault.target as usize]
-                    .nats
-                    .iter()
-                    .for_each(Proxy::cut);
-                Ok(())
-            }
-            FaultKind::CutDb => {
-                self.links[fault.target as usize]
-                    .databases
-                    .iter()
-                    .for_each(Proxy::cut);
+            FaultKind::CutNats | FaultKind::CutDb => {
+                self.forwarders(fault).iter().for_each(Proxy::cut);
                 Ok(())
             }
             FaultKind::ClockJump => {
@@ -815,24 +805,24 @@ impl Cluster {
         }
     }
 
+    /// The forwarders a cut of `fault`'s kind closes: its node's to the NATS servers or to
+    /// the databases.
+    fn forwarders(&self, fault: &Fault) -> &[Proxy] {
+        let links = &self.links[fault.target as usize];
+        match fault.kind {
+            FaultKind::CutNats => &links.nats,
+            _ => &links.databases,
+        }
+    }
+
     fn heal(&mut self, fault: &Fault) -> anyhow::Result<()> {
         match fault.kind {
             FaultKind::KillNode => self.start_owner(fault.target),
             FaultKind::StopNode => self.signal(fault.target, "CONT"),
             FaultKind::KillNats => self.nats.start_again(fault.target as usize),
             FaultKind::StopDb => self.instances.up(),
-            FaultKind::CutNats => {
-                self.links[fault.target as usize]
-                    .nats
-                    .iter()
-                    .for_each(Proxy::heal);
-                Ok(())
-            }
-            FaultKind::CutDb => {
-                self.links[fault.target as usize]
-                    .databases
-                    .iter()
-                    .for_each(Proxy::heal);
+            FaultKind::CutNats | FaultKind::CutDb => {
+                self.forwarders(fault).iter().for_each(Proxy::heal);
                 Ok(())
             }
             FaultKind::ClockJump => self.set_clock(fault.target, 0),
