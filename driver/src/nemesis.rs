@@ -385,7 +385,8 @@ pub fn check_round(summary: &RemoteSummary) -> Vec<String> {
 }
 
 /// What the shards must hold once every round is over: each only its routed trades, no
-/// message and no CLS twice, and in all the rounds' expected outcome — the accepted messages,
+/// message and no CLS twice, no commit with an older fencing token after a newer one, and in
+/// all the rounds' expected outcome — the accepted messages,
 /// the CLS, the trades by status.
 pub fn check_shards(urls: &[String], expected: &RunOutcome) -> anyhow::Result<Vec<String>> {
     let mut violations = Vec::new();
@@ -412,6 +413,15 @@ pub fn check_shards(urls: &[String], expected: &RunOutcome) -> anyhow::Result<Ve
         if messages_twice + cls_twice > 0 {
             violations.push(format!(
                 "shard {shard} holds {messages_twice} messages and {cls_twice} CLS more than once"
+            ));
+        }
+        let (commits, out_of_order) = store
+            .commits_out_of_fence_order()
+            .with_context(|| format!("shard {shard}'s commits"))?;
+        if out_of_order > 0 {
+            violations.push(format!(
+                "shard {shard}: {out_of_order} of {commits} commits carry a fencing token older \
+                 than a commit before them"
             ));
         }
         let rows = store

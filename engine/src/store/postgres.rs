@@ -390,6 +390,22 @@ impl PgStore {
         result.map_err(|source| database_error(&self.name, source))
     }
 
+    /// The commits of a cluster's owners the shard keeps, and how many of them carry a fencing
+    /// token older than a commit before them (none, where the fence works).
+    pub fn commits_out_of_fence_order(&mut self) -> Result<(u64, u64), StoreError> {
+        let result = self.runtime.block_on(
+            sqlx::query_as::<_, (i64, i64)>(
+                "SELECT COUNT(*), COUNT(*) FILTER (WHERE token < earlier) FROM \
+                 (SELECT token, MAX(token) OVER (ORDER BY id ROWS BETWEEN UNBOUNDED PRECEDING \
+                 AND 1 PRECEDING) AS earlier FROM shard_commits) c",
+            )
+            .fetch_one(&mut self.connection),
+        );
+        result
+            .map(|(commits, late)| (commits as u64, late as u64))
+            .map_err(|source| database_error(&self.name, source))
+    }
+
     pub fn trade_states(&mut self) -> Result<TradeStates, StoreError> {
         let result = self.runtime.block_on(async {
             let by_status: Vec<(String, i64)> =
@@ -474,6 +490,9 @@ fn catalog_race(error: &sqlx::Error) -> bool {
     }
 }
 
+/// Commits whose fencing tokens a shard keeps (migration 0006).
+const COMMIT_LOG_KEPT: i64 = 100_000;
+
 /// SQLSTATE of a commit refused by the shard's fence (migration 0003).
 const FENCED_SQLSTATE: &str = "SF001";
 
@@ -523,6 +542,11 @@ async fn write_pg_batch(
     if let Some(token) = fencing_token {
         // First, so that a fenced owner writes nothing at all.
         sqlx::query("SELECT ste_raise_fence($1)")
+            .bind(token)
+            .execute(&mut *transaction)
+            .await?;
+        // The commit's token, in commit order (the fence's lock orders them).
+        sqlx::query("INSERT INTO shard_commits (token) VALUES ($1)")
             .bind(token)
             .execute(&mut *transaction)
             .await?;
@@ -754,7 +778,18 @@ impl Store for PgStore {
         })?;
         self.fencing_token = Some(token);
         // Raise the fence at once: from now on an older owner's commit is refused.
-        self.commit(&mut Batch::default()).map(|_| ())
+        self.commit(&mut Batch::default())?;
+        let trimmed = self.runtime.block_on(
+            sqlx::query(
+                "DELETE FROM shard_commits WHERE id <= \
+                 (SELECT MAX(id) FROM shard_commits) - $1",
+            )
+            .bind(COMMIT_LOG_KEPT)
+            .execute(&mut self.connection),
+        );
+        trimmed
+            .map(drop)
+            .map_err(|source| database_error(&self.name, source))
     }
 
     fn undelivered_cls(&mut self) -> Result<Vec<UndeliveredCls>, StoreError> {
