@@ -545,11 +545,6 @@ async fn write_pg_batch(
             .bind(token)
             .execute(&mut *transaction)
             .await?;
-        // The commit's token, in commit order (the fence's lock orders them).
-        sqlx::query("INSERT INTO shard_commits (token) VALUES ($1)")
-            .bind(token)
-            .execute(&mut *transaction)
-            .await?;
     }
     if !create_partitions.is_empty() {
         sqlx::raw_sql(create_partitions)
@@ -632,6 +627,15 @@ async fn write_pg_batch(
         .bind(through)
         .execute(&mut *transaction)
         .await?;
+    }
+    if let Some(token) = fencing_token {
+        // The commit's token, last, so that its place follows the commit's: the fence's lock
+        // makes an owner's commits take turns with another's, and an owner that stalled inside
+        // a transaction the fence did not hold would land after the newer owner's commits.
+        sqlx::query("INSERT INTO shard_commits (token) VALUES ($1)")
+            .bind(token)
+            .execute(&mut *transaction)
+            .await?;
     }
     transaction.commit().await?;
     Ok(outbox_ids_in_order(batch, &outbox_ids))
