@@ -825,10 +825,18 @@ fn nemesis(mut config: ste_driver::nemesis::NemesisConfig, json: bool) -> anyhow
         Some(failure) => bail!(
             "nemesis seed {seed} failed {:.1} s into the load, after {} faults: {}\n\
              the schedule's prefix that shows it: driver nemesis --seed {seed} --minutes {minutes} \
-             --faults {} (schedule.csv and faults.csv in {})",
+             --gap {} --kinds {} --round-trades {} --faults {} (schedule.csv and faults.csv in {})",
             failure.at_s,
             failure.faults_applied,
             failure.what,
+            config.mean_gap.as_secs_f64(),
+            config
+                .kinds
+                .iter()
+                .map(|kind| kind.name())
+                .collect::<Vec<_>>()
+                .join(","),
+            config.round_trades,
             failure.faults_applied,
             config.dir.display()
         ),
