@@ -13,9 +13,16 @@ use std::process::Command;
 /// The seed CI runs the nemesis on.
 const SEED: &str = "20261203";
 
+/// One nemesis at a time: two cores do not run two clusters and keep their leases in time, and
+/// a run's PostgreSQL instances take ports named after the process.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Runs the nemesis with `args` for two minutes on [`SEED`]; its report, once it has passed
 /// and applied a fault of each of `kinds` in the schedule's order.
 fn passes(args: &[&str], kinds: &[&str]) -> serde_json::Value {
+    let _one = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let engine = PathBuf::from(env!("CARGO_BIN_EXE_driver")).with_file_name("engine");
     assert!(
         engine.exists(),
