@@ -809,13 +809,14 @@ fn nemesis(mut config: ste_driver::nemesis::NemesisConfig, json: bool) -> anyhow
     } else {
         println!(
             "nemesis seed {seed}: {} faults applied of {} scheduled, {} rounds, {} messages, \
-             {:.0} answers/s over {:.0} s",
+             {:.0} answers/s over {:.0} s; {} owners' commits checked for their fencing tokens",
             report.faults.len(),
             report.faults_scheduled,
             report.rounds.len(),
             report.messages,
             report.answers_per_s,
-            report.elapsed_s
+            report.elapsed_s,
+            report.commits_checked
         );
         print!("{}", ste_driver::nemesis::by_kind(&report));
         println!("run folder {}", config.dir.display());

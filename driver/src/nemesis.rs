@@ -293,6 +293,8 @@ pub struct NemesisReport {
     pub rounds: Vec<Round>,
     /// Violations of the shards' checks after the run.
     pub shard_violations: Vec<String>,
+    /// Owners' commits whose fencing tokens the shards' check read.
+    pub commits_checked: u64,
     /// The first violation, and the faults applied by then.
     pub failure: Option<Failure>,
     pub messages: u64,
@@ -388,8 +390,10 @@ pub fn check_round(summary: &RemoteSummary) -> Vec<String> {
 /// message and no CLS twice, no commit with an older fencing token after a newer one, and in
 /// all the rounds' expected outcome — the accepted messages,
 /// the CLS, the trades by status.
-pub fn check_shards(urls: &[String], expected: &RunOutcome) -> anyhow::Result<Vec<String>> {
+/// Returns the violations and how many owners' commits were checked for their tokens.
+pub fn check_shards(urls: &[String], expected: &RunOutcome) -> anyhow::Result<(Vec<String>, u64)> {
     let mut violations = Vec::new();
+    let mut commits_checked = 0;
     let (mut messages, mut cls) = (0, 0);
     let mut by_status: BTreeMap<String, u64> = BTreeMap::new();
     for (shard, url) in urls.iter().enumerate() {
@@ -418,6 +422,7 @@ pub fn check_shards(urls: &[String], expected: &RunOutcome) -> anyhow::Result<Ve
         let (commits, out_of_order) = store
             .commits_out_of_fence_order()
             .with_context(|| format!("shard {shard}'s commits"))?;
+        commits_checked += commits;
         if out_of_order > 0 {
             violations.push(format!(
                 "shard {shard}: {out_of_order} of {commits} commits carry a fencing token older \
@@ -462,7 +467,7 @@ pub fn check_shards(urls: &[String], expected: &RunOutcome) -> anyhow::Result<Ve
             ));
         }
     }
-    Ok(violations)
+    Ok((violations, commits_checked))
 }
 
 /// The shards' PostgreSQL instances (`deploy/local-cluster.sh` in a folder of the run's),
@@ -1041,7 +1046,7 @@ pub fn run(config: &NemesisConfig, refdata: RefData) -> anyhow::Result<NemesisRe
 
     // Every fault is healed: the shards are read once their owners are back.
     cluster.wait_until_held()?;
-    let shard_violations = check_shards(&cluster.db_urls, &expected)?;
+    let (shard_violations, commits_checked) = check_shards(&cluster.db_urls, &expected)?;
     let mut failure = failure.lock().expect("failure").take();
     if failure.is_none() && !shard_violations.is_empty() {
         failure = Some((shard_violations.join("; "), elapsed_s));
@@ -1073,6 +1078,7 @@ pub fn run(config: &NemesisConfig, refdata: RefData) -> anyhow::Result<NemesisRe
         faults,
         rounds,
         shard_violations,
+        commits_checked,
         failure: failure.map(|(what, at_s)| Failure {
             faults_applied: faults_applied_by(at_s).min(applied),
             what,

@@ -111,4 +111,7 @@ fn two_minutes_of_owners_stalled_past_their_leases_leave_every_commit_in_fence_o
     let report = passes(&["--kinds", "stop-node", "--gap", "1.5"], &["stop-node"]);
     let faults = report["faults"].as_array().expect("faults");
     assert!(faults.len() >= 30, "{} stalls", faults.len());
+    // The check read the owners' commits: hundreds of them, every shard's.
+    let commits = report["commits_checked"].as_u64().expect("a count");
+    assert!(commits >= 400, "{commits} commits checked");
 }
