@@ -10,6 +10,7 @@
 #   deploy/local-cluster.sh owner-urls [--dir DIR]    (as ste_owner, who migrates and may make databases)
 #   deploy/local-cluster.sh nats [--dir DIR]      (the NATS URLs and placement tags, two lines)
 #   deploy/local-cluster.sh crash K [--dir DIR]   (stop shard K's instance abruptly; `up N` restarts it)
+#   deploy/local-cluster.sh start K [--dir DIR]   (start shard K's instance again, alone, on its port)
 #   deploy/local-cluster.sh reset [--dir DIR]     (drop and recreate every shard's database)
 #
 # `up` prints the shard URLs, one per line, in shard order; pass them to the driver as
@@ -39,10 +40,10 @@ command=${1:-}
 [ -n "$command" ] || usage
 shift
 count=""
-shard_to_crash=""
-if [ "$command" = "crash" ]; then
-  shard_to_crash=${1:-}
-  [[ "$shard_to_crash" =~ ^[0-9]+$ ]] || usage
+shard_named=""
+if [ "$command" = "crash" ] || [ "$command" = "start" ]; then
+  shard_named=${1:-}
+  [[ "$shard_named" =~ ^[0-9]+$ ]] || usage
   shift
 fi
 if [ "$command" = "up" ]; then
@@ -270,8 +271,12 @@ case "$command" in
       start_instance "$shard" "$(cat "$port_file")"
     done
     ;;
+  start)
+    [ -f "$dir/shard-$shard_named.port" ] || { echo "no shard $shard_named under $dir (up N makes it)" >&2; exit 1; }
+    start_instance "$shard_named" "$(cat "$dir/shard-$shard_named.port")"
+    ;;
   crash)
-    as_postgres "$bindir/pg_ctl" -D "$dir/shard-$shard_to_crash" -m immediate -w stop >/dev/null
+    as_postgres "$bindir/pg_ctl" -D "$dir/shard-$shard_named" -m immediate -w stop >/dev/null
     ;;
   down)
     for pid_file in "$dir"/node-*.pid; do stop_pid_file "$pid_file"; done

@@ -27,6 +27,7 @@ pub mod proxy;
 pub mod remote;
 pub mod scale;
 pub mod secrets;
+pub mod volume;
 
 /// The first line of a message-set file.
 pub const MESSAGE_SET_OPEN: &str = "<MessageSet xmlns=\"urn:ste:trade:1\">";

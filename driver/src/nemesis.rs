@@ -39,6 +39,7 @@ use ste_engine::store::{PgStore, Store};
 use crate::proxy::Proxy;
 use crate::remote::{run_remote, RemoteConfig, RemoteSummary};
 use crate::scale::{node_command, NatsCluster, NodeSpec, LOCAL_NATS_SERVERS};
+use crate::volume::Volume;
 use crate::Source;
 
 /// Shards (and PostgreSQL instances) of a nemesis cluster.
@@ -84,10 +85,14 @@ pub enum FaultKind {
     /// libfaketime; its monotonic clock untouched, as a stepped system clock leaves it) and
     /// set right later.
     ClockJump,
+    /// A shard's PostgreSQL data folder filled to its last block (its own file system) and
+    /// given its space back later; the instance started again if a write it could not make
+    /// stopped it.
+    FillDisk,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 7] = [
+    pub const ALL: [FaultKind; 8] = [
         FaultKind::KillNode,
         FaultKind::StopNode,
         FaultKind::KillNats,
@@ -95,6 +100,7 @@ impl FaultKind {
         FaultKind::CutNats,
         FaultKind::CutDb,
         FaultKind::ClockJump,
+        FaultKind::FillDisk,
     ];
 
     pub fn name(self) -> &'static str {
@@ -106,6 +112,7 @@ impl FaultKind {
             FaultKind::CutNats => "cut-nats",
             FaultKind::CutDb => "cut-db",
             FaultKind::ClockJump => "clock-jump",
+            FaultKind::FillDisk => "fill-disk",
         }
     }
 
@@ -116,7 +123,7 @@ impl FaultKind {
             FaultKind::KillNode => (OWNER_NODES, 300, 4_000),
             FaultKind::StopNode => (OWNER_NODES, 300, 6_000),
             FaultKind::KillNats => (LOCAL_NATS_SERVERS as u32, 500, 5_000),
-            FaultKind::StopDb => (SHARDS, 500, 6_000),
+            FaultKind::StopDb | FaultKind::FillDisk => (SHARDS, 500, 6_000),
             FaultKind::CutNats | FaultKind::CutDb | FaultKind::ClockJump => {
                 (OWNER_NODES, 500, 6_000)
             }
@@ -133,7 +140,7 @@ impl FaultKind {
             | FaultKind::CutDb
             | FaultKind::ClockJump => (0, target),
             FaultKind::KillNats => (1, 0),
-            FaultKind::StopDb => (2, target),
+            FaultKind::StopDb | FaultKind::FillDisk => (2, target),
         }
     }
 }
@@ -174,7 +181,14 @@ pub fn schedule(seed: u64, span: Duration, mean_gap: Duration, kinds: &[FaultKin
         }
         let kind = kinds[rng.gen_range(0..kinds.len())];
         let (targets, shortest, longest) = kind.bounds();
-        let target = rng.gen_range(0..targets);
+        let free: Vec<u32> = (0..targets)
+            .filter(|&target| {
+                busy_until
+                    .get(&kind.resource(target))
+                    .is_none_or(|&until| until <= at)
+            })
+            .collect();
+        let target = free.get(rng.gen_range(0..free.len().max(1))).copied();
         let lasts_ms = rng.gen_range(shortest..=longest);
         let jump_s = match kind {
             FaultKind::ClockJump => {
@@ -187,11 +201,12 @@ pub fn schedule(seed: u64, span: Duration, mean_gap: Duration, kinds: &[FaultKin
             }
             _ => 0,
         };
-        let resource = kind.resource(target);
-        if busy_until.get(&resource).is_some_and(|&until| until > at) {
+        // Every target of the kind is faulted (the draws above are made all the same, so the
+        // schedule after this point does not depend on it).
+        let Some(target) = target else {
             continue;
-        }
-        busy_until.insert(resource, at + lasts_ms);
+        };
+        busy_until.insert(kind.resource(target), at + lasts_ms);
         faults.push(Fault {
             number: faults.len() + 1,
             kind,
@@ -471,13 +486,16 @@ pub fn check_shards(urls: &[String], expected: &RunOutcome) -> anyhow::Result<(V
 }
 
 /// The shards' PostgreSQL instances (`deploy/local-cluster.sh` in a folder of the run's),
-/// brought down when dropped.
+/// brought down when dropped; with volumes, each instance's data folder on a file system of
+/// its own that a fault can fill.
 struct Instances {
     script: PathBuf,
     dir: PathBuf,
     bin_dir: PathBuf,
     port: u16,
     up: bool,
+    /// Shard k's data folder's volume at k (none when no fault fills them).
+    volumes: Vec<Volume>,
 }
 
 impl Instances {
@@ -489,23 +507,62 @@ impl Instances {
             // Below the kernel's ephemeral range, clear of the machine's own instance.
             port: 27_000 + (std::process::id() % 1_000) as u16 * 4,
             up: true,
+            volumes: Vec::new(),
         };
-        if let Err(error) = instances.up() {
-            instances.up = false;
+        if config.kinds.contains(&FaultKind::FillDisk) {
+            let images = config.dir.join("volumes");
+            std::fs::create_dir_all(&images).context("the volumes' folder")?;
+            for shard in 0..SHARDS {
+                let volume = Volume::mount(
+                    &images.join(format!("shard-{shard}.img")),
+                    &instances.dir.join(format!("shard-{shard}")),
+                    Some("postgres"),
+                )
+                .context(
+                    "a shard's data folder on a volume of its own, for fill-disk faults; or \
+                     leave fill-disk out of --kinds",
+                )?;
+                instances.volumes.push(volume);
+            }
+        }
+        if let Err(error) = instances.run(&[
+            "up",
+            &SHARDS.to_string(),
+            "--port",
+            &instances.port.to_string(),
+        ]) {
+            instances.down();
             return Err(error);
         }
         Ok(instances)
     }
 
-    /// Starts every instance that is not running.
-    fn up(&self) -> anyhow::Result<()> {
-        self.run(&["up", &SHARDS.to_string(), "--port", &self.port.to_string()])
-            .map(drop)
+    /// Starts shard `shard`'s instance again (nothing when it runs).
+    fn start_shard(&self, shard: u32) -> anyhow::Result<()> {
+        self.run(&["start", &shard.to_string()]).map(drop)
     }
 
     /// Stops shard `shard`'s instance abruptly.
     fn crash(&self, shard: u32) -> anyhow::Result<()> {
         self.run(&["crash", &shard.to_string()]).map(drop)
+    }
+
+    /// Fills shard `shard`'s data folder to its last block.
+    fn fill(&self, shard: u32) -> anyhow::Result<()> {
+        let volume = self
+            .volumes
+            .get(shard as usize)
+            .context("the shards' data folders are not on volumes of their own")?;
+        volume.fill().map(drop)
+    }
+
+    /// Gives shard `shard`'s data folder its space back, and starts its instance again if a
+    /// write it could not make stopped it.
+    fn free(&self, shard: u32) -> anyhow::Result<()> {
+        if let Some(volume) = self.volumes.get(shard as usize) {
+            volume.free()?;
+        }
+        self.start_shard(shard)
     }
 
     /// The shards' URLs, as the nodes are given them.
@@ -536,19 +593,14 @@ impl Instances {
         Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     }
 
+    /// Stops the instances, then unmounts their volumes.
     fn down(&mut self) {
         if std::mem::take(&mut self.up) {
             let _ = self.run(&["down"]);
         }
+        self.volumes.iter_mut().for_each(Volume::unmount);
     }
 }
-
-impl Drop for Instances {
-    fn drop(&mut self) {
-        self.down();
-    }
-}
-
 /// What stands between an owner node and the servers: a forwarder per NATS server and per
 /// database, which a cut closes.
 struct Links {
@@ -590,20 +642,26 @@ impl Links {
 }
 
 /// The cluster a nemesis run attacks.
+///
+/// Faults on different processes run at once, each on a thread of its own: so every part that
+/// a fault changes has a lock of its own (a node, the NATS servers), and the rest does not
+/// change once the cluster is up.
 struct Cluster {
     dir: PathBuf,
-    nats: NatsCluster,
+    nats: Mutex<NatsCluster>,
+    nats_url: String,
+    placement: String,
     engine: PathBuf,
     keys: PathBuf,
     secrets: PathBuf,
     db_urls: Vec<String>,
     /// The owner nodes, by number (None while killed).
-    owners: Vec<Option<Child>>,
+    owners: Vec<Mutex<Option<Child>>>,
     /// Each owner node's way to the servers.
     links: Vec<Links>,
     /// libfaketime, when owner nodes' clocks are to jump.
     libfaketime: Option<PathBuf>,
-    gateway: Option<Child>,
+    gateway: Mutex<Option<Child>>,
     gateway_address: String,
     /// Last, so that the nodes go before their databases.
     instances: Instances,
@@ -628,7 +686,9 @@ impl Cluster {
             .with_context(|| format!("writing {}", keys.display()))?;
         let mut cluster = Self {
             dir: config.dir.clone(),
-            nats,
+            nats_url: nats.url.clone(),
+            placement: nats.placement.clone(),
+            nats: Mutex::new(nats),
             engine: config.engine.clone(),
             keys,
             secrets,
@@ -640,16 +700,16 @@ impl Cluster {
                 .contains(&FaultKind::ClockJump)
                 .then(|| config.libfaketime.clone())
                 .flatten(),
-            gateway: None,
+            gateway: Mutex::new(None),
             gateway_address: String::new(),
             instances,
         };
         cluster.start_gateway()?;
         for node in 0..OWNER_NODES {
-            cluster.owners.push(None);
+            cluster.owners.push(Mutex::new(None));
             cluster
                 .links
-                .push(Links::start(&cluster.nats.url, &cluster.db_urls)?);
+                .push(Links::start(&cluster.nats_url, &cluster.db_urls)?);
             cluster.start_owner(node)?;
         }
         cluster.wait_until_held()?;
@@ -666,8 +726,8 @@ impl Cluster {
         let mut command = node_command(
             &NodeSpec {
                 engine: &self.engine,
-                nats_url: links.map_or(&self.nats.url, |links| &links.nats_url),
-                placement: &self.nats.placement,
+                nats_url: links.map_or(&self.nats_url, |links| &links.nats_url),
+                placement: &self.placement,
                 secrets: &self.secrets,
                 keys: &self.keys,
                 db_urls: links.map_or(&self.db_urls, |links| &links.db_urls),
@@ -698,7 +758,7 @@ impl Cluster {
             .with_context(|| format!("writing {}", path.display()))
     }
 
-    fn start_owner(&mut self, node: u32) -> anyhow::Result<()> {
+    fn start_owner(&self, node: u32) -> anyhow::Result<()> {
         let mut command = self.node(
             &format!("owner-{node}"),
             2,
@@ -717,8 +777,12 @@ impl Cluster {
             .stdout(Stdio::null())
             .spawn()
             .context("starting an owner node")?;
-        self.owners[node as usize] = Some(child);
+        *self.owner(node) = Some(child);
         Ok(())
+    }
+
+    fn owner(&self, node: u32) -> std::sync::MutexGuard<'_, Option<Child>> {
+        self.owners[node as usize].lock().expect("an owner node")
     }
 
     /// The gateway node: the participants' listeners and the sink, no shard of its own.
@@ -737,16 +801,15 @@ impl Cluster {
             .context("the gateway announced no framed-XML listener (see gateway.log)")?;
         // Its later lines go nowhere, and it never blocks writing them.
         std::thread::spawn(move || lines.for_each(drop));
-        self.gateway = Some(child);
+        *self.gateway.get_mut().expect("the gateway") = Some(child);
         self.gateway_address = address;
         Ok(())
     }
 
     fn leases(&self) -> anyhow::Result<Leases> {
         let jetstream = ClusterAccess {
-            url: self.nats.url.clone(),
-            placement: Placement::parse(Some(&self.nats.placement), 1)
-                .map_err(anyhow::Error::msg)?,
+            url: self.nats_url.clone(),
+            placement: Placement::parse(Some(&self.placement), 1).map_err(anyhow::Error::msg)?,
             secrets: Some(self.secrets.clone()),
         }
         .connect(Role::Monitor)
@@ -771,9 +834,8 @@ impl Cluster {
     }
 
     fn signal(&self, node: u32, signal: &str) -> anyhow::Result<()> {
-        let child = self.owners[node as usize]
-            .as_ref()
-            .context("the node is not running")?;
+        let owner = self.owner(node);
+        let child = owner.as_ref().context("the node is not running")?;
         let status = Command::new("kill")
             .arg(format!("-{signal}"))
             .arg(child.id().to_string())
@@ -784,10 +846,10 @@ impl Cluster {
         Ok(())
     }
 
-    fn apply(&mut self, fault: &Fault) -> anyhow::Result<()> {
+    fn apply(&self, fault: &Fault) -> anyhow::Result<()> {
         match fault.kind {
             FaultKind::KillNode => {
-                if let Some(mut child) = self.owners[fault.target as usize].take() {
+                if let Some(mut child) = self.owner(fault.target).take() {
                     let _ = child.kill();
                     let _ = child.wait();
                 }
@@ -795,10 +857,14 @@ impl Cluster {
             }
             FaultKind::StopNode => self.signal(fault.target, "STOP"),
             FaultKind::KillNats => {
-                self.nats.kill(fault.target as usize);
+                self.nats
+                    .lock()
+                    .expect("the NATS servers")
+                    .kill(fault.target as usize);
                 Ok(())
             }
             FaultKind::StopDb => self.instances.crash(fault.target),
+            FaultKind::FillDisk => self.instances.fill(fault.target),
             FaultKind::CutNats | FaultKind::CutDb => {
                 self.forwarders(fault).iter().for_each(Proxy::cut);
                 Ok(())
@@ -830,12 +896,17 @@ impl Cluster {
         }
     }
 
-    fn heal(&mut self, fault: &Fault) -> anyhow::Result<()> {
+    fn heal(&self, fault: &Fault) -> anyhow::Result<()> {
         match fault.kind {
             FaultKind::KillNode => self.start_owner(fault.target),
             FaultKind::StopNode => self.signal(fault.target, "CONT"),
-            FaultKind::KillNats => self.nats.start_again(fault.target as usize),
-            FaultKind::StopDb => self.instances.up(),
+            FaultKind::KillNats => self
+                .nats
+                .lock()
+                .expect("the NATS servers")
+                .start_again(fault.target as usize),
+            FaultKind::StopDb => self.instances.start_shard(fault.target),
+            FaultKind::FillDisk => self.instances.free(fault.target),
             FaultKind::CutNats | FaultKind::CutDb => {
                 self.forwarders(fault).iter().for_each(Proxy::heal);
                 Ok(())
@@ -846,16 +917,19 @@ impl Cluster {
 
     /// Stops the nodes, NATS and the instances.
     fn stop(&mut self) {
-        for mut child in self.owners.iter_mut().filter_map(Option::take) {
+        let owners = self.owners.iter_mut();
+        for mut child in owners.filter_map(|owner| owner.get_mut().ok()?.take()) {
             // SIGKILL ends a stopped process too.
             let _ = child.kill();
             let _ = child.wait();
         }
-        if let Some(mut gateway) = self.gateway.take() {
+        if let Some(mut gateway) = self.gateway.get_mut().ok().and_then(Option::take) {
             let _ = gateway.kill();
             let _ = gateway.wait();
         }
-        self.nats.stop();
+        if let Ok(nats) = self.nats.get_mut() {
+            nats.stop();
+        }
         self.instances.down();
     }
 }
@@ -975,61 +1049,91 @@ pub fn run(config: &NemesisConfig, refdata: RefData) -> anyhow::Result<NemesisRe
         })
     };
 
-    // The schedule: each fault applied at its time and healed after its span, in time order.
-    let mut events: Vec<(u64, bool, usize)> = planned
-        .iter()
-        .enumerate()
-        .flat_map(|(index, f)| [(f.at_ms, true, index), (f.at_ms + f.lasts_ms, false, index)])
-        .collect();
-    events.sort();
-    let mut times: Vec<(f64, f64)> = vec![(f64::NAN, f64::NAN); planned.len()];
-    let mut applied = 0;
-    let mut fault_error = None;
-    for (at_ms, apply, index) in events {
-        let due = Duration::from_millis(at_ms);
-        while started.elapsed() < due && failure.lock().expect("failure").is_none() {
+    // The schedule: a thread for each process the faults hit (a node, the NATS servers, a
+    // shard's database), applying its faults at their times and healing each after its span,
+    // one after the other; a heal that takes long (a NATS server waits until it is healthy
+    // and back in its cluster) holds up that process's next fault only.
+    let mut by_resource: BTreeMap<(u8, u32), Vec<usize>> = BTreeMap::new();
+    for (index, fault) in planned.iter().enumerate() {
+        by_resource
+            .entry(fault.kind.resource(fault.target))
+            .or_default()
+            .push(index);
+    }
+    let times: Mutex<Vec<(f64, f64)>> = Mutex::new(vec![(f64::NAN, f64::NAN); planned.len()]);
+    let fault_error: Mutex<Option<anyhow::Error>> = Mutex::new(None);
+    let stopping = || {
+        failure.lock().expect("failure").is_some() || fault_error.lock().expect("error").is_some()
+    };
+    let wait_until = |due: Duration| {
+        while started.elapsed() < due && !stopping() {
             std::thread::sleep(Duration::from_millis(10).min(due - started.elapsed().min(due)));
         }
-        let fault = &planned[index];
-        // Once a round has failed, no new fault: only heals, so the cluster can be read.
-        if apply && failure.lock().expect("failure").is_some() {
-            continue;
+    };
+    let progress = config.progress;
+    std::thread::scope(|scope| {
+        for indices in by_resource.values() {
+            let (cluster, planned, times, fault_error) = (&cluster, &planned, &times, &fault_error);
+            scope.spawn(move || {
+                for &index in indices {
+                    let fault = &planned[index];
+                    wait_until(Duration::from_millis(fault.at_ms));
+                    // Once a round has failed or a fault could not be applied, no new fault.
+                    if stopping() {
+                        return;
+                    }
+                    for apply in [true, false] {
+                        if !apply {
+                            // A heal is due even when the run is stopping: the cluster is read
+                            // after it.
+                            let due = Duration::from_millis(fault.at_ms + fault.lasts_ms);
+                            wait_until(due);
+                        }
+                        let result = if apply {
+                            cluster.apply(fault)
+                        } else {
+                            cluster.heal(fault)
+                        };
+                        let now = started.elapsed().as_secs_f64();
+                        if let Err(error) = result {
+                            let mut slot = fault_error.lock().expect("error");
+                            slot.get_or_insert(error.context(format!(
+                                "{} fault {} on {} {}",
+                                if apply { "applying" } else { "healing" },
+                                fault.number,
+                                fault.kind.name(),
+                                fault.target
+                            )));
+                            if apply {
+                                return;
+                            }
+                        }
+                        let mut times = times.lock().expect("times");
+                        if apply {
+                            times[index].0 = now;
+                        } else {
+                            times[index].1 = now;
+                        }
+                        if progress {
+                            eprintln!(
+                                "{now:7.1} s  fault {:>4} {:<10} {} {}",
+                                fault.number,
+                                fault.kind.name(),
+                                fault.target,
+                                if apply { "applied" } else { "healed" }
+                            );
+                        }
+                    }
+                }
+            });
         }
-        if !apply && times[index].0.is_nan() {
-            continue;
-        }
-        let result = if apply {
-            cluster.apply(fault)
-        } else {
-            cluster.heal(fault)
-        };
-        let now = started.elapsed().as_secs_f64();
-        if let Err(error) = result {
-            fault_error = Some(error.context(format!(
-                "{} fault {} on {} {}",
-                if apply { "applying" } else { "healing" },
-                fault.number,
-                fault.kind.name(),
-                fault.target
-            )));
-            break;
-        }
-        if apply {
-            times[index].0 = now;
-            applied = applied.max(index + 1);
-        } else {
-            times[index].1 = now;
-        }
-        if config.progress {
-            eprintln!(
-                "{now:7.1} s  fault {:>4} {:<9} {} {}",
-                fault.number,
-                fault.kind.name(),
-                fault.target,
-                if apply { "applied" } else { "healed" }
-            );
-        }
-    }
+    });
+    let times = times.into_inner().expect("times");
+    let applied = times
+        .iter()
+        .rposition(|(applied_s, _)| !applied_s.is_nan())
+        .map_or(0, |last| last + 1);
+    let fault_error = fault_error.into_inner().expect("error");
     if let Some(error) = fault_error {
         stop.store(true, Ordering::Relaxed);
         let _ = load.join();

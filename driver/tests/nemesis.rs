@@ -99,6 +99,7 @@ fn two_minutes_of_faults_of_every_kind_drawn_from_a_fixed_seed_lose_nothing_and_
             "cut-nats",
             "cut-db",
             "clock-jump",
+            "fill-disk",
         ],
     );
 }
