@@ -5,7 +5,9 @@
 #   - NATS: Debian's nats-server for the tests of the JetStream carrier, and the pinned release
 #     a cluster runs on (scripts/nats-server.sh) for the cluster's tests;
 #   - Debian's chromium, for the dashboard's browser test;
-#   - Debian's faketime (libfaketime), whose library jumps the clocks of the nemesis's nodes;
+#   - Debian's faketime (libfaketime), whose library jumps the clocks of the nemesis's nodes, and
+#     e2fsprogs and util-linux (mkfs.ext4, mount, fallocate), with which it fills a shard's data
+#     folder on a loop-mounted volume of its own;
 #   - zeep, simplefix and quickfix from PyPI, the third-party SOAP and FIX clients of the bridge's
 #     tests (quickfix builds its C++ engine from source the first time, several minutes; pip keeps
 #     the wheel in its cache, so later runs on the same machine install it at once).
@@ -44,6 +46,12 @@ echo "== libfaketime, which jumps the clocks of the nemesis's nodes (Debian's fa
 if ! [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ] && [ -z "${STE_LIBFAKETIME:-}" ]; then
   apt_install faketime
 fi
+
+echo "== mkfs.ext4 and fallocate, with which the nemesis fills a shard's data folder"
+export PATH="$PATH:/sbin"
+command -v mkfs.ext4 >/dev/null 2>&1 || apt_install e2fsprogs
+command -v fallocate >/dev/null 2>&1 || apt_install util-linux
+losetup -f >/dev/null
 
 echo "== browser for the dashboard test (Debian's chromium)"
 if [ -z "${STE_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
