@@ -483,10 +483,17 @@ impl Gateway {
     /// Starts the gateway's threads in front of a cluster: messages go to its inbound
     /// partitions stamped with `ingress`'s gateway number, answers come back on that number's
     /// ACK queue, and `pushes` (copies of the CLS queue) go to the subscribed connections.
+    ///
+    /// With `delivery`, `pushes` is the CLS queue itself and this gateway is the cluster's
+    /// sink: every CLS is pushed to the connections subscribed for its parties, written to
+    /// `cls_out` and then confirmed, so that a CLS published while this gateway's NATS
+    /// connection was down reaches them when it is back (the queue keeps it). Without, `pushes`
+    /// are copies, and what is published while the connection is down is not pushed.
     pub fn start_cluster(
         mut ingress: Ingress,
         pushes: Rx<OutboundEvent>,
         pushes_stop: StopReceiving,
+        delivery: Option<Delivery>,
         config: &GatewayConfig,
         refdata: Arc<RefData>,
     ) -> Result<Self, GatewayError> {
@@ -507,8 +514,7 @@ impl Gateway {
                 submitter,
                 acks,
                 events: pushes,
-                // Copies carry no confirmation: the cluster's sink confirms delivery.
-                delivery: None,
+                delivery,
             },
             config,
             refdata,
@@ -557,8 +563,9 @@ impl Gateway {
                 }
             })
         };
-        // In process the gateway is the sink and writes the CLS file; before a cluster it
-        // only pushes (the cluster's sink writes and confirms).
+        // In process, and on a cluster node that also runs the sink, the gateway is the sink
+        // and writes the CLS file; otherwise it only pushes copies (the cluster's sink writes
+        // and confirms).
         let sink = Sink::new(
             config.cls_out.as_deref().filter(|_| delivery.is_some()),
             true,

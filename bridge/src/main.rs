@@ -197,6 +197,16 @@ struct Cli {
     /// others this long after its last renewal.
     #[arg(long, default_value_t = 3_000, requires = "nats")]
     lease_ttl_ms: u64,
+    /// How long a starting node tries to reach its cluster's queues and leases, in seconds,
+    /// before it gives up and exits (servers that are starting, or electing leaders, time
+    /// requests out meanwhile).
+    #[arg(
+        long,
+        env = "STE_START_PATIENCE_S",
+        default_value_t = 30,
+        requires = "nats"
+    )]
+    start_patience_s: u64,
     /// The placement tags of the cluster's NATS servers, one per server, separated by commas
     /// (e.g. ste:0,ste:1,ste:2): shard k's inbound stream goes to the server of tag k mod the
     /// count, so that no server carries every message. The same on every node and driver.
@@ -616,6 +626,7 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
         matcher_memory: matcher_memory(cli),
         // Published on ste.samples.<node> for whoever collects them (the driver of a run).
         sample_interval: Duration::from_millis(cli.sample_ms),
+        start_patience: Duration::from_secs(cli.start_patience_s),
     };
     let placement = ste_engine::queue::jetstream::Placement::parse(
         cli.nats_placement.as_deref(),
@@ -644,12 +655,16 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
             last = Some(holdings);
         }
     };
-    let sink = if cli.sink {
-        let jetstream = access
+    let sink_connection = || {
+        access
             .connect(Role::Sink)
-            .with_context(|| format!("connecting to NATS at {url} as the sink"))?;
+            .with_context(|| format!("connecting to NATS at {url} as the sink"))
+    };
+    // A node that runs a gateway and the sink pushes what the sink takes off the CLS queue,
+    // which keeps what a gateway's NATS connection misses while it is down; copies do not.
+    let sink = if cli.sink && !cli.gateway {
         Some(ClusterSink::start(
-            &jetstream,
+            &sink_connection()?,
             &layout,
             cli.cls_out.as_deref(),
         )?)
@@ -657,7 +672,15 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
         None
     };
     if cli.gateway {
-        let gateway = cluster_gateway(cli, &access, &layout, lease_ttl, &node_id, refdata)?;
+        let feed = if cli.sink {
+            let feed = ste_engine::cluster::ClsFeed::open(&sink_connection()?, &layout)
+                .context("opening the CLS queue")?;
+            info!("running the cluster's sink in the gateway");
+            Some(feed)
+        } else {
+            None
+        };
+        let gateway = cluster_gateway(cli, &access, &layout, lease_ttl, &node_id, refdata, feed)?;
         let report = serve(cli, gateway, log_holdings)?;
         info!(
             submitted = report.submitted,
@@ -693,7 +716,8 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
 }
 
 /// The gateway of a cluster node: a gateway number of the node's, the shards' inbound queues, and
-/// copies of the CLS queue for the connections' pushes.
+/// for the connections' pushes the CLS queue itself (`feed`: the gateway is the cluster's sink)
+/// or copies of it.
 fn cluster_gateway(
     cli: &Cli,
     access: &ste_engine::cluster::ClusterAccess,
@@ -701,6 +725,7 @@ fn cluster_gateway(
     lease_ttl: Duration,
     node_id: &str,
     refdata: Arc<RefData>,
+    feed: Option<ste_engine::cluster::ClsFeed>,
 ) -> anyhow::Result<Gateway> {
     let (ingress, jetstream) = ste_engine::cluster::Ingress::open_as(
         access,
@@ -708,23 +733,33 @@ fn cluster_gateway(
         layout,
         lease_ttl,
         node_id,
-        ste_engine::cluster::STARTING_PATIENCE,
+        Duration::from_secs(cli.start_patience_s),
     )
     .context("taking a gateway number")?;
-    let copies = jetstream
-        .copies::<ste_engine::pipeline::OutboundEvent>(
-            ste_engine::cluster::ClusterLayout::CLS_QUEUE,
-        )
-        .context("listening to the CLS queue")?;
-    let stopper = copies.stopper();
+    let (pushes, stopper, delivery): (ste_engine::queue::Rx<_>, _, _) = match feed {
+        Some(mut feed) => (
+            feed.take_events().context("the CLS queue")?,
+            feed.stopper(),
+            Some(feed.delivery()),
+        ),
+        None => {
+            let copies = jetstream
+                .copies::<ste_engine::pipeline::OutboundEvent>(
+                    ste_engine::cluster::ClusterLayout::CLS_QUEUE,
+                )
+                .context("listening to the CLS queue")?;
+            let stopper = copies.stopper();
+            (Box::new(copies), stopper, None)
+        }
+    };
     let config = GatewayConfig {
         pipeline: PipelineConfig::default(),
         tolerances: Tolerances::load(cli.profile.as_deref())?,
-        cls_out: None,
+        cls_out: cli.cls_out.clone().filter(|_| delivery.is_some()),
         ingress_capacity: GATEWAY_INGRESS_CAPACITY,
         participant_rate: cli.participant_rate,
     };
-    Gateway::start_cluster(ingress, Box::new(copies), stopper, &config, refdata)
+    Gateway::start_cluster(ingress, pushes, stopper, delivery, &config, refdata)
         .context("starting the gateway")
 }
 

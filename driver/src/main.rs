@@ -186,6 +186,9 @@ enum Command {
         /// No progress on stderr.
         #[arg(long)]
         quiet: bool,
+        /// Print how many faults of each kind the schedule holds, and start nothing.
+        #[arg(long)]
+        plan: bool,
     },
     /// Write the reference-data CSV files (deterministic).
     Refdata {
@@ -655,7 +658,9 @@ fn run_cli() -> anyhow::Result<()> {
             dir: _,
             json,
             quiet,
+            plan,
         }) => nemesis(
+            plan,
             ste_driver::nemesis::NemesisConfig {
                 seed,
                 span: Duration::try_from_secs_f64(minutes * 60.0)
@@ -786,7 +791,22 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
 
 /// Runs the nemesis with the programs beside this driver and the repository's
 /// `deploy/local-cluster.sh`, prints its report and fails on any violation.
-fn nemesis(mut config: ste_driver::nemesis::NemesisConfig, json: bool) -> anyhow::Result<()> {
+fn nemesis(
+    plan: bool,
+    mut config: ste_driver::nemesis::NemesisConfig,
+    json: bool,
+) -> anyhow::Result<()> {
+    if plan {
+        let mut faults =
+            ste_driver::nemesis::schedule(config.seed, config.span, config.mean_gap, &config.kinds);
+        faults.truncate(config.faults.unwrap_or(usize::MAX));
+        println!("nemesis seed {}: {} faults", config.seed, faults.len());
+        for kind in &config.kinds {
+            let count = faults.iter().filter(|f| f.kind == *kind).count();
+            println!("{:<10} {count}", kind.name());
+        }
+        return Ok(());
+    }
     let (engine, nats_server) = ste_driver::scale::local_programs()?;
     config.bin_dir = engine.parent().context("the programs' folder")?.to_owned();
     config.engine = engine;

@@ -49,6 +49,8 @@ pub const SHARDS: u32 = 4;
 pub const OWNER_NODES: u32 = 3;
 /// The leases' time to live: a node that dies leaves its shards this long after.
 const LEASE_TTL_MS: u64 = 2_000;
+/// How long a node started again waits for its cluster (`engine --start-patience-s`).
+const START_PATIENCE: Duration = Duration::from_secs(600);
 /// Warm-up before the first fault.
 const FIRST_FAULT_AFTER: Duration = Duration::from_secs(3);
 /// How long a connection of the load goes without an answer before it sends its unanswered
@@ -737,6 +739,9 @@ impl Cluster {
         );
         command
             .args(["--lease-ttl-ms", &LEASE_TTL_MS.to_string()])
+            // A node started again while faults keep the NATS servers electing leaders waits
+            // for them, as a supervisor that restarts it would.
+            .args(["--start-patience-s", &START_PATIENCE.as_secs().to_string()])
             // Small generations: the matchers retire what their shards committed many times a
             // run, and a message that needs it is answered from the shard.
             .args(["--matcher-generation", "1024"])

@@ -19,9 +19,8 @@ const VOLUME_BYTES: u64 = 64 << 30;
 /// Filler files a fill makes at most (each takes what the one before could not).
 const FILLERS: usize = 4;
 
-/// A mounted volume, unmounted (and its image deleted) when dropped.
+/// A mounted volume, unmounted when dropped.
 pub struct Volume {
-    image: PathBuf,
     mountpoint: PathBuf,
     mounted: bool,
 }
@@ -48,7 +47,6 @@ impl Volume {
             .arg(mountpoint))
         .context("mounting a volume (root and a loop device are needed)")?;
         let volume = Volume {
-            image: image.to_owned(),
             mountpoint: mountpoint.to_owned(),
             mounted: true,
         };
@@ -127,14 +125,14 @@ impl Volume {
         self.mountpoint.join(format!(".filler-{number}"))
     }
 
-    /// Unmounts it and deletes its image; what used it must have stopped.
+    /// Unmounts it; what used it must have stopped. The image stays, sparse (what was written
+    /// in it, no more), for whoever reads a failed run: `mount -o loop IMAGE FOLDER`.
     pub fn unmount(&mut self) {
         if std::mem::take(&mut self.mounted) {
             if run(Command::new("umount").arg(&self.mountpoint)).is_err() {
                 // Something still holds it: detach it now, the kernel lets go when they do.
                 let _ = run(Command::new("umount").arg("-l").arg(&self.mountpoint));
             }
-            let _ = std::fs::remove_file(&self.image);
         }
     }
 }

@@ -38,6 +38,9 @@ pub struct NodeConfig {
     /// How often the node publishes its stations' counters (at least
     /// [`crate::cluster_samples::NODE_SAMPLE_INTERVAL_MIN`]); zero: never.
     pub sample_interval: Duration,
+    /// How long a starting node tries to reach its cluster's queues and leases before it gives
+    /// up ([`STARTING_PATIENCE`] unless told).
+    pub start_patience: Duration,
 }
 
 /// What a node holds right now.
@@ -74,10 +77,10 @@ impl Node {
         }
         // Servers that are starting with the nodes (or electing leaders) may time out a
         // request or have no responder yet.
-        retrying(STARTING_PATIENCE, || config.layout.ensure(jetstream))
+        retrying(config.start_patience, || config.layout.ensure(jetstream))
             .map_err(PipelineError::Queue)?;
         let leases = Arc::new(
-            retrying(STARTING_PATIENCE, || {
+            retrying(config.start_patience, || {
                 Leases::open(jetstream, config.lease_ttl)
             })
             .map_err(PipelineError::Queue)?,

@@ -103,7 +103,9 @@ pub struct RowCounts {
 /// Why a store failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("database error on {store}")]
+    // The cause in the message too: the operators' logs print an error's message, and "a
+    // database error" alone does not say whether the server is down, full or refusing.
+    #[error("database error on {store}: {source}")]
     Database { store: String, source: sqlx::Error },
     #[error("migration failed on {store}")]
     Migrate {
