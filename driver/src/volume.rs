@@ -128,11 +128,11 @@ impl Volume {
     /// Unmounts it; what used it must have stopped. The image stays, sparse (what was written
     /// in it, no more), for whoever reads a failed run: `mount -o loop IMAGE FOLDER`.
     pub fn unmount(&mut self) {
-        if std::mem::take(&mut self.mounted) {
-            if run(Command::new("umount").arg(&self.mountpoint)).is_err() {
-                // Something still holds it: detach it now, the kernel lets go when they do.
-                let _ = run(Command::new("umount").arg("-l").arg(&self.mountpoint));
-            }
+        // Something that still holds it: detach it now, the kernel lets go when they do.
+        if std::mem::take(&mut self.mounted)
+            && run(Command::new("umount").arg(&self.mountpoint)).is_err()
+        {
+            let _ = run(Command::new("umount").arg("-l").arg(&self.mountpoint));
         }
     }
 }
