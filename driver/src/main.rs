@@ -563,14 +563,23 @@ fn run_cli() -> anyhow::Result<()> {
         ste_engine::store::PgStore::use_password_file_in(secrets);
     }
     let nemesis_dir = match &cli.command {
-        Some(Command::Nemesis { dir, seed, .. }) => Some(dir.clone().unwrap_or_else(|| {
-            PathBuf::from(format!(
-                "runs/nemesis-{seed}-{}",
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |since| since.as_secs())
-            ))
-        })),
+        Some(Command::Nemesis { dir, seed, .. }) => {
+            let dir = dir.clone().unwrap_or_else(|| {
+                PathBuf::from(format!(
+                    "runs/nemesis-{seed}-{}",
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |since| since.as_secs())
+                ))
+            });
+            // Absolute: the database servers run in folders of their own and put their
+            // sockets under it.
+            Some(
+                std::env::current_dir()
+                    .context("the current folder")?
+                    .join(dir),
+            )
+        }
         _ => None,
     };
     if let Some(dir) = &nemesis_dir {
