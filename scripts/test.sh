@@ -51,7 +51,7 @@ echo "== mkfs.ext4 and fallocate, with which the nemesis fills a shard's data fo
 export PATH="$PATH:/sbin"
 command -v mkfs.ext4 >/dev/null 2>&1 || apt_install e2fsprogs
 command -v fallocate >/dev/null 2>&1 || apt_install util-linux
-losetup -f >/dev/null
+losetup -f >/dev/null || { echo "no free loop device: the nemesis's fill-disk faults need one (and root)" >&2; exit 1; }
 
 echo "== browser for the dashboard test (Debian's chromium)"
 if [ -z "${STE_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
