@@ -603,6 +603,13 @@ impl Instances {
         self.volumes.iter_mut().for_each(Volume::unmount);
     }
 }
+
+impl Drop for Instances {
+    fn drop(&mut self) {
+        self.down();
+    }
+}
+
 /// What stands between an owner node and the servers: a forwarder per NATS server and per
 /// database, which a cut closes.
 struct Links {
@@ -1109,9 +1116,8 @@ pub fn run(config: &NemesisConfig, refdata: RefData) -> anyhow::Result<NemesisRe
                                 fault.kind.name(),
                                 fault.target
                             )));
-                            if apply {
-                                return;
-                            }
+                            // Neither applied nor healed: nothing more on this process.
+                            return;
                         }
                         let mut times = times.lock().expect("times");
                         if apply {
