@@ -359,6 +359,7 @@ pub fn run_cluster(
         matches_expected,
         misrouted_trades: Some(misrouted),
         cpu: Some(cpu),
+        limit_probe: crate::limit_probe(config, &refdata)?,
         run_dir: config.run_dir.display().to_string(),
     };
     write_run_files(config, &summary, &sink_report)?;

@@ -23,6 +23,7 @@ use ste_sink::Sink;
 
 pub mod cluster;
 pub mod nemesis;
+pub mod probe;
 pub mod proxy;
 pub mod remote;
 pub mod scale;
@@ -90,6 +91,9 @@ pub struct RunConfig {
     pub resume: bool,
     /// Drop a shard's trades this many days after their trade date (postgres store only).
     pub retention_days: Option<u32>,
+    /// How long the limit probe runs after the run, on the run's first messages
+    /// ([`probe`]); `None`: no probe.
+    pub limit_probe: Option<Duration>,
 }
 
 /// Latency percentiles in milliseconds.
@@ -176,6 +180,9 @@ pub struct Summary {
     /// by program (every process on the machine's kernel that the driver can see).
     #[serde(default)]
     pub cpu: Option<scale::CpuUse>,
+    /// The limit probe measured after the run, on the same messages ([`probe`]).
+    #[serde(default)]
+    pub limit_probe: Option<probe::LimitProbe>,
     pub run_dir: String,
 }
 
@@ -647,6 +654,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         // In process, a trade's shard is chosen by the routing rule itself.
         misrouted_trades: None,
         cpu: None,
+        limit_probe: limit_probe(config, &refdata)?,
         run_dir: config.run_dir.display().to_string(),
     };
     write_run_files(config, &summary, &sink_report)?;
@@ -678,6 +686,18 @@ fn station_summaries(
         })
         .collect();
     (stations, bottleneck)
+}
+
+/// The limit probe of a run, once it is over: on its first messages, signed as it signed them.
+fn limit_probe(config: &RunConfig, refdata: &RefData) -> anyhow::Result<Option<probe::LimitProbe>> {
+    let Some(duration) = config.limit_probe else {
+        return Ok(None);
+    };
+    let sample = match &config.source {
+        Source::Generated(generator) => probe::generated_sample(refdata, generator),
+        Source::File(path) => probe::file_sample(refdata, path)?,
+    };
+    Ok(Some(probe::run(refdata, &sample, duration)))
 }
 
 /// Writes a run's `summary.json` and `latency.csv` into its run directory.

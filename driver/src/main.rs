@@ -190,6 +190,24 @@ enum Command {
         #[arg(long)]
         plan: bool,
     },
+    /// The limit probe alone: the first messages of a generated set (or of --input), signed,
+    /// then signature-checked and parsed on every core, and nothing else, for --seconds.
+    Probe {
+        #[command(flatten)]
+        generation: GenerationArgs,
+        /// Probe this message-set file's messages instead (its keys beside it, as a run's).
+        #[arg(long)]
+        input: Option<PathBuf>,
+        /// Seconds to run.
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// Reference data folder (default: the data compiled in).
+        #[arg(long)]
+        refdata: Option<PathBuf>,
+        /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write the reference-data CSV files (deterministic).
     Refdata {
         /// Folder to write into.
@@ -358,6 +376,11 @@ struct RunArgs {
     /// wait while no answer comes before counting the messages still unanswered (and failing).
     #[arg(long, value_name = "SECONDS", default_value_t = ste_driver::remote::CLS_WAIT_DEFAULT.as_secs_f64())]
     cls_wait: f64,
+    /// Seconds of the limit probe once the run is over: the run's first messages, signature
+    /// checked and parsed on every core and nothing else; the run's throughput is printed as a
+    /// fraction of it (0: no probe).
+    #[arg(long, value_name = "SECONDS", default_value_t = 1.0)]
+    probe_s: f64,
     /// Print the summary as one JSON object.
     #[arg(long)]
     json: bool,
@@ -465,6 +488,14 @@ fn print_summary(summary: &Summary) {
         "  elapsed           {:.2} s   throughput {:.0} msg/s   peak RSS {:.0} MiB",
         summary.elapsed_s, summary.throughput_msg_s, summary.peak_rss_mb
     );
+    if let Some(probe) = &summary.limit_probe {
+        println!(
+            "  limit probe       {:.0} msg/s (signature and parse only, {} threads)   this run {:.3} of it",
+            probe.msgs_per_s,
+            probe.threads,
+            probe.fraction(summary.throughput_msg_s)
+        );
+    }
     if let (Some(first), Some(last)) = (
         summary.throughput_first_10pct_msg_s,
         summary.throughput_last_10pct_msg_s,
@@ -619,6 +650,51 @@ fn run_cli() -> anyhow::Result<()> {
                 expected_path.display(),
                 keys_path.display()
             );
+            Ok(())
+        }
+        Some(Command::Probe {
+            generation,
+            input,
+            seconds,
+            refdata,
+            json,
+        }) => {
+            let refdata = load_refdata(refdata.as_ref())?;
+            let (sample, refdata) = match &input {
+                Some(path) => {
+                    let keys = keys_beside(path);
+                    let ring = KeyRing::load(&keys)
+                        .with_context(|| format!("loading keys from {}", keys.display()))?;
+                    let refdata = refdata.with_keys(&ring).context("installing the keys")?;
+                    (ste_driver::probe::file_sample(&refdata, path)?, refdata)
+                }
+                None => {
+                    let ring = KeyRing::generate_for(&refdata);
+                    let refdata = refdata.with_keys(&ring).context("installing the keys")?;
+                    let config = generator_config(&generation)?;
+                    (
+                        ste_driver::probe::generated_sample(&refdata, &config),
+                        refdata,
+                    )
+                }
+            };
+            if !(seconds > 0.0 && seconds <= 600.0) {
+                bail!("--seconds must be above 0 and at most 600");
+            }
+            let probe = ste_driver::probe::run(&refdata, &sample, Duration::from_secs_f64(seconds));
+            if json {
+                println!("{}", serde_json::to_string_pretty(&probe)?);
+            } else {
+                println!(
+                    "limit probe: {:.0} msg/s on {} threads ({} messages in {:.2} s over {} distinct, {} refused)",
+                    probe.msgs_per_s,
+                    probe.threads,
+                    probe.messages,
+                    probe.seconds,
+                    probe.distinct,
+                    probe.refused
+                );
+            }
             Ok(())
         }
         Some(Command::Secrets {
@@ -1450,6 +1526,7 @@ fn run_config(args: RunArgs) -> anyhow::Result<RunConfig> {
         resume: args.resume,
         retention_days: args.retention_days,
         window: args.window,
+        limit_probe: (args.probe_s > 0.0).then(|| Duration::from_secs_f64(args.probe_s.min(600.0))),
     };
     Ok(config)
 }

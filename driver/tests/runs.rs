@@ -30,6 +30,7 @@ fn config(source: Source, store: StoreChoice, run_dir: &Path) -> RunConfig {
         tolerances: Tolerances::default(),
         resume: false,
         retention_days: None,
+        limit_probe: None,
     }
 }
 
