@@ -137,9 +137,8 @@ mod tests {
     #[test]
     fn the_probe_checks_every_message_and_refuses_the_tampered() {
         let refdata = RefData::embedded().expect("reference data");
-        let refdata = refdata
-            .with_keys(&KeyRing::generate_for(&refdata))
-            .expect("keys");
+        let ring = KeyRing::generate_for(&refdata);
+        let refdata = refdata.with_keys(&ring).expect("keys");
         let mut sample = generated_sample(&refdata, &GeneratorConfig::clean(10));
         assert_eq!(sample.len(), 70);
         // One message altered after it was signed: the probe must find it every time round.
