@@ -521,6 +521,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         samples_path: (!config.sample_interval.is_zero()).then(|| samples_path.clone()),
         recover: config.resume,
         retention_days: config.retention_days,
+        matcher_memory: matcher_memory(config),
         ..PipelineConfig::default()
     };
     let started = Instant::now();
@@ -686,6 +687,20 @@ fn station_summaries(
         })
         .collect();
     (stations, bottleneck)
+}
+
+/// What each shard's matcher keeps in memory: for a generated set, a filter sized for what the
+/// shard will retire over the run (every message key and closed trade); else the default.
+fn matcher_memory(config: &RunConfig) -> ste_engine::matcher::MatcherMemory {
+    match &config.source {
+        Source::Generated(generator) => {
+            let per_trade = ste_engine::generator::MESSAGES_PER_TRADE as u64 + 1;
+            let facts =
+                generator.trades.saturating_mul(per_trade) / u64::from(config.shards.max(1));
+            ste_engine::matcher::MatcherMemory::for_facts(facts)
+        }
+        Source::File(_) => ste_engine::matcher::MatcherMemory::default(),
+    }
 }
 
 /// The limit probe of a run, once it is over: on its first messages, signed as it signed them.

@@ -240,6 +240,29 @@ pub struct MatcherMemory {
     pub participant_held_bytes: u64,
 }
 
+/// Bits of a bounded matcher's filter per fact it is sized for: about 1% false positives.
+pub const FILTER_BITS_PER_FACT: u64 = 10;
+/// The largest filter [`MatcherMemory::for_facts`] sizes.
+pub const FILTER_BYTES_MAX: usize = 1 << 30;
+
+impl MatcherMemory {
+    /// The default, with a filter large enough for `facts` retired facts (message keys, closed
+    /// trades, names) at [`FILTER_BITS_PER_FACT`] bits each, and never smaller than the
+    /// default's: for a run whose size is known, so that the filter's false positives (each a
+    /// look-up in the store) stay as rare at its end as at its start.
+    pub fn for_facts(facts: u64) -> Self {
+        let default = Self::default();
+        let wanted = facts.saturating_mul(FILTER_BITS_PER_FACT) / 8;
+        let wanted = usize::try_from(wanted).unwrap_or(FILTER_BYTES_MAX);
+        Self {
+            filter_bytes: wanted
+                .clamp(default.filter_bytes, FILTER_BYTES_MAX)
+                .next_power_of_two(),
+            ..default
+        }
+    }
+}
+
 /// The default of [`MatcherMemory::participant_held_bytes`].
 pub const PARTICIPANT_HELD_BYTES_DEFAULT: u64 = 64 << 20;
 
@@ -271,45 +294,61 @@ impl Kind {
     }
 }
 
-/// A Bloom filter of fixed size over keys that are already 128-bit hashes: probes by double
-/// hashing of the key's two halves. A false positive costs one look-up in the store; there is
-/// no false negative.
+/// A blocked Bloom filter of fixed size over keys that are already 128-bit hashes: a key's
+/// probes all fall in one block of 512 bits (a cache line), chosen by one half of the key, and
+/// the other half places them in it, so that a look-up costs one miss in the cache however large
+/// the filter. A false positive costs one look-up in the store; there is no false negative.
 struct Filter {
-    words: Vec<u64>,
+    blocks: Vec<[u64; FILTER_BLOCK_WORDS]>,
     mask: u64,
 }
 
+/// Words of a block: 512 bits, one cache line.
+const FILTER_BLOCK_WORDS: usize = 8;
 /// Probes per key: the optimum for about ten bits per key.
-const FILTER_PROBES: u64 = 7;
+const FILTER_PROBES: u32 = 7;
+/// Bits that place one probe in its block.
+const FILTER_PROBE_BITS: u32 = (FILTER_BLOCK_WORDS * 64).trailing_zeros();
+const _: () = assert!(FILTER_PROBES * FILTER_PROBE_BITS <= 64);
 
 impl Filter {
     fn new(bytes: usize) -> Self {
-        let words = (bytes / 8).max(1).next_power_of_two();
+        let blocks = (bytes / (FILTER_BLOCK_WORDS * 8))
+            .max(1)
+            .next_power_of_two();
         Self {
             // Zeroed pages are not resident until a bit is set in them.
-            words: vec![0; words],
-            mask: words as u64 * 64 - 1,
+            blocks: vec![[0; FILTER_BLOCK_WORDS]; blocks],
+            mask: blocks as u64 - 1,
         }
     }
 
-    fn probes(key: HashKey, kind: Kind) -> impl Iterator<Item = u64> {
-        let first = key[0] ^ kind.salt();
-        let step = (key[1] ^ kind.salt().rotate_left(29)) | 1;
-        (0..FILTER_PROBES).map(move |i| first.wrapping_add(i.wrapping_mul(step)))
+    /// The key's block, and its probes' bits within it.
+    fn place(&self, key: HashKey, kind: Kind) -> (usize, impl Iterator<Item = usize>) {
+        let block = ((key[0] ^ kind.salt()) & self.mask) as usize;
+        let bits = (key[1] ^ kind.salt().rotate_left(29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let probe_mask = (1_u64 << FILTER_PROBE_BITS) - 1;
+        let probes = (0..FILTER_PROBES)
+            .map(move |i| ((bits >> (i * FILTER_PROBE_BITS)) & probe_mask) as usize);
+        (block, probes)
     }
 
     fn insert(&mut self, key: HashKey, kind: Kind) {
-        for probe in Self::probes(key, kind) {
-            let bit = probe & self.mask;
-            self.words[(bit >> 6) as usize] |= 1 << (bit & 63);
+        let (block, probes) = self.place(key, kind);
+        let block = &mut self.blocks[block];
+        for bit in probes {
+            block[bit >> 6] |= 1 << (bit & 63);
         }
     }
 
     fn contains(&self, key: HashKey, kind: Kind) -> bool {
-        Self::probes(key, kind).all(|probe| {
-            let bit = probe & self.mask;
-            self.words[(bit >> 6) as usize] & (1 << (bit & 63)) != 0
-        })
+        let (block, mut probes) = self.place(key, kind);
+        let block = &self.blocks[block];
+        probes.all(|bit| block[bit >> 6] & (1 << (bit & 63)) != 0)
+    }
+
+    fn bytes(&self) -> usize {
+        self.blocks.len() * FILTER_BLOCK_WORDS * 8
     }
 }
 
@@ -1128,7 +1167,7 @@ impl Matcher {
         let filter = self
             .window
             .as_ref()
-            .map_or(0, |window| window.filter.words.len() as u64 * 8);
+            .map_or(0, |window| window.filter.bytes() as u64);
         self.seen.bytes() + self.closed.bytes() + self.named.bytes() + open + filter
     }
 
