@@ -211,7 +211,7 @@ enum Command {
     /// Write the reference-data CSV files (deterministic).
     Refdata {
         /// Folder to write into.
-        #[arg(long, default_value = "engine/refdata")]
+        #[arg(long, default_value = "core/refdata")]
         out: PathBuf,
     },
 }

@@ -5,24 +5,18 @@
 //! batched stores in one process; [`cluster`] wires the same stations across the nodes of a
 //! cluster on NATS JetStream.
 
+// The pure core, under the paths the engine has always given it.
+pub use ste_core::{
+    codec, generator, keys, matcher, model, profile, reason, refdata, routing, sign, validate,
+};
+
 pub mod cluster;
 pub mod cluster_samples;
-pub mod codec;
-pub mod generator;
-pub mod keys;
 pub mod lease;
-pub mod matcher;
-pub mod model;
 pub mod network;
 pub mod pipeline;
 pub mod ports;
-pub mod profile;
 pub mod queue;
-pub mod reason;
-pub mod refdata;
-pub mod routing;
-pub mod sign;
 pub mod station;
 pub mod stations;
 pub mod store;
-pub mod validate;

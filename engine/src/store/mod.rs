@@ -142,11 +142,7 @@ pub struct StoredRejection {
     pub raw: Vec<u8>,
 }
 
-/// Whether an exception row with this code sets the verdict of its MsgId: every code given after
-/// the signature checked out, except E_DUPID, which answers a MsgId already used.
-pub fn code_is_remembered(code: ReasonCode) -> bool {
-    code > ReasonCode::Sig && code != ReasonCode::DupId
-}
+pub use crate::reason::code_is_remembered;
 
 /// The exception rows of unchecked input, in SQL: those the exception writer keeps, which name
 /// no MsgId (the shards' writers keep every row that does).

@@ -194,3 +194,9 @@ impl fmt::Display for Criterion {
         f.write_str(self.as_str())
     }
 }
+
+/// Whether an exception row with this code sets the verdict of its MsgId: every code given after
+/// the signature checked out, except E_DUPID, which answers a MsgId already used.
+pub fn code_is_remembered(code: ReasonCode) -> bool {
+    code > ReasonCode::Sig && code != ReasonCode::DupId
+}

@@ -146,7 +146,7 @@ pub struct RefData {
     custodians: Vec<(String, String)>,
 }
 
-/// The file names under `engine/refdata/`.
+/// The file names under `core/refdata/`.
 pub const FILES: [&str; 7] = [
     "currencies.csv",
     "countries.csv",
@@ -237,7 +237,7 @@ fn row_error(file: &str, detail: String) -> RefDataError {
 }
 
 impl RefData {
-    /// The reference data committed under `engine/refdata/`, compiled into the binary.
+    /// The reference data committed under `core/refdata/`, compiled into the binary.
     pub fn embedded() -> Result<Self, RefDataError> {
         Self::from_texts(EMBEDDED)
     }

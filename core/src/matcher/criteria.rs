@@ -1,0 +1,224 @@
+//! The 17 matching criteria over a complete trade's live messages, and the CLS of a match.
+
+use crate::model::{cls_id, Cls, Decimal, Msg, MsgType, Settlement, Side};
+use crate::profile::Tolerances;
+use crate::reason::Criterion;
+use crate::refdata::RefData;
+
+/// Evaluates a set of live messages: `None` while the trade is incomplete, otherwise the
+/// criteria that fail (empty when the trade matches).
+pub fn evaluate_trade(
+    live: &[&Msg],
+    refdata: &RefData,
+    tolerances: &Tolerances,
+) -> Option<Vec<Criterion>> {
+    Group::complete(live).map(|group| group.failed_criteria(refdata, tolerances))
+}
+
+/// The live messages of a complete trade, by type.
+pub(super) struct Group<'a> {
+    noe: &'a Msg,
+    alcs: Vec<&'a Msg>,
+    nprs: Vec<&'a Msg>,
+    sets: Vec<&'a Msg>,
+    all: &'a [&'a Msg],
+}
+
+impl<'a> Group<'a> {
+    /// A trade is complete when its live messages are 1 NOE and n ALC, n NPR and n SET, where n
+    /// is the AllocCount of at least one ALC.
+    pub(super) fn complete(live: &'a [&'a Msg]) -> Option<Self> {
+        let of = |msg_type: MsgType| -> Vec<&'a Msg> {
+            live.iter()
+                .copied()
+                .filter(|m| m.msg_type == msg_type)
+                .collect()
+        };
+        let noes = of(MsgType::Noe);
+        let alcs = of(MsgType::Alc);
+        let nprs = of(MsgType::Npr);
+        let sets = of(MsgType::Set);
+        let count = alcs.len();
+        let complete = noes.len() == 1
+            && count >= 1
+            && nprs.len() == count
+            && sets.len() == count
+            && alcs.iter().any(|alc| alc.alloc_count == Some(count as u32));
+        complete.then(|| Self {
+            noe: noes[0],
+            alcs,
+            nprs,
+            sets,
+            all: live,
+        })
+    }
+
+    pub(super) fn minor_units(&self, refdata: &RefData) -> u8 {
+        self.noe
+            .ccy
+            .as_deref()
+            .and_then(|ccy| refdata.currency(ccy))
+            .map_or(2, |currency| currency.minor_units)
+    }
+
+    pub(super) fn failed_criteria(
+        &self,
+        refdata: &RefData,
+        tolerances: &Tolerances,
+    ) -> Vec<Criterion> {
+        let mut failed = Vec::new();
+        let mut check = |criterion: Criterion, holds: bool| {
+            if !holds {
+                failed.push(criterion);
+            }
+        };
+        fn all_equal<'m, T: PartialEq + 'm>(
+            messages: impl IntoIterator<Item = &'m &'m Msg>,
+            field: impl Fn(&'m Msg) -> T,
+        ) -> bool {
+            let mut values = messages.into_iter().map(|m| field(m));
+            match values.next() {
+                Some(first) => values.all(|value| value == first),
+                None => true,
+            }
+        }
+        let noe_alc = || std::iter::once(&self.noe).chain(self.alcs.iter());
+        check(
+            Criterion::C01,
+            all_equal(self.all, |m| m.trade_ref.as_str()),
+        );
+        check(Criterion::C02, all_equal(self.all, |m| m.broker.as_str()));
+        check(
+            Criterion::C03,
+            all_equal(self.all, |m| m.inv_mgr.as_deref()),
+        );
+        check(Criterion::C04, all_equal(self.all, |m| m.side));
+        check(Criterion::C05, all_equal(self.all, |m| m.isin.as_deref()));
+        check(Criterion::C06, all_equal(self.all, |m| m.trade_date));
+        check(Criterion::C07, all_equal(self.all, |m| m.settle_date));
+        check(
+            Criterion::C08,
+            all_equal(noe_alc(), |m| m.market.as_deref()),
+        );
+        check(
+            Criterion::C09,
+            all_equal(noe_alc().chain(self.nprs.iter()), |m| m.price),
+        );
+        check(Criterion::C10, all_equal(self.all, |m| m.ccy.as_deref()));
+        let allocated: u64 = self.alcs.iter().filter_map(|alc| alc.qty).sum();
+        check(
+            Criterion::C11,
+            all_equal(self.alcs.iter(), |m| m.alloc_count) && Some(allocated) == self.noe.qty,
+        );
+
+        let find = |messages: &[&'a Msg], account: Option<&str>| -> Vec<&'a Msg> {
+            messages
+                .iter()
+                .copied()
+                .filter(|m| m.account.as_deref() == account)
+                .collect()
+        };
+        let mut accounts_hold = true;
+        let mut per_account: Vec<(&Msg, &Msg, &Msg)> = Vec::with_capacity(self.alcs.len());
+        for alc in &self.alcs {
+            let account = alc.account.as_deref();
+            let alcs = find(&self.alcs, account);
+            let nprs = find(&self.nprs, account);
+            let sets = find(&self.sets, account);
+            if alcs.len() == 1 && nprs.len() == 1 && sets.len() == 1 {
+                per_account.push((alc, nprs[0], sets[0]));
+            } else {
+                accounts_hold = false;
+            }
+        }
+        check(Criterion::C12, accounts_hold);
+        check(
+            Criterion::C13,
+            per_account
+                .iter()
+                .all(|(alc, npr, set)| alc.qty == npr.qty && npr.qty == set.qty),
+        );
+        let minor_units = self.minor_units(refdata);
+        let gross_holds = self
+            .nprs
+            .iter()
+            .all(|npr| match (npr.qty, npr.price, npr.gross) {
+                (Some(qty), Some(price), Some(gross)) => {
+                    let expected = price.times_quantity(qty).round_to(minor_units);
+                    tolerances.within(expected, gross)
+                }
+                _ => false,
+            });
+        check(Criterion::C14, gross_holds);
+        let net_holds = self.nprs.iter().all(|npr| {
+            match (npr.gross, npr.commission, npr.fees, npr.net, npr.side) {
+                (Some(gross), Some(commission), Some(fees), Some(net), Some(side)) => {
+                    let expected = match side {
+                        Side::Buy => gross + commission + fees,
+                        Side::Sell => gross - commission - fees,
+                    };
+                    tolerances.within(expected, net)
+                }
+                _ => false,
+            }
+        });
+        check(Criterion::C15, net_holds);
+        check(
+            Criterion::C16,
+            per_account
+                .iter()
+                .all(|(alc, _, set)| alc.pset == set.pset && alc.payment_type == set.payment_type),
+        );
+        check(
+            Criterion::C17,
+            per_account
+                .iter()
+                .all(|(_, npr, set)| match (npr.net, set.settle_amount) {
+                    (Some(net), Some(amount)) => tolerances.within(net, amount),
+                    _ => false,
+                }),
+        );
+        failed
+    }
+
+    pub(super) fn cls(&self, refdata: &RefData, now: &str) -> Cls {
+        let noe = self.noe;
+        let mut settlements: Vec<Settlement> = self
+            .alcs
+            .iter()
+            .map(|alc| {
+                let account = alc.account.as_deref();
+                let npr = self.nprs.iter().find(|m| m.account.as_deref() == account);
+                let set = self.sets.iter().find(|m| m.account.as_deref() == account);
+                Settlement {
+                    account: alc.account.clone().unwrap_or_default(),
+                    qty: alc.qty.unwrap_or_default(),
+                    net: npr.and_then(|m| m.net).unwrap_or_default(),
+                    custodian: set.and_then(|m| m.custodian.clone()).unwrap_or_default(),
+                    safekeeping_account: set
+                        .and_then(|m| m.safekeeping_account.clone())
+                        .unwrap_or_default(),
+                    pset: alc.pset.clone().unwrap_or_default(),
+                    payment_type: alc.payment_type.unwrap_or(crate::model::PaymentType::Dvp),
+                }
+            })
+            .collect();
+        settlements.sort_by(|a, b| a.account.cmp(&b.account));
+        Cls {
+            cls_id: cls_id(&noe.broker, &noe.trade_ref),
+            trade_ref: noe.trade_ref.clone(),
+            broker: noe.broker.clone(),
+            inv_mgr: noe.inv_mgr.clone().unwrap_or_default(),
+            isin: noe.isin.clone().unwrap_or_default(),
+            side: noe.side.unwrap_or(Side::Buy),
+            trade_date: noe.trade_date.unwrap_or(time::Date::MIN),
+            settle_date: noe.settle_date.unwrap_or(time::Date::MIN),
+            ccy: noe.ccy.clone().unwrap_or_default(),
+            ccy_minor_units: self.minor_units(refdata),
+            price: noe.price.unwrap_or(Decimal(0)),
+            qty: noe.qty.unwrap_or_default(),
+            matched_at: now.to_owned(),
+            settlements,
+        }
+    }
+}
