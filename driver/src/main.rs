@@ -240,8 +240,12 @@ struct GenerationArgs {
 
 #[derive(Copy, Clone, ValueEnum)]
 enum StoreArg {
+    /// Rows in process memory, for measuring the engine without storage: it keeps every
+    /// message, trade and CLS until the run ends, so its memory grows with the run.
     Memory,
+    /// One SQLite file per shard in the run directory (the default).
     Embedded,
+    /// One PostgreSQL database per shard (--db).
     Postgres,
 }
 
@@ -488,6 +492,11 @@ fn print_summary(summary: &Summary) {
         "  elapsed           {:.2} s   throughput {:.0} msg/s   peak RSS {:.0} MiB",
         summary.elapsed_s, summary.throughput_msg_s, summary.peak_rss_mb
     );
+    if summary.store == StoreChoice::Memory.as_str() {
+        println!(
+            "  memory store      keeps every message, trade and CLS in memory until the run ends: its RSS grows with the run"
+        );
+    }
     if let Some(probe) = &summary.limit_probe {
         println!(
             "  limit probe       {:.0} msg/s (signature and parse only, {} threads)   this run {:.3} of it",
