@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, IsTerminal, Write};
+use std::io::{BufRead, BufReader, BufWriter, IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -17,6 +17,7 @@ use ste_engine::pipeline::{Ack, AckResult, Pipeline, PipelineConfig, StoreConfig
 use ste_engine::profile::Tolerances;
 use ste_engine::queue::Rx;
 use ste_engine::refdata::RefData;
+use ste_engine::sign::SIGNATURE_LEN;
 use ste_engine::station::RunClock;
 use ste_engine::validate::MESSAGE_SIZE_MAX_BYTES;
 use ste_sink::Sink;
@@ -91,6 +92,9 @@ pub struct RunConfig {
     pub resume: bool,
     /// Drop a shard's trades this many days after their trade date (postgres store only).
     pub retention_days: Option<u32>,
+    /// For an `--input` set: the signatures its lines were signed with beforehand
+    /// ([`signatures_beside`]), sent as they are instead of signing each line as it is sent.
+    pub signatures: Option<PathBuf>,
     /// How long the limit probe runs after the run, on the run's first messages
     /// ([`probe`]); `None`: no probe.
     pub limit_probe: Option<Duration>,
@@ -288,22 +292,53 @@ impl<R: BufRead> Iterator for MessageSetReader<R> {
     }
 }
 
-/// Writes a generated message set and returns what it must produce.
+/// Bytes of one record of a signatures file: 1 if the line is signed (0 if it is sent
+/// unsigned), then its HMAC-SHA256.
+pub const SIGNATURE_RECORD_BYTES: usize = 1 + SIGNATURE_LEN;
+
+/// Where `driver generate --out FILE` puts the signatures of FILE's lines, made with the keys
+/// beside it: a replay with those keys sends them as they are ([`RunConfig::signatures`]).
+pub fn signatures_beside(set: &Path) -> PathBuf {
+    PathBuf::from(format!("{}.signatures", set.display()))
+}
+
+/// Writes a generated message set and returns what it must produce. With `signatures`, each
+/// line is also signed as a participant would sign it, with the keys `refdata` holds, and the
+/// signatures are written there ([`SIGNATURE_RECORD_BYTES`] a line, in order).
 pub fn write_message_set(
     refdata: &RefData,
     config: GeneratorConfig,
     out: &Path,
+    signatures: Option<&Path>,
 ) -> anyhow::Result<RunOutcome> {
     let file = File::create(out).with_context(|| format!("creating {}", out.display()))?;
     let mut writer = BufWriter::new(file);
+    let mut signed = match signatures {
+        Some(path) => Some(BufWriter::new(
+            File::create(path).with_context(|| format!("creating {}", path.display()))?,
+        )),
+        None => None,
+    };
     writeln!(writer, "{MESSAGE_SET_OPEN}")?;
     let mut generator = Generator::new(refdata, config);
     for line in generator.by_ref() {
         writer.write_all(&line)?;
         writer.write_all(b"\n")?;
+        if let Some(signed) = &mut signed {
+            let envelope = ste_engine::network::sign_line(refdata, line, 0, 0);
+            let mut record = [0_u8; SIGNATURE_RECORD_BYTES];
+            if let Some(signature) = envelope.signature {
+                record[0] = 1;
+                record[1..].copy_from_slice(&signature);
+            }
+            signed.write_all(&record)?;
+        }
     }
     writeln!(writer, "{MESSAGE_SET_CLOSE}")?;
     writer.flush()?;
+    if let Some(signed) = &mut signed {
+        signed.flush()?;
+    }
     Ok(generator.expected().clone())
 }
 
@@ -417,17 +452,43 @@ struct Pacing<'a> {
     acked: &'a AtomicU64,
 }
 
+/// A line to send, and its signature when it was signed beforehand: `None` signs it here;
+/// `Some(None)` sends it unsigned.
+type Line = (Vec<u8>, Option<Option<[u8; SIGNATURE_LEN]>>);
+
+/// The lines of a pre-signed set, each with its record of `signatures`; an error where the
+/// signatures end before the lines.
+fn presigned_lines(
+    lines: impl Iterator<Item = std::io::Result<Vec<u8>>>,
+    signatures: impl std::io::Read,
+) -> impl Iterator<Item = std::io::Result<Line>> {
+    let mut signatures = BufReader::new(signatures);
+    lines.map(move |line| {
+        let line = line?;
+        let mut record = [0_u8; SIGNATURE_RECORD_BYTES];
+        signatures.read_exact(&mut record).map_err(|error| {
+            std::io::Error::new(
+                error.kind(),
+                format!("the signatures end before the messages: {error}"),
+            )
+        })?;
+        let mut signature = [0_u8; SIGNATURE_LEN];
+        signature.copy_from_slice(&record[1..]);
+        Ok((line, Some((record[0] == 1).then_some(signature))))
+    })
+}
+
 fn inject(
     submitter: &mut Submitter,
     refdata: &RefData,
-    lines: impl Iterator<Item = std::io::Result<Vec<u8>>>,
+    lines: impl Iterator<Item = std::io::Result<Line>>,
     pacing: &Pacing<'_>,
     submitted: &AtomicU64,
 ) -> anyhow::Result<u64> {
     let started = Instant::now();
     let mut count: u64 = 0;
     for line in lines {
-        let line = line.context("reading the message set")?;
+        let (line, presigned) = line.context("reading the message set")?;
         if let Some(rate) = pacing.rate {
             let due = Duration::from_secs_f64(count as f64 / rate);
             let elapsed = started.elapsed();
@@ -463,9 +524,11 @@ fn inject(
                 }
             }
         }
-        submitter
-            .submit_line(refdata, line, count)
-            .context("submitting to the pipeline")?;
+        match presigned {
+            Some(signature) => submitter.submit_presigned(line, signature, count),
+            None => submitter.submit_line(refdata, line, count),
+        }
+        .context("submitting to the pipeline")?;
         count += 1;
         submitted.store(count, Ordering::Relaxed);
     }
@@ -838,14 +901,26 @@ fn inject_source(
     Ok(match &config.source {
         Source::Generated(generator_config) => {
             let mut generator = Generator::new(refdata, generator_config.clone());
-            let lines = generator.by_ref().map(Ok);
+            let lines = generator.by_ref().map(|line| Ok((line, None)));
             let count = inject(submitter, refdata, lines, &pacing, submitted);
             (count, Some(generator.expected().clone()))
         }
         Source::File(path) => {
             let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
             let lines = MessageSetReader::new(BufReader::new(file));
-            (inject(submitter, refdata, lines, &pacing, submitted), None)
+            let count = match &config.signatures {
+                Some(signatures) => {
+                    let signatures = File::open(signatures)
+                        .with_context(|| format!("opening {}", signatures.display()))?;
+                    let lines = presigned_lines(lines, signatures);
+                    inject(submitter, refdata, lines, &pacing, submitted)
+                }
+                None => {
+                    let lines = lines.map(|line| line.map(|line| (line, None)));
+                    inject(submitter, refdata, lines, &pacing, submitted)
+                }
+            };
+            (count, None)
         }
     })
 }

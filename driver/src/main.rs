@@ -253,7 +253,9 @@ enum StoreArg {
 struct RunArgs {
     #[command(flatten)]
     generation: GenerationArgs,
-    /// Replay this message-set file instead of generating.
+    /// Replay this message-set file instead of generating. With the keys beside it (no
+    /// --keys), the signatures `driver generate` made beside it (FILE.signatures) are sent as
+    /// they are, instead of signing each line as it is sent.
     #[arg(long)]
     input: Option<PathBuf>,
     /// Where the shards keep their rows.
@@ -642,22 +644,29 @@ fn run_cli() -> anyhow::Result<()> {
             refdata,
         }) => {
             let refdata = load_refdata(refdata.as_ref())?;
-            let expected =
-                ste_driver::write_message_set(&refdata, generator_config(&generation)?, &out)?;
+            let ring = KeyRing::generate_for(&refdata);
+            let refdata = refdata.with_keys(&ring).context("installing the keys")?;
+            let signatures_path = ste_driver::signatures_beside(&out);
+            let expected = ste_driver::write_message_set(
+                &refdata,
+                generator_config(&generation)?,
+                &out,
+                Some(&signatures_path),
+            )?;
             let expected_path = PathBuf::from(format!("{}.expected.json", out.display()));
             std::fs::write(&expected_path, serde_json::to_string_pretty(&expected)?)
                 .with_context(|| format!("writing {}", expected_path.display()))?;
             let keys_path = keys_beside(&out);
-            KeyRing::generate_for(&refdata)
-                .write(&keys_path)
+            ring.write(&keys_path)
                 .with_context(|| format!("writing {}", keys_path.display()))?;
             eprintln!(
-                "{} messages of {} trades written to {} (expected outcome in {}, a random key set in {})",
+                "{} messages of {} trades written to {} (expected outcome in {}, a random key set in {}, each line signed with it in {})",
                 expected.messages_in,
                 expected.trades,
                 out.display(),
                 expected_path.display(),
-                keys_path.display()
+                keys_path.display(),
+                signatures_path.display()
             );
             Ok(())
         }
@@ -1535,6 +1544,13 @@ fn run_config(args: RunArgs) -> anyhow::Result<RunConfig> {
         resume: args.resume,
         retention_days: args.retention_days,
         window: args.window,
+        // A set's own signatures are sent as they are when it is replayed with its own keys.
+        signatures: args
+            .input
+            .as_deref()
+            .filter(|_| args.keys.is_none())
+            .map(ste_driver::signatures_beside)
+            .filter(|path| path.exists()),
         limit_probe: (args.probe_s > 0.0).then(|| Duration::from_secs_f64(args.probe_s.min(600.0))),
     };
     Ok(config)

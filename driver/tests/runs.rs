@@ -30,6 +30,7 @@ fn config(source: Source, store: StoreChoice, run_dir: &Path) -> RunConfig {
         tolerances: Tolerances::default(),
         resume: false,
         retention_days: None,
+        signatures: None,
         limit_probe: None,
     }
 }
@@ -216,6 +217,49 @@ fn a_generated_file_replays_to_its_expected_outcome() {
     ] {
         assert!(!station[key].is_null(), "station {key} missing");
     }
+    // The limit probe ran on the set's messages after the run (1 s by default): every line
+    // checked on every core, the set's unsigned and unparsable ones refused.
+    let probe = &summary["limit_probe"];
+    assert!(probe["msgs_per_s"].as_f64().expect("probe rate") > 0.0);
+    assert_eq!(probe["distinct"], expected["messages_in"]);
+    assert!(
+        probe["refused"].as_u64().expect("refused") > 0,
+        "the fault mix has E_SIG and E_PARSE lines"
+    );
+
+    // The replay sent the signatures made when the set was generated (set.xml.signatures), as
+    // they are: one changed after the fact makes its message E_SIG, and nothing else changes.
+    let signatures_path = dir.path().join("set.xml.signatures");
+    let mut signatures = std::fs::read(&signatures_path).expect("signatures beside the set");
+    assert_eq!(
+        signatures.len() as u64,
+        33 * expected["messages_in"].as_u64().expect("count")
+    );
+    let signed = signatures
+        .chunks(33)
+        .position(|record| record[0] == 1)
+        .expect("a signed line");
+    signatures[signed * 33 + 5] ^= 0x40;
+    std::fs::write(&signatures_path, &signatures).expect("rewrites");
+    let tampered = run_json(&[
+        "--input",
+        set.to_str().expect("utf-8 path"),
+        "--store",
+        "memory",
+        "--json",
+        "--quiet",
+        "--probe-s",
+        "0",
+        "--run-dir",
+        dir.path()
+            .join("run-tampered")
+            .to_str()
+            .expect("utf-8 path"),
+    ]);
+    let sig = |summary: &serde_json::Value| summary["exceptions"]["E_SIG"].as_u64().unwrap_or(0);
+    assert_eq!(sig(&tampered), sig(&summary) + 1);
+    assert_eq!(tampered["messages_in"], summary["messages_in"]);
+    assert!(tampered["limit_probe"].is_null());
 }
 
 #[test]

@@ -391,6 +391,28 @@ impl Submitter {
         self.submit(envelope)
     }
 
+    /// Submits a line as its participant signed it beforehand (a pre-signed message set):
+    /// `signature` is `None` for a line sent unsigned. Nothing is signed here.
+    pub fn submit_presigned(
+        &mut self,
+        bytes: Vec<u8>,
+        signature: Option<[u8; SIGNATURE_LEN]>,
+        correlation: u64,
+    ) -> Result<(), PipelineError> {
+        let sender = signature
+            .and_then(|_| sign::claimed_sender(&bytes))
+            .map(str::to_owned);
+        self.submit(Envelope {
+            bytes,
+            signature: signature.filter(|_| sender.is_some()),
+            sender,
+            correlation,
+            origin: 0,
+            injected_ns: self.clock.now_ns(),
+            refusal: None,
+        })
+    }
+
     /// Sends every partial batch.
     pub fn flush(&mut self) -> Result<(), PipelineError> {
         for index in 0..self.pending.len() {
