@@ -304,6 +304,7 @@ pub enum PipelineError {
 /// unauthenticated client can make the engine store is bounded. The detail then gives the full
 /// length and its xxh3 hash.
 pub const EXCEPTION_RAW_PREFIX_BYTES: usize = 4096;
+const _: () = assert!(EXCEPTION_RAW_PREFIX_BYTES < crate::validate::MESSAGE_SIZE_MAX_BYTES);
 
 /// Messages per batch on the inbound queues: one channel operation (and at most one wake-up of a
 /// validator) per batch instead of per message.

@@ -118,6 +118,22 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// The outcome's parts agree: a CLS only for a message accepted into a trade it matched,
+    /// a mismatch advice only for an accepted message of a mismatched trade, a new status and
+    /// released messages only from an accepted one.
+    fn assert_consistent(&self) {
+        let accepted = self.disposition == Disposition::Accepted;
+        if self.cls.is_some() {
+            assert!(accepted && self.trade_status == Some(TradeStatus::Matched));
+        }
+        if self.advice.is_some() {
+            // Told again while the trade stays mismatched: its status need not change.
+            assert!(accepted && matches!(self.trade_status, None | Some(TradeStatus::Mismatched)));
+        }
+        assert!(accepted || self.released.is_empty());
+        assert!(accepted || self.trade_status.is_none());
+    }
+
     /// The outcome of a message that changes no trade.
     pub fn only(disposition: Disposition) -> Self {
         Self {
@@ -275,7 +291,12 @@ impl Matcher {
 
     fn let_go(&mut self, sender: &str, bytes: u32) {
         if let Some(held) = self.held_by.get_mut(sender) {
-            *held = held.saturating_sub(u64::from(bytes));
+            // What is let go was held: the quota's count never goes below what it holds.
+            assert!(
+                *held >= u64::from(bytes),
+                "{sender} lets go more than it holds"
+            );
+            *held -= u64::from(bytes);
             if *held == 0 {
                 self.held_by.remove(sender);
             }
@@ -308,7 +329,15 @@ impl Matcher {
         today: Date,
     ) -> Outcome {
         let date = msg.trade_date.unwrap_or(today);
-        self.process_dated(msg, raw, injected_ns, now, date, today, false)
+        let accepted_before = self.accepted;
+        let outcome = self.process_dated(msg, raw, injected_ns, now, date, today, false);
+        outcome.assert_consistent();
+        // A message is counted once, and only when it is accepted.
+        assert_eq!(
+            self.accepted,
+            accepted_before + u64::from(outcome.disposition == Disposition::Accepted)
+        );
+        outcome
     }
 
     #[allow(clippy::too_many_arguments)]

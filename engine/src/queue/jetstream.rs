@@ -31,6 +31,10 @@ const ENQUEUED_NS_HEADER: &str = "Ste-Enqueued-Ns";
 /// Largest payload a batch is published with; larger batches are split. Below the server's
 /// default `max_payload` of 1 MiB, leaving room for headers.
 pub const BATCH_PAYLOAD_MAX_BYTES: usize = 960 * 1024;
+// A batch split below the payload limit must still hold the largest message a participant may
+// send, with room for its envelope; and a payload must decode within the decoder's bound.
+const _: () = assert!(BATCH_PAYLOAD_MAX_BYTES > 2 * crate::validate::MESSAGE_SIZE_MAX_BYTES);
+const _: () = assert!(BATCH_PAYLOAD_MAX_BYTES < DECODED_MAX_BYTES);
 /// Longest a sender waits between two tries at a full queue.
 const FULL_RETRY_MAX: Duration = Duration::from_millis(100);
 /// Longest one pull request waits for a batch; a receiver waiting for ever renews it (and sees

@@ -131,10 +131,12 @@ pub(crate) fn run_writer(
         // Only the last status of a trade in this batch needs writing.
         let mut trade_rows: AHashMap<String, usize> = AHashMap::new();
         let count = items.len() as u64;
+        let mut aged_count = 0_u64;
         for item in items {
             let item = match item {
                 ToStore::Message(item) => item,
                 ToStore::Aged(aged) => {
+                    aged_count += 1;
                     set_trade_status(
                         &mut batch,
                         &mut trade_rows,
@@ -215,6 +217,18 @@ pub(crate) fn run_writer(
                     .map(OutboundEvent::Released),
             );
         }
+        // One answer per message: every message of the batch has exactly one ACK or NAK, and
+        // an aged trade none.
+        assert_eq!(
+            acks.len() as u64 + aged_count,
+            count,
+            "shard {shard}: a batch's answers must be one per message"
+        );
+        let cls_count = events
+            .iter()
+            .filter(|event| matches!(event, OutboundEvent::Cls { .. }))
+            .count();
+        assert_eq!(batch.cls.len(), cls_count);
         let confirmed = delivered.load(Ordering::Relaxed);
         if confirmed > watermark_written {
             batch.delivered_through = Some(confirmed);
@@ -224,6 +238,21 @@ pub(crate) fn run_writer(
         }
         let (outbox_ids, retries) =
             commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
+        // The outbox as committed: one id per CLS, in the batch's order, each above every id
+        // this writer emitted before. The sink confirms CLS in outbox order and one watermark
+        // says which were delivered; ids out of order would lose or repeat CLS after a restart.
+        assert_eq!(
+            outbox_ids.len(),
+            cls_count,
+            "shard {shard}: the store must give one outbox id per CLS"
+        );
+        assert!(
+            outbox_ids
+                .iter()
+                .try_fold(last_emitted, |previous, id| (*id > previous).then_some(*id))
+                .is_some(),
+            "shard {shard}: outbox ids must rise: {outbox_ids:?} after {last_emitted}"
+        );
         commit_retries += retries;
         committed.fetch_add(count, Ordering::Release);
         watermark_written = watermark_written.max(confirmed);
