@@ -442,9 +442,23 @@ fn a_real_run_obeys_the_operational_laws_and_littles_law_matches_direct_measurem
             );
             checked_direct += 1;
         }
+        // A writer merges several queued batches into one transaction: an item's time there
+        // runs from its own batch's enqueue stamp to the commit, the wait for the batches merged
+        // after it included, as its station's population counts it.
+        if s.name.starts_with("store.") {
+            let gap = (s.R_ms - s.R_direct_ms).abs() / s.R_direct_ms;
+            assert!(
+                gap <= 0.10,
+                "{}: R {} ms from samples, {} ms measured",
+                s.name,
+                s.R_ms,
+                s.R_direct_ms
+            );
+            checked_direct += 1;
+        }
     }
     assert!(
-        checked_direct >= 1,
+        checked_direct >= 3,
         "no station was busy for more than a second"
     );
     // The latency distribution is kept beside the summary.

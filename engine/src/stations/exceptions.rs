@@ -122,11 +122,10 @@ pub(crate) fn run_exception_writer(
     while let Some(merged) = next_batch(&rx, batch_max, Duration::ZERO)? {
         let Merged {
             items,
-            waited_ns,
+            enqueued_sum_ns,
             receipt,
         } = merged;
         let started = Instant::now();
-        let dequeued_ns = rx.now_ns();
         let today = OffsetDateTime::now_utc().date();
         if let Some(days) = keep_days.filter(|_| purged_on != Some(today)) {
             purged_on = Some(today);
@@ -172,8 +171,7 @@ pub(crate) fn run_exception_writer(
             &rx,
             count,
             started.elapsed().as_nanos() as u64,
-            waited_ns,
-            dequeued_ns,
+            enqueued_sum_ns,
         );
         // Answered before the batches it came from are acknowledged: a node that dies in
         // between leaves them to be delivered again, and answered again.

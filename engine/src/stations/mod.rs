@@ -222,25 +222,23 @@ pub(crate) fn complete<T>(rx: &Rx<T>, count: u64, busy_ns: u64, enqueued_ns: u64
 }
 
 /// Counts the completion of a merged batch of `count` items on `rx`'s station, which took
-/// `busy_ns` of service: each item's time there is its wait in the queue (summed in
-/// `waited_ns`) and the time since the batch was taken off it at `dequeued_ns`.
-pub(crate) fn complete_merged<T>(
-    rx: &Rx<T>,
-    count: u64,
-    busy_ns: u64,
-    waited_ns: u64,
-    dequeued_ns: u64,
-) {
-    let in_service_ns = count * rx.now_ns().saturating_sub(dequeued_ns);
-    rx.station()
-        .complete(count, busy_ns, waited_ns + in_service_ns);
+/// `busy_ns` of service: each item's time there runs from its batch's enqueue stamp to now, the
+/// time it waited to be merged with later batches included (`enqueued_sum_ns`, the sum of the
+/// items' stamps, wrapping). So the station's directly measured R covers exactly what its
+/// population counts, from arrival to completion, and Little's law holds between them.
+pub(crate) fn complete_merged<T>(rx: &Rx<T>, count: u64, busy_ns: u64, enqueued_sum_ns: u64) {
+    let response_ns = count
+        .wrapping_mul(rx.now_ns())
+        .wrapping_sub(enqueued_sum_ns);
+    rx.station().complete(count, busy_ns, response_ns);
 }
 
-/// A batch merged from several queue batches, with the sum of its items' times in the queue
-/// and the receipts of every batch it holds.
+/// A batch merged from several queue batches, with the sum of its items' enqueue stamps and the
+/// receipts of every batch it holds.
 pub(crate) struct Merged<T> {
     pub items: Vec<T>,
-    pub waited_ns: u64,
+    /// Σ over the merged batches of (items × enqueue stamp), wrapping.
+    pub enqueued_sum_ns: u64,
     pub receipt: Receipt,
 }
 
@@ -255,10 +253,9 @@ pub(crate) fn next_batch<T>(
         return Ok(None);
     };
     let deadline = Instant::now() + linger;
-    let waited =
-        |count: usize, enqueued_ns: u64| count as u64 * rx.now_ns().saturating_sub(enqueued_ns);
+    let stamps = |count: usize, enqueued_ns: u64| (count as u64).wrapping_mul(enqueued_ns);
     let mut merged = Merged {
-        waited_ns: waited(first.items.len(), first.enqueued_ns),
+        enqueued_sum_ns: stamps(first.items.len(), first.enqueued_ns),
         items: first.items,
         receipt: first.receipt,
     };
@@ -268,7 +265,9 @@ pub(crate) fn next_batch<T>(
             Ok(None) | Err(QueueError::Closed { .. }) => break,
             Err(error) => return Err(queue_error(error)),
         };
-        merged.waited_ns += waited(next.items.len(), next.enqueued_ns);
+        merged.enqueued_sum_ns = merged
+            .enqueued_sum_ns
+            .wrapping_add(stamps(next.items.len(), next.enqueued_ns));
         merged.items.extend(next.items);
         merged.receipt.merge(next.receipt);
     }

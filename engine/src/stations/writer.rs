@@ -112,11 +112,10 @@ pub(crate) fn run_writer(
     while let Some(merged) = next_batch(&rx, batch_max, linger)? {
         let Merged {
             items,
-            waited_ns,
+            enqueued_sum_ns,
             receipt,
         } = merged;
         let started = Instant::now();
-        let dequeued_ns = rx.now_ns();
         let today = OffsetDateTime::now_utc().date();
         if let Some(days) = retention_days.filter(|_| today != purged_on) {
             // Retention runs when the shard starts and then once a day.
@@ -267,8 +266,7 @@ pub(crate) fn run_writer(
             &rx,
             count,
             started.elapsed().as_nanos() as u64,
-            waited_ns,
-            dequeued_ns,
+            enqueued_sum_ns,
         );
         // CLS first, then the answers, then the acknowledgement of the batches they came from:
         // whoever holds every answer of a run holds every CLS of it, and a node that dies
