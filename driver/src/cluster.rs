@@ -359,6 +359,7 @@ pub fn run_cluster(
         matches_expected,
         misrouted_trades: Some(misrouted),
         cpu: Some(cpu),
+        process_cpu_s: None,
         limit_probe: crate::limit_probe(config, &refdata)?,
         run_dir: config.run_dir.display().to_string(),
     };

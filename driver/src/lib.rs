@@ -184,6 +184,10 @@ pub struct Summary {
     /// by program (every process on the machine's kernel that the driver can see).
     #[serde(default)]
     pub cpu: Option<scale::CpuUse>,
+    /// In process: the CPU seconds this process (driver and engine) spent from the start of
+    /// the pipeline to its end, every thread.
+    #[serde(default)]
+    pub process_cpu_s: Option<f64>,
     /// The limit probe measured after the run, on the same messages ([`probe`]).
     #[serde(default)]
     pub limit_probe: Option<probe::LimitProbe>,
@@ -588,6 +592,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         ..PipelineConfig::default()
     };
     let started = Instant::now();
+    let cpu_started_s = scale::own_cpu_s();
     let pipeline = Pipeline::start(&pipeline_config, refdata.clone(), config.tolerances.clone())
         .context("starting the pipeline")?;
     let clock = pipeline.clock();
@@ -622,6 +627,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     // Throughput counts from the first injection to the last acknowledgement; closing the
     // stores and counting their rows afterwards is not part of it.
     let elapsed_s = run_seconds(&tally, started);
+    let process_cpu_s = scale::own_cpu_s() - cpu_started_s;
     progress.finish();
     let answers = ack_thread
         .join()
@@ -718,6 +724,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         // In process, a trade's shard is chosen by the routing rule itself.
         misrouted_trades: None,
         cpu: None,
+        process_cpu_s: Some(process_cpu_s),
         limit_probe: limit_probe(config, &refdata)?,
         run_dir: config.run_dir.display().to_string(),
     };

@@ -1199,14 +1199,14 @@ impl SweepPoint {
     }
 }
 
-/// The model of a sweep. Every station that serves messages is a load-independent queueing
-/// station with the demand measured at the most loaded level (busy time per message), plus a
-/// delay station for the rest of the time a message spent there at the least loaded level
-/// (waiting for a batch to fill, thread wake-ups); the time a message spends outside the
-/// stations (generation, signing, the ack path) is the think time, also measured at the least
-/// loaded level of a closed-loop sweep. The model gives each station a processor of its own,
-/// which a machine with fewer cores than stations does not: the gap between prediction and
-/// measurement at high load is that sharing.
+/// The model of a sweep: the machine's cores as one station of `c` servers, whose demand is the
+/// CPU this process (driver and engine, every thread) spent per message at the most loaded
+/// level — the validators, matchers, writers, the sink and the driver's own generating and
+/// signing all take their turns on the same cores — and a delay station for the rest of a
+/// message's time round the loop at the least loaded level, which it spent on no core (a batch
+/// filling, a thread waking, the way back of its answer). At small windows the delay bounds the
+/// rate (W / loop time); as the window grows the cores saturate at `c / D`. A station per
+/// thread, each with a processor of its own, would predict what two cores cannot give.
 struct SweepModel {
     stations: Vec<ste_monitor::mva::Station>,
     think_s: f64,
@@ -1214,43 +1214,40 @@ struct SweepModel {
 
 fn sweep_model(first: &Summary, last: &Summary) -> Option<SweepModel> {
     use ste_monitor::mva::{Kind, Station};
-    let x = last.throughput_msg_s;
-    if x <= 0.0 || first.throughput_msg_s <= 0.0 {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    let demand = last.process_cpu_s? / last.outcome.messages_in.max(1) as f64;
+    if demand <= 0.0 || first.throughput_msg_s <= 0.0 {
         return None;
     }
+    // A message's time round the loop at the least loaded level: the window over the rate in a
+    // closed loop (Little), the stations' residence times along its path in an open one.
     let messages = first.outcome.messages_in.max(1) as f64;
-    let mut stations = Vec::new();
-    let mut in_stations_s = 0.0;
-    for station in last.stations.iter().filter(|s| s.name != "outbound") {
-        let demand = station.U / x;
-        let low = first.stations.iter().find(|s| s.name == station.name);
-        let residence_low = low.map_or(0.0, |s| s.R_direct_ms / 1e3 * s.C as f64 / messages);
-        in_stations_s += residence_low;
-        if demand > 0.0 {
-            stations.push(Station {
-                name: station.name.clone(),
-                kind: Kind::Queueing,
-                service: demand,
-                visits: 1.0,
-            });
-        }
-        if residence_low > demand {
-            stations.push(Station {
-                name: format!("{}.latency", station.name),
-                kind: Kind::Delay,
-                service: residence_low - demand,
-                visits: 1.0,
-            });
-        }
-    }
-    let think_s = match first.window {
-        Some(window) => (window as f64 / first.throughput_msg_s - in_stations_s).max(0.0),
-        None => 0.0,
+    let loop_s = match first.window {
+        Some(window) => window as f64 / first.throughput_msg_s,
+        None => first
+            .stations
+            .iter()
+            .map(|s| s.R_direct_ms / 1e3 * s.C as f64 / messages)
+            .sum(),
     };
-    stations
-        .iter()
-        .any(|s| s.kind == Kind::Queueing)
-        .then_some(SweepModel { stations, think_s })
+    let mut stations = vec![Station {
+        name: "cores".to_owned(),
+        kind: Kind::MultiServer(cores),
+        service: demand,
+        visits: 1.0,
+    }];
+    if loop_s > demand {
+        stations.push(Station {
+            name: "off-core".to_owned(),
+            kind: Kind::Delay,
+            service: loop_s - demand,
+            visits: 1.0,
+        });
+    }
+    Some(SweepModel {
+        stations,
+        think_s: 0.0,
+    })
 }
 
 fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Result<()> {

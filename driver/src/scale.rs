@@ -126,6 +126,11 @@ impl CpuReading {
     }
 }
 
+/// This process's CPU seconds so far (user + system, every thread); 0 where `/proc` is missing.
+pub fn own_cpu_s() -> f64 {
+    process_cpu(std::process::id()).map_or(0.0, |(_, seconds)| seconds)
+}
+
 /// A process's program name and CPU seconds (user + system, every thread).
 fn process_cpu(pid: u32) -> Option<(String, f64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
