@@ -167,18 +167,24 @@ fn a_generated_file_replays_to_its_expected_outcome() {
     .expect("json");
     let run_dir = dir.path().join("run");
     let cls_out = dir.path().join("cls.xml");
-    let summary = run_json(&[
-        "--input",
-        set.to_str().expect("utf-8 path"),
-        "--store",
-        "memory",
-        "--json",
-        "--quiet",
-        "--run-dir",
-        run_dir.to_str().expect("utf-8 path"),
-        "--cls-out",
-        cls_out.to_str().expect("utf-8 path"),
-    ]);
+    let replay = |run_dir: &Path, more: &[&str]| {
+        let mut args = vec![
+            "--input",
+            set.to_str().expect("utf-8 path"),
+            "--store",
+            "memory",
+            "--json",
+            "--quiet",
+            "--run-dir",
+            run_dir.to_str().expect("utf-8 path"),
+        ];
+        args.extend_from_slice(more);
+        run_json(&args)
+    };
+    let summary = replay(
+        &run_dir,
+        &["--cls-out", cls_out.to_str().expect("utf-8 path")],
+    );
     for key in [
         "trades",
         "messages_in",
@@ -241,21 +247,7 @@ fn a_generated_file_replays_to_its_expected_outcome() {
         .expect("a signed line");
     signatures[signed * 33 + 5] ^= 0x40;
     std::fs::write(&signatures_path, &signatures).expect("rewrites");
-    let tampered = run_json(&[
-        "--input",
-        set.to_str().expect("utf-8 path"),
-        "--store",
-        "memory",
-        "--json",
-        "--quiet",
-        "--probe-s",
-        "0",
-        "--run-dir",
-        dir.path()
-            .join("run-tampered")
-            .to_str()
-            .expect("utf-8 path"),
-    ]);
+    let tampered = replay(&dir.path().join("run-tampered"), &["--probe-s", "0"]);
     let sig = |summary: &serde_json::Value| summary["exceptions"]["E_SIG"].as_u64().unwrap_or(0);
     assert_eq!(sig(&tampered), sig(&summary) + 1);
     assert_eq!(tampered["messages_in"], summary["messages_in"]);
