@@ -381,6 +381,27 @@ mod tests {
     }
 
     #[test]
+    fn an_outbox_id_is_never_given_twice_even_once_retention_emptied_the_outbox() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        let mut store = SqliteStore::open(&dir.path().join("s.sqlite")).expect("opens");
+        let first = store.commit(&mut sample_batch()).expect("commits");
+        assert_eq!(first, vec![1]);
+        let mut confirmed = Batch {
+            delivered_through: Some(1),
+            ..Batch::default()
+        };
+        store.commit(&mut confirmed).expect("confirms");
+        store
+            .purge(time::macros::date!(2040 - 01 - 01), 30)
+            .expect("purges");
+        assert_eq!(store.row_counts().expect("counts").cls, 0);
+        // The next CLS is above the watermark, not delivered already.
+        let next = store.commit(&mut sample_batch()).expect("commits");
+        assert_eq!(next, vec![2]);
+        assert_eq!(store.undelivered_cls().expect("reads").len(), 1);
+    }
+
+    #[test]
     fn the_trades_view_shows_the_newest_status() {
         let dir = tempfile::tempdir().expect("temporary folder");
         let mut store = SqliteStore::open(&dir.path().join("s.sqlite")).expect("opens");
