@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde::Serialize;
 use ste_engine::generator::{Generator, GeneratorConfig, RunOutcome};
+use ste_engine::network::signed_line;
 use ste_engine::pipeline::{Ack, AckResult, Pipeline, PipelineConfig, StoreConfig, Submitter};
 use ste_engine::profile::Tolerances;
 use ste_engine::queue::Rx;
@@ -456,9 +457,13 @@ struct Pacing<'a> {
     acked: &'a AtomicU64,
 }
 
-/// A line to send, and its signature when it was signed beforehand: `None` signs it here;
-/// `Some(None)` sends it unsigned.
-type Line = (Vec<u8>, Option<Option<[u8; SIGNATURE_LEN]>>);
+/// A line to send.
+enum Line {
+    /// Signed here, as it is sent, with its claimed sender's key.
+    ToSign(Vec<u8>),
+    /// Signed beforehand (`None`: sent unsigned).
+    Signed(Vec<u8>, Option<[u8; SIGNATURE_LEN]>),
+}
 
 /// The lines of a pre-signed set, each with its record of `signatures`; an error where the
 /// signatures end before the lines.
@@ -478,7 +483,7 @@ fn presigned_lines(
         })?;
         let mut signature = [0_u8; SIGNATURE_LEN];
         signature.copy_from_slice(&record[1..]);
-        Ok((line, Some((record[0] == 1).then_some(signature))))
+        Ok(Line::Signed(line, (record[0] == 1).then_some(signature)))
     })
 }
 
@@ -492,7 +497,7 @@ fn inject(
     let started = Instant::now();
     let mut count: u64 = 0;
     for line in lines {
-        let (line, presigned) = line.context("reading the message set")?;
+        let line = line.context("reading the message set")?;
         if let Some(rate) = pacing.rate {
             let due = Duration::from_secs_f64(count as f64 / rate);
             let elapsed = started.elapsed();
@@ -528,9 +533,12 @@ fn inject(
                 }
             }
         }
-        match presigned {
-            Some(signature) => submitter.submit_presigned(line, signature, count),
-            None => submitter.submit_line(refdata, line, count),
+        match line {
+            Line::ToSign(bytes) => submitter.submit_line(refdata, bytes, count),
+            Line::Signed(bytes, signature) => {
+                let injected_ns = submitter.clock().now_ns();
+                submitter.submit(signed_line(bytes, signature, count, injected_ns))
+            }
         }
         .context("submitting to the pipeline")?;
         count += 1;
@@ -908,7 +916,7 @@ fn inject_source(
     Ok(match &config.source {
         Source::Generated(generator_config) => {
             let mut generator = Generator::new(refdata, generator_config.clone());
-            let lines = generator.by_ref().map(|line| Ok((line, None)));
+            let lines = generator.by_ref().map(|line| Ok(Line::ToSign(line)));
             let count = inject(submitter, refdata, lines, &pacing, submitted);
             (count, Some(generator.expected().clone()))
         }
@@ -923,7 +931,7 @@ fn inject_source(
                     inject(submitter, refdata, lines, &pacing, submitted)
                 }
                 None => {
-                    let lines = lines.map(|line| line.map(|line| (line, None)));
+                    let lines = lines.map(|line| line.map(Line::ToSign));
                     inject(submitter, refdata, lines, &pacing, submitted)
                 }
             };

@@ -413,17 +413,29 @@ fn keys_beside(set: &std::path::Path) -> PathBuf {
 /// The reference data of a run with the key set it signs with: `--keys`, else the keys beside
 /// the `--input` set, else (in process only) a random set of this run's own.
 fn refdata_with_keys(args: &RunArgs) -> anyhow::Result<RefData> {
-    let refdata = load_refdata(args.refdata.as_ref())?;
-    let beside = args
-        .input
-        .as_deref()
-        .map(keys_beside)
-        .filter(|p| p.exists());
-    let ring = match args.keys.as_ref().or(beside.as_ref()) {
+    let in_process = args.target.is_none() && args.nats.is_none();
+    with_key_ring(
+        load_refdata(args.refdata.as_ref())?,
+        args.keys.as_deref(),
+        args.input.as_deref(),
+        in_process,
+    )
+}
+
+/// `refdata` with the key set of `keys`, else of the keys beside the `input` set, else (where
+/// `own_set` allows it: nobody else verifies) a random set drawn now.
+fn with_key_ring(
+    refdata: RefData,
+    keys: Option<&std::path::Path>,
+    input: Option<&std::path::Path>,
+    own_set: bool,
+) -> anyhow::Result<RefData> {
+    let beside = input.map(keys_beside).filter(|p| p.exists());
+    let ring = match keys.or(beside.as_deref()) {
         Some(path) => {
             KeyRing::load(path).with_context(|| format!("loading keys from {}", path.display()))?
         }
-        None if args.target.is_some() || args.nats.is_some() => bail!(
+        None if !own_set => bail!(
             "a --target engine or a --nats cluster verifies with its own key file: give the driver the same (--keys FILE)"
         ),
         None => KeyRing::generate_for(&refdata),
@@ -677,28 +689,22 @@ fn run_cli() -> anyhow::Result<()> {
             refdata,
             json,
         }) => {
-            let refdata = load_refdata(refdata.as_ref())?;
-            let (sample, refdata) = match &input {
-                Some(path) => {
-                    let keys = keys_beside(path);
-                    let ring = KeyRing::load(&keys)
-                        .with_context(|| format!("loading keys from {}", keys.display()))?;
-                    let refdata = refdata.with_keys(&ring).context("installing the keys")?;
-                    (ste_driver::probe::file_sample(&refdata, path)?, refdata)
-                }
-                None => {
-                    let ring = KeyRing::generate_for(&refdata);
-                    let refdata = refdata.with_keys(&ring).context("installing the keys")?;
-                    let config = generator_config(&generation)?;
-                    (
-                        ste_driver::probe::generated_sample(&refdata, &config),
-                        refdata,
-                    )
-                }
-            };
             if !(seconds > 0.0 && seconds <= 600.0) {
                 bail!("--seconds must be above 0 and at most 600");
             }
+            let refdata = with_key_ring(
+                load_refdata(refdata.as_ref())?,
+                None,
+                input.as_deref(),
+                true,
+            )?;
+            let sample = match &input {
+                Some(path) => ste_driver::probe::file_sample(&refdata, path)?,
+                None => {
+                    let config = generator_config(&generation)?;
+                    ste_driver::probe::generated_sample(&refdata, &config)
+                }
+            };
             let probe = ste_driver::probe::run(&refdata, &sample, Duration::from_secs_f64(seconds));
             if json {
                 println!("{}", serde_json::to_string_pretty(&probe)?);
@@ -1208,8 +1214,9 @@ impl SweepPoint {
 /// rate (W / loop time); as the window grows the cores saturate at `c / D`. A station per
 /// thread, each with a processor of its own, would predict what two cores cannot give.
 struct SweepModel {
+    /// The cores and the off-core delay; no think time: the loop's time off the cores is in the
+    /// delay station.
     stations: Vec<ste_monitor::mva::Station>,
-    think_s: f64,
 }
 
 fn sweep_model(first: &Summary, last: &Summary) -> Option<SweepModel> {
@@ -1244,10 +1251,7 @@ fn sweep_model(first: &Summary, last: &Summary) -> Option<SweepModel> {
             visits: 1.0,
         });
     }
-    Some(SweepModel {
-        stations,
-        think_s: 0.0,
-    })
+    Some(SweepModel { stations })
 }
 
 fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Result<()> {
@@ -1432,14 +1436,14 @@ fn predict(
 ) -> anyhow::Result<()> {
     use ste_monitor::chart::CurvePoint;
     use ste_monitor::mva;
-    let demands = mva::demands(&model.stations, model.think_s)?;
+    let demands = mva::demands(&model.stations, 0.0)?;
     if demands.D_max > 0.0 {
         curve.x_bound = Some(1.0 / demands.D_max);
     }
     let largest_window = points.iter().filter_map(|p| p.window).max();
     if let Some(largest) = largest_window {
         let population = u32::try_from(largest).unwrap_or(u32::MAX).min(1 << 20);
-        let solution = mva::closed(&model.stations, model.think_s, population)?;
+        let solution = mva::closed(&model.stations, 0.0, population)?;
         for p in points.iter_mut() {
             if let Some(at) = p.window.and_then(|w| solution.get(w as usize - 1)) {
                 p.X_mva = Some(at.X);

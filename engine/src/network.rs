@@ -392,28 +392,6 @@ impl Submitter {
         self.submit(envelope)
     }
 
-    /// Submits a line as its participant signed it beforehand (a pre-signed message set):
-    /// `signature` is `None` for a line sent unsigned. Nothing is signed here.
-    pub fn submit_presigned(
-        &mut self,
-        bytes: Vec<u8>,
-        signature: Option<[u8; SIGNATURE_LEN]>,
-        correlation: u64,
-    ) -> Result<(), PipelineError> {
-        let sender = signature
-            .and_then(|_| sign::claimed_sender(&bytes))
-            .map(str::to_owned);
-        self.submit(Envelope {
-            bytes,
-            signature: signature.filter(|_| sender.is_some()),
-            sender,
-            correlation,
-            origin: 0,
-            injected_ns: self.clock.now_ns(),
-            refusal: None,
-        })
-    }
-
     /// Sends every partial batch.
     pub fn flush(&mut self) -> Result<(), PipelineError> {
         for index in 0..self.pending.len() {
@@ -443,14 +421,23 @@ pub fn sign_line(
     correlation: u64,
     injected_ns: u64,
 ) -> Envelope {
-    let sender = sign::claimed_sender(&bytes).map(str::to_owned);
-    let signature = sender
-        .as_deref()
+    let signature = sign::claimed_sender(&bytes)
         .and_then(|sender| refdata.participant_mac(sender))
         .map(|(_, mac)| sign::sign_keyed(mac, &bytes));
+    signed_line(bytes, signature, correlation, injected_ns)
+}
+
+/// The envelope of a line signed beforehand (a pre-signed message set), as [`sign_line`] would
+/// have made it: its claimed sender and `signature` (`None`: sent unsigned).
+pub fn signed_line(
+    bytes: Vec<u8>,
+    signature: Option<[u8; SIGNATURE_LEN]>,
+    correlation: u64,
+    injected_ns: u64,
+) -> Envelope {
     Envelope {
+        sender: sign::claimed_sender(&bytes).map(str::to_owned),
         bytes,
-        sender,
         signature,
         correlation,
         origin: 0,
