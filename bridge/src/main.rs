@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use ste_bridge::fix::{self, FixConfig};
 use ste_bridge::gateway::{Gateway, GatewayConfig};
 use ste_bridge::soap::{self, SoapConfig};
@@ -20,21 +20,13 @@ use ste_bridge::tcp::{self, TcpConfig};
 use ste_bridge::tls::{self, Tls, TlsFiles};
 use ste_engine::cluster::roles::Role;
 use ste_engine::keys::KeyRing;
-use ste_engine::matcher::MatcherMemory;
-use ste_engine::pipeline::{Aging, PipelineConfig, StoreConfig};
-use ste_engine::profile::Tolerances;
+use ste_engine::options::{PipelineArgs, Scope, Settings, TlsIdentityArgs};
+use ste_engine::pipeline::PipelineConfig;
 use ste_engine::refdata::RefData;
 use tracing::info;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-#[derive(Copy, Clone, ValueEnum)]
-enum StoreArg {
-    Memory,
-    Embedded,
-    Postgres,
-}
 
 #[derive(Parser)]
 #[command(
@@ -42,6 +34,10 @@ enum StoreArg {
     about = "The STE trade-matching engine as a server: participants connect over framed XML, SOAP/HTTP and FIX 4.4"
 )]
 struct Cli {
+    #[command(flatten)]
+    pipeline: PipelineArgs,
+    #[command(flatten)]
+    tls: TlsIdentityArgs,
     /// Address of the framed-XML listener (port 0: any free port; the bound address is printed).
     #[arg(long, env = "STE_TCP_ADDR", default_value = "127.0.0.1:7400")]
     tcp: String,
@@ -58,21 +54,6 @@ struct Cli {
     /// Largest SOAP request body in bytes.
     #[arg(long, default_value_t = 1024 * 1024)]
     max_body_bytes: usize,
-    /// Where the shards keep their rows (default: embedded; with --nats, postgres, the only
-    /// store every node of a cluster can reach).
-    #[arg(long, value_enum, env = "STE_STORE")]
-    store: Option<StoreArg>,
-    /// Database URL of each shard, in shard order (postgres store); or the comma-separated
-    /// STE_DATABASE_URLS.
-    #[arg(long = "db", env = "STE_DATABASE_URLS", value_delimiter = ',')]
-    db: Vec<String>,
-    /// Number of shards; with --store postgres, default: the number of database URLs.
-    #[arg(long, env = "STE_SHARDS")]
-    shards: Option<u32>,
-    /// Number of validators (default 2), in process; in a cluster each shard's owner runs one
-    /// on the shard's inbound queue.
-    #[arg(long, env = "STE_VALIDATORS")]
-    validators: Option<u32>,
     /// Folder of the node's files: the embedded store, samples.csv, fix-sessions/ (each FIX
     /// participant's sequence numbers and sent messages).
     #[arg(long, env = "STE_DATA_DIR", default_value = "ste-data")]
@@ -117,13 +98,6 @@ struct Cli {
     /// Seconds a connection may stay silent (heartbeats count).
     #[arg(long, default_value_t = 300)]
     idle_timeout_s: u64,
-    /// Station sampling interval in milliseconds (samples.csv in --data-dir; with --nats,
-    /// published on ste.samples.<node-id>, at least every 100 ms); 0: off.
-    #[arg(long, default_value_t = 10)]
-    sample_ms: u64,
-    /// Matching profile (JSON); default: the T2S-style tolerances.
-    #[arg(long)]
-    profile: Option<PathBuf>,
     /// The participants' signing keys: CSV `bic,key_id,key_hex`, up to two keys per participant
     /// (rotation). Required unless --throwaway-keys.
     #[arg(long, env = "STE_KEYS_FILE")]
@@ -132,53 +106,12 @@ struct Cli {
     /// DATA_DIR/throwaway-keys.csv (owner-only) for local clients; loopback listeners only.
     #[arg(long, conflicts_with = "keys")]
     throwaway_keys: bool,
-    /// The node's TLS certificate chain (PEM, leaf first): TLS on all three listeners.
-    #[arg(long, env = "STE_TLS_CERT", requires = "tls_key")]
-    tls_cert: Option<PathBuf>,
-    /// The private key of --tls-cert (PEM).
-    #[arg(long, env = "STE_TLS_KEY", requires = "tls_cert")]
-    tls_key: Option<PathBuf>,
     /// Require client certificates signed by this CA (PEM) on every listener (mutual TLS).
     #[arg(long, env = "STE_TLS_CLIENT_CA", requires = "tls_cert")]
     tls_client_ca: Option<PathBuf>,
     /// Serve plain TCP on addresses that are not loopback (without it, such a node needs TLS).
     #[arg(long)]
     plaintext: bool,
-    /// Age out an unmatched trade after this many whole business days of its market without
-    /// a message (AGED advice to its parties, then E_CLOSED); 0: never.
-    #[arg(long, env = "STE_AGING_BUSINESS_DAYS", default_value_t = 20)]
-    aging_business_days: u32,
-    /// How often an idle matcher wakes up to check whether a new day has begun (aging runs
-    /// once a day).
-    #[arg(long, default_value_t = 60_000)]
-    aging_check_ms: u64,
-    /// Keep trades this many days after their trade date, and exceptions as long after they
-    /// arrived (embedded and postgres stores).
-    #[arg(long, value_name = "DAYS")]
-    retention_days: Option<u32>,
-    /// Keep the exceptions of unchecked input (unsigned, wrongly signed, unreadable; they name
-    /// no MsgId) this many days after they arrived; 0 keeps them (embedded and postgres stores).
-    #[arg(long, value_name = "DAYS", default_value_t = ste_engine::pipeline::UNCHECKED_EXCEPTION_DAYS_DEFAULT)]
-    unchecked_exception_days: u32,
-    /// MiB a shard's match queue may hold (in a cluster: its inbound queue, on the NATS
-    /// servers' disks): the backlog of a shard whose store stalls (its database down), while
-    /// the other shards go on.
-    #[arg(long, value_name = "MIB", default_value_t = ste_engine::pipeline::SHARD_BACKLOG_BYTES_DEFAULT >> 20)]
-    shard_backlog_mib: usize,
-    /// Postgres store: message keys and closed trades a shard's matcher keeps exactly in one
-    /// generation; older ones go into its filter once committed and are read back from the
-    /// shard when a message may need them. Two generations are kept.
-    #[arg(long, value_name = "ENTRIES", default_value_t = MatcherMemory::default().generation_entries)]
-    matcher_generation: usize,
-    /// Postgres store: MiB of each shard matcher's filter over what it retired (fixed: a larger
-    /// one reads back less often from the shard).
-    #[arg(long, value_name = "MIB", default_value_t = MatcherMemory::default().filter_bytes >> 20)]
-    matcher_filter_mib: usize,
-    /// MiB that one participant's messages may hold in the open trades of one shard (every
-    /// store): beyond it its messages are refused E_LIMIT, so that no participant fills the
-    /// memory the others need.
-    #[arg(long, value_name = "MIB", default_value_t = MatcherMemory::default().participant_held_bytes >> 20)]
-    participant_held_mib: u64,
     /// Run as a node of a cluster on this NATS JetStream server (e.g. nats://127.0.0.1:4222):
     /// each shard's owner takes the shard's inbound queue and validates, matches and commits
     /// its messages in process (DESIGN.md section 1a).
@@ -264,15 +197,6 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-/// The shards' database URLs, in shard order (blank ones dropped).
-fn database_urls(cli: &Cli) -> Vec<String> {
-    cli.db
-        .iter()
-        .map(|url| url.trim().to_owned())
-        .filter(|url| !url.is_empty())
-        .collect()
-}
-
 /// Each listener's connection bounds from the command line.
 fn connection_limits(cli: &Cli) -> ste_bridge::listener::ConnectionLimits {
     ste_bridge::listener::ConnectionLimits {
@@ -284,76 +208,26 @@ fn connection_limits(cli: &Cli) -> ste_bridge::listener::ConnectionLimits {
     }
 }
 
-/// The matchers' memory from the command line.
-fn matcher_memory(cli: &Cli) -> MatcherMemory {
-    MatcherMemory {
-        generation_entries: cli.matcher_generation.max(1),
-        filter_bytes: cli.matcher_filter_mib.max(1) << 20,
-        participant_held_bytes: cli.participant_held_mib.max(1) << 20,
-    }
-}
-
-/// When unmatched trades age out (`None`: never).
-fn aging(cli: &Cli) -> Option<Aging> {
-    (cli.aging_business_days > 0).then(|| Aging {
-        business_days: cli.aging_business_days,
-        check_interval: Duration::from_millis(cli.aging_check_ms.max(1)),
-    })
-}
-
-fn gateway_config(cli: &Cli) -> anyhow::Result<GatewayConfig> {
-    let urls = database_urls(cli);
-    let store_arg = cli.store.unwrap_or(StoreArg::Embedded);
-    let store = match store_arg {
-        StoreArg::Memory => StoreConfig::Memory,
-        StoreArg::Embedded => StoreConfig::Embedded {
-            dir: cli.data_dir.join("store"),
-        },
-        StoreArg::Postgres if urls.is_empty() => {
-            bail!(
-                "the postgres store needs database URLs: --db URL per shard, or STE_DATABASE_URLS"
-            )
-        }
-        StoreArg::Postgres => StoreConfig::Postgres { urls: urls.clone() },
-    };
-    let shards = match (cli.shards, store_arg) {
-        (Some(shards), _) => shards,
-        (None, StoreArg::Postgres) => urls.len() as u32,
-        (None, _) => 2,
-    };
-    let validators = cli.validators.unwrap_or(2);
-    if shards == 0 || validators == 0 {
-        bail!("--shards and --validators must be at least 1");
-    }
-    if cli.retention_days.is_some() && matches!(store_arg, StoreArg::Memory) {
-        bail!("--retention-days needs a durable store (embedded or postgres)");
-    }
+fn gateway_config(cli: &Cli, settings: &Settings) -> anyhow::Result<GatewayConfig> {
     std::fs::create_dir_all(&cli.data_dir)
         .with_context(|| format!("creating {}", cli.data_dir.display()))?;
-    let sample_interval = Duration::from_millis(cli.sample_ms);
     Ok(GatewayConfig {
         pipeline: PipelineConfig {
-            shards,
-            validators,
-            store,
-            sample_interval,
-            samples_path: (!sample_interval.is_zero()).then(|| cli.data_dir.join("samples.csv")),
             // A node restarts on its own data: matchers are rebuilt from the shards and
             // unconfirmed CLS are emitted again.
             recover: true,
-            retention_days: cli.retention_days,
-            unchecked_exception_days: (cli.unchecked_exception_days > 0)
-                .then_some(cli.unchecked_exception_days),
-            shard_backlog_bytes: cli.shard_backlog_mib.max(1) << 20,
-            aging: aging(cli),
-            matcher_memory: matcher_memory(cli),
-            ..PipelineConfig::default()
+            ..settings.pipeline(&cli.data_dir)
         },
-        tolerances: Tolerances::load(cli.profile.as_deref())?,
+        tolerances: settings.tolerances.clone(),
         cls_out: cli.cls_out.clone(),
         ingress_capacity: GATEWAY_INGRESS_CAPACITY,
         participant_rate: cli.participant_rate,
     })
+}
+
+/// The cluster's lease time to live from the command line.
+fn lease_ttl(cli: &Cli) -> Duration {
+    Duration::from_millis(cli.lease_ttl_ms.max(100))
 }
 
 /// The first listener whose address is not on loopback, if any.
@@ -377,16 +251,16 @@ fn off_loopback(cli: &Cli) -> anyhow::Result<Option<(&'static str, &str)>> {
 /// The listeners' TLS: from the certificate files, or none — which a listener off loopback
 /// accepts only when told to (--plaintext).
 fn tls(cli: &Cli) -> anyhow::Result<Option<Tls>> {
-    match (&cli.tls_cert, &cli.tls_key) {
-        (Some(cert), Some(key)) => {
+    match cli.tls.pair() {
+        Some((cert, key)) => {
             let files = TlsFiles {
-                cert: cert.clone(),
-                key: key.clone(),
+                cert,
+                key,
                 client_ca: cli.tls_client_ca.clone(),
             };
             Ok(Some(tls::acceptor(&files).context("setting up TLS")?))
         }
-        _ => {
+        None => {
             if let Some((name, address)) = off_loopback(cli)? {
                 if !cli.plaintext {
                     bail!("{name} {address} is not a loopback address: give the node a certificate (--tls-cert, --tls-key), or say --plaintext to serve plain TCP there");
@@ -431,9 +305,11 @@ fn refdata_with_keys(cli: &Cli) -> anyhow::Result<Arc<RefData>> {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(url) = cli.nats.clone() {
-        return run_node(&cli, &url);
+        let settings = cli.pipeline.resolve(Scope::Cluster)?;
+        return run_node(&cli, &settings, &url);
     }
-    let config = gateway_config(&cli)?;
+    let settings = cli.pipeline.resolve(Scope::InProcess)?;
+    let config = gateway_config(&cli, &settings)?;
     let refdata = refdata_with_keys(&cli)?;
     let gateway = Gateway::start(&config, refdata).context("starting the engine")?;
     let report = serve(&cli, gateway, || {})?;
@@ -569,7 +445,7 @@ fn serve(
 
 /// A node of a cluster: shard owners on the JetStream queues at `url`, until
 /// SIGTERM or Ctrl-C.
-fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
+fn run_node(cli: &Cli, settings: &Settings, url: &str) -> anyhow::Result<()> {
     if let Some(secrets) = &cli.secrets {
         ste_engine::store::PgStore::use_password_file_in(secrets);
     }
@@ -582,32 +458,14 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
     let Some(node_id) = cli.node_id.clone().or_else(host_name) else {
         bail!("a node of a cluster needs a name: --node-id ID (unique among the nodes)");
     };
-    match cli.store {
-        None | Some(StoreArg::Postgres) => {}
-        Some(StoreArg::Embedded) | Some(StoreArg::Memory) => bail!(
-            "a cluster (--nats) runs on the postgres store: another node may take over a shard, \
-             so each shard's database must be one every node can reach (--db URL per shard, or \
-             STE_DATABASE_URLS); the embedded and memory stores live inside one process"
-        ),
-    }
-    let urls = database_urls(cli);
-    if urls.is_empty() {
-        bail!("a cluster needs each shard's database: --db URL per shard, or STE_DATABASE_URLS");
-    }
-    let shards = cli.shards.unwrap_or(urls.len() as u32);
-    if shards as usize != urls.len() {
-        bail!(
-            "{shards} shards need {shards} database URLs, {} given",
-            urls.len()
-        );
-    }
+    let shards = settings.shards;
     if cli.keys.is_none() {
         bail!(
             "the nodes of a cluster verify with one shared key set: --keys FILE (or STE_KEYS_FILE)"
         );
     }
     let refdata = refdata_with_keys(cli)?;
-    let backlog_bytes = (cli.shard_backlog_mib.max(1) << 20) as i64;
+    let backlog_bytes = settings.shard_backlog_bytes as i64;
     let mut layout = ste_engine::cluster::ClusterLayout {
         shards,
         ..Default::default()
@@ -616,16 +474,16 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
     let config = ste_engine::cluster::NodeConfig {
         node_id: node_id.clone(),
         layout,
-        lease_ttl: Duration::from_millis(cli.lease_ttl_ms.max(100)),
+        lease_ttl: lease_ttl(cli),
         shards_max: cli.max_shards.unwrap_or(shards),
-        database_urls: urls,
-        tolerances: Tolerances::load(cli.profile.as_deref())?,
-        aging: aging(cli),
+        database_urls: settings.database_urls.clone(),
+        tolerances: settings.tolerances.clone(),
+        aging: settings.aging,
         batch_max_messages: PipelineConfig::default().batch_max_messages,
         retry: Default::default(),
-        matcher_memory: matcher_memory(cli),
+        matcher_memory: settings.matcher_memory,
         // Published on ste.samples.<node> for whoever collects them (the driver of a run).
-        sample_interval: Duration::from_millis(cli.sample_ms),
+        sample_interval: settings.sample_interval,
         start_patience: Duration::from_secs(cli.start_patience_s),
     };
     let placement = ste_engine::queue::jetstream::Placement::parse(
@@ -642,7 +500,6 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
         .connect(Role::Node)
         .with_context(|| format!("connecting to NATS at {url} as a node"))?;
     let layout = config.layout;
-    let lease_ttl = config.lease_ttl;
     let node = ste_engine::cluster::Node::start(&jetstream, config, refdata.clone())
         .context("starting the node")?;
     info!(node = %node_id, %url, "node started");
@@ -680,7 +537,7 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
         } else {
             None
         };
-        let gateway = cluster_gateway(cli, &access, &layout, lease_ttl, &node_id, refdata, feed)?;
+        let gateway = cluster_gateway(cli, settings, &access, &layout, &node_id, refdata, feed)?;
         let report = serve(cli, gateway, log_holdings)?;
         info!(
             submitted = report.submitted,
@@ -720,9 +577,9 @@ fn run_node(cli: &Cli, url: &str) -> anyhow::Result<()> {
 /// or copies of it.
 fn cluster_gateway(
     cli: &Cli,
+    settings: &Settings,
     access: &ste_engine::cluster::ClusterAccess,
     layout: &ste_engine::cluster::ClusterLayout,
-    lease_ttl: Duration,
     node_id: &str,
     refdata: Arc<RefData>,
     feed: Option<ste_engine::cluster::ClsFeed>,
@@ -731,7 +588,7 @@ fn cluster_gateway(
         access,
         Role::Gateway,
         layout,
-        lease_ttl,
+        lease_ttl(cli),
         node_id,
         Duration::from_secs(cli.start_patience_s),
     )
@@ -754,7 +611,7 @@ fn cluster_gateway(
     };
     let config = GatewayConfig {
         pipeline: PipelineConfig::default(),
-        tolerances: Tolerances::load(cli.profile.as_deref())?,
+        tolerances: settings.tolerances.clone(),
         cls_out: cli.cls_out.clone().filter(|_| delivery.is_some()),
         ingress_capacity: GATEWAY_INGRESS_CAPACITY,
         participant_rate: cli.participant_rate,

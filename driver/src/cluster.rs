@@ -104,20 +104,13 @@ const RESEND_ROUNDS_MAX: u32 = 5;
 const DRAIN_POLL: Duration = Duration::from_millis(50);
 
 /// Runs the configured load through the cluster at `target` and summarises it. The shards'
-/// databases (`config.db_urls`, in shard order) give the trades' final states and rows.
+/// databases (one per shard, in shard order: [`ste_engine::options::Settings`] holds no other
+/// cluster) give the trades' final states and rows.
 pub fn run_cluster(
     config: &RunConfig,
     target: &ClusterTarget,
     refdata: Arc<RefData>,
 ) -> anyhow::Result<Summary> {
-    if config.db_urls.len() != config.shards as usize || config.db_urls.is_empty() {
-        bail!(
-            "a cluster run reads each shard's database at the end: one --db URL per shard \
-             ({} shards, {} URLs)",
-            config.shards,
-            config.db_urls.len()
-        );
-    }
     std::fs::create_dir_all(&config.run_dir)
         .with_context(|| format!("creating {}", config.run_dir.display()))?;
     let access = ClusterAccess {
@@ -126,7 +119,7 @@ pub fn run_cluster(
         secrets: target.secrets.clone(),
     };
     let layout = ClusterLayout {
-        shards: config.shards,
+        shards: config.settings.shards,
         inbound_batch_messages: target.batch_messages,
         ..ClusterLayout::default()
     };
@@ -159,7 +152,7 @@ pub fn run_cluster(
     let started = Instant::now();
     // The nodes' stations and the queues' lengths, in one samples.csv.
     let samples_path = config.run_dir.join("samples.csv");
-    let collector = if config.sample_interval.is_zero() {
+    let collector = if config.settings.sample_interval.is_zero() {
         None
     } else {
         Some(
@@ -173,7 +166,7 @@ pub fn run_cluster(
                     .map(|(queue, _)| queue)
                     .collect::<Vec<_>>(),
                 &samples_path,
-                config.sample_interval,
+                config.settings.sample_interval,
                 clock,
             )
             .with_context(|| format!("writing {}", samples_path.display()))?,
@@ -224,7 +217,7 @@ pub fn run_cluster(
                  sent again): are the nodes running, on {} shards?",
                 messages_in - acked,
                 target.stall_timeout.as_secs(),
-                config.shards
+                config.settings.shards
             );
         } else if last_progress.1.elapsed() > target.resend_after
             && last_resend.elapsed() > target.resend_after
@@ -284,16 +277,16 @@ pub fn run_cluster(
         }
     };
 
-    let mut shards = Vec::with_capacity(config.db_urls.len());
+    let mut shards = Vec::with_capacity(config.settings.database_urls.len());
     let (mut mismatched, mut pending, mut cancelled, mut with_messages) = (0, 0, 0, 0);
     let mut misrouted = 0;
-    for (shard, url) in config.db_urls.iter().enumerate() {
+    for (shard, url) in config.settings.database_urls.iter().enumerate() {
         let mut store = PgStore::open(url).context("opening a shard's database")?;
         misrouted += store
             .trade_keys()
             .context("reading a shard's trade keys")?
             .iter()
-            .filter(|key| shard_of(key, config.shards) as usize != shard)
+            .filter(|key| shard_of(key, config.settings.shards) as usize != shard)
             .count() as u64;
         let rows = store.row_counts().context("counting a shard's rows")?;
         let states = store.trade_states().context("reading a shard's trades")?;
@@ -352,7 +345,7 @@ pub fn run_cluster(
         shards,
         stored_validation_exceptions: 0,
         store: format!("postgres, cluster at {}", target.url),
-        validators: config.shards,
+        validators: config.settings.shards,
         peak_rss_mb: peak_rss_mb(),
         conserved: messages_in == accepted + duplicates + exceptions_total,
         expected,

@@ -14,8 +14,8 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 use ste_engine::generator::{Generator, GeneratorConfig, RunOutcome};
 use ste_engine::network::signed_line;
-use ste_engine::pipeline::{Ack, AckResult, Pipeline, PipelineConfig, StoreConfig, Submitter};
-use ste_engine::profile::Tolerances;
+use ste_engine::options::Settings;
+use ste_engine::pipeline::{Ack, AckResult, Pipeline, PipelineConfig, Submitter};
 use ste_engine::queue::Rx;
 use ste_engine::refdata::RefData;
 use ste_engine::sign::SIGNATURE_LEN;
@@ -40,24 +40,7 @@ pub const MESSAGE_SET_CLOSE: &str = "</MessageSet>";
 /// E_SIZE), so a hostile file cannot make the driver hold an unbounded line.
 const LINE_READ_MAX_BYTES: usize = MESSAGE_SIZE_MAX_BYTES + 1;
 
-/// The storage a run uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StoreChoice {
-    Memory,
-    Embedded,
-    Postgres,
-}
-
-impl StoreChoice {
-    /// The name used on the command line.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Memory => "memory",
-            Self::Embedded => "embedded",
-            Self::Postgres => "postgres",
-        }
-    }
-}
+pub use ste_engine::options::StoreKind;
 
 /// Where the messages come from.
 #[derive(Debug, Clone)]
@@ -70,29 +53,22 @@ pub enum Source {
 #[derive(Debug, Clone)]
 pub struct RunConfig {
     pub source: Source,
-    pub store: StoreChoice,
-    pub db_urls: Vec<String>,
-    pub shards: u32,
-    pub validators: u32,
+    /// The pipeline's options as the engine takes them too: store, shards, validators,
+    /// backlog, retention, aging, matcher memory, sampling, profile.
+    pub settings: Settings,
     pub batch_max_messages: usize,
     /// How long a writer waits to fill a batch before committing it.
     pub batch_linger: Duration,
     pub queue_capacity_messages: usize,
-    /// Bytes a shard's match queue may hold (see [`PipelineConfig::shard_backlog_bytes`]).
-    pub shard_backlog_bytes: usize,
     /// Open-loop injection rate; `None` injects as fast as backpressure allows.
     pub rate_msgs_per_s: Option<f64>,
     /// Closed loop: at most this many messages injected and not yet acknowledged.
     pub window: Option<u64>,
     pub cls_out: Option<PathBuf>,
     pub run_dir: PathBuf,
-    pub sample_interval: Duration,
     pub progress: bool,
-    pub tolerances: Tolerances,
     /// Continue on shards that already hold messages, rebuilding the matchers from them.
     pub resume: bool,
-    /// Drop a shard's trades this many days after their trade date (postgres store only).
-    pub retention_days: Option<u32>,
     /// For an `--input` set: the signatures its lines were signed with beforehand
     /// ([`signatures_beside`]), sent as they are instead of signing each line as it is sent.
     pub signatures: Option<PathBuf>,
@@ -550,26 +526,6 @@ fn inject(
 
 /// Runs the whole pipeline in process over the configured source and summarises it.
 pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary> {
-    let store = match config.store {
-        StoreChoice::Memory => StoreConfig::Memory,
-        StoreChoice::Embedded => StoreConfig::Embedded {
-            dir: config.run_dir.join("store"),
-        },
-        // Checked before anything is created, so a refused run leaves nothing behind.
-        StoreChoice::Postgres => {
-            if config.db_urls.len() != config.shards as usize {
-                bail!(
-                    "the postgres store needs one database URL per shard: {} shards, {} URLs \
-                     (--db, repeated in shard order, or STE_DATABASE_URLS)",
-                    config.shards,
-                    config.db_urls.len()
-                );
-            }
-            StoreConfig::Postgres {
-                urls: config.db_urls.clone(),
-            }
-        }
-    };
     let store_dir = config.run_dir.join("store");
     let store_exists = store_dir
         .read_dir()
@@ -584,25 +540,21 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         .with_context(|| format!("creating {}", config.run_dir.display()))?;
     let samples_path = config.run_dir.join("samples.csv");
     let pipeline_config = PipelineConfig {
-        shards: config.shards,
-        validators: config.validators,
         queue_capacity_messages: config.queue_capacity_messages,
         batch_max_messages: config.batch_max_messages,
-        shard_backlog_bytes: config.shard_backlog_bytes,
         batch_linger: config.batch_linger,
-        store,
-        sample_interval: config.sample_interval,
-        // A zero interval turns sampling off (to measure what sampling costs).
-        samples_path: (!config.sample_interval.is_zero()).then(|| samples_path.clone()),
         recover: config.resume,
-        retention_days: config.retention_days,
         matcher_memory: matcher_memory(config),
-        ..PipelineConfig::default()
+        ..config.settings.pipeline(&config.run_dir)
     };
     let started = Instant::now();
     let cpu_started_s = scale::own_cpu_s();
-    let pipeline = Pipeline::start(&pipeline_config, refdata.clone(), config.tolerances.clone())
-        .context("starting the pipeline")?;
+    let pipeline = Pipeline::start(
+        &pipeline_config,
+        refdata.clone(),
+        config.settings.tolerances.clone(),
+    )
+    .context("starting the pipeline")?;
     let clock = pipeline.clock();
 
     let tally = Arc::new(Tally::default());
@@ -648,7 +600,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     let report = report.context("the pipeline failed")?;
     let messages_in = injected?;
 
-    let samples = if config.sample_interval.is_zero() {
+    let samples = if config.settings.sample_interval.is_zero() {
         Vec::new()
     } else {
         ste_monitor::read_samples(&samples_path).context("reading samples")?
@@ -723,8 +675,8 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         bottleneck,
         shards,
         stored_validation_exceptions: report.exception_rows.exceptions,
-        store: config.store.as_str().to_owned(),
-        validators: config.validators,
+        store: config.settings.store.as_str().to_owned(),
+        validators: config.settings.validators,
         peak_rss_mb: peak_rss_mb(),
         conserved: messages_in == accepted + duplicates + exceptions_total,
         expected: expected.clone(),
@@ -767,17 +719,22 @@ fn station_summaries(
     (stations, bottleneck)
 }
 
-/// What each shard's matcher keeps in memory: for a generated set, a filter sized for what the
-/// shard will retire over the run (every message key and closed trade); else the default.
+/// What each shard's matcher keeps in memory: as the options say; unless they name the
+/// filter's size, for a generated set a filter sized for what the shard will retire over the
+/// run (every message key and closed trade).
 fn matcher_memory(config: &RunConfig) -> ste_engine::matcher::MatcherMemory {
+    let settings = &config.settings;
     match &config.source {
-        Source::Generated(generator) => {
+        Source::Generated(generator) if !settings.filter_given => {
             let per_trade = ste_engine::generator::MESSAGES_PER_TRADE as u64 + 1;
             let facts =
-                generator.trades.saturating_mul(per_trade) / u64::from(config.shards.max(1));
-            ste_engine::matcher::MatcherMemory::for_facts(facts)
+                generator.trades.saturating_mul(per_trade) / u64::from(settings.shards.max(1));
+            ste_engine::matcher::MatcherMemory {
+                filter_bytes: ste_engine::matcher::MatcherMemory::for_facts(facts).filter_bytes,
+                ..settings.matcher_memory
+            }
         }
-        Source::File(_) => ste_engine::matcher::MatcherMemory::default(),
+        _ => settings.matcher_memory,
     }
 }
 

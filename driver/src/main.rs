@@ -13,12 +13,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand};
 use ste_driver::remote::{run_remote as run_remote_load, RemoteConfig};
-use ste_driver::{RunConfig, Source, StoreChoice, Summary};
+use ste_driver::{RunConfig, Source, StoreKind, Summary};
 use ste_engine::generator::{GeneratorConfig, DEFAULT_SEED};
 use ste_engine::keys::KeyRing;
-use ste_engine::profile::Tolerances;
+use ste_engine::options::{PipelineArgs, Scope, TlsIdentityArgs};
 use ste_engine::refdata::RefData;
 
 mod node_sweep;
@@ -238,17 +238,6 @@ struct GenerationArgs {
     run_id: Option<String>,
 }
 
-#[derive(Copy, Clone, ValueEnum)]
-enum StoreArg {
-    /// Rows in process memory, for measuring the engine without storage: it keeps every
-    /// message, trade and CLS until the run ends, so its memory grows with the run.
-    Memory,
-    /// One SQLite file per shard in the run directory (the default).
-    Embedded,
-    /// One PostgreSQL database per shard (--db).
-    Postgres,
-}
-
 #[derive(Args, Clone)]
 struct RunArgs {
     #[command(flatten)]
@@ -258,20 +247,8 @@ struct RunArgs {
     /// they are, instead of signing each line as it is sent.
     #[arg(long)]
     input: Option<PathBuf>,
-    /// Where the shards keep their rows.
-    #[arg(long, value_enum, default_value = "embedded")]
-    store: StoreArg,
-    /// Database URL of each shard, in shard order (postgres store); default: the comma-separated
-    /// STE_DATABASE_URLS.
-    #[arg(long = "db")]
-    db: Vec<String>,
-    /// Number of shards (matchers, writers and stores); with --store postgres, default: the
-    /// number of database URLs.
-    #[arg(long)]
-    shards: Option<u32>,
-    /// Number of validators (and sharded inbound queues).
-    #[arg(long, default_value_t = 2)]
-    validators: u32,
+    #[command(flatten)]
+    pipeline: PipelineArgs,
     /// Largest number of messages committed in one transaction.
     #[arg(long, default_value_t = 4096)]
     batch_max: usize,
@@ -281,10 +258,6 @@ struct RunArgs {
     /// Capacity of every inbound, match and store queue.
     #[arg(long, default_value_t = 8192)]
     queue_capacity: usize,
-    /// MiB a shard's match queue may hold: the backlog of a shard whose store stalls, while the
-    /// other shards go on.
-    #[arg(long, value_name = "MIB", default_value_t = ste_engine::pipeline::SHARD_BACKLOG_BYTES_DEFAULT >> 20)]
-    shard_backlog_mib: usize,
     /// Open-loop injection rate in messages per second (default: as fast as accepted).
     #[arg(long)]
     rate: Option<f64>,
@@ -301,13 +274,6 @@ struct RunArgs {
     /// Run directory (summary.json, samples.csv, store files); default runs/<time>.
     #[arg(long)]
     run_dir: Option<PathBuf>,
-    /// Station sampling interval in milliseconds; 0 turns sampling off (no samples.csv and no
-    /// station table: for measuring what sampling costs).
-    #[arg(long, default_value_t = 10)]
-    sample_ms: u64,
-    /// Matching profile (JSON); default: the T2S-style tolerances.
-    #[arg(long)]
-    profile: Option<PathBuf>,
     /// Reference data folder (default: the data compiled in).
     #[arg(long)]
     refdata: Option<PathBuf>,
@@ -321,11 +287,6 @@ struct RunArgs {
     /// as duplicates.
     #[arg(long)]
     resume: bool,
-    /// Keep trades this many days after their trade date, then drop them (postgres: whole
-    /// monthly partitions; embedded: the expired rows), when each shard starts and once a day;
-    /// exceptions likewise by the day they arrived (default: keep everything).
-    #[arg(long, value_name = "DAYS")]
-    retention_days: Option<u32>,
     /// Send the load to a running engine node instead of running the pipeline in process:
     /// tcp://HOST:PORT or tls://HOST:PORT (its framed-XML listener). The store options then
     /// belong to the engine.
@@ -334,12 +295,8 @@ struct RunArgs {
     /// For a tls:// target: the CA that signed the engine's certificate (PEM).
     #[arg(long, value_name = "FILE")]
     tls_ca: Option<PathBuf>,
-    /// For a tls:// target that requires client certificates: this client's chain (PEM).
-    #[arg(long, value_name = "FILE", requires = "tls_key")]
-    tls_cert: Option<PathBuf>,
-    /// The private key of --tls-cert (PEM).
-    #[arg(long, value_name = "FILE", requires = "tls_cert")]
-    tls_key: Option<PathBuf>,
+    #[command(flatten)]
+    tls: TlsIdentityArgs,
     /// Put the load into a cluster of engine nodes on this NATS JetStream server (e.g.
     /// nats://127.0.0.1:4222) as a gateway would, and collect its ACKs and CLS there. The
     /// shards' databases (--db, in shard order) give the summary its final states.
@@ -394,9 +351,6 @@ struct RunArgs {
     #[arg(long)]
     quiet: bool,
 }
-
-/// Shards of the memory and embedded stores unless `--shards` says otherwise.
-const DEFAULT_SHARDS: u32 = 2;
 
 fn load_refdata(dir: Option<&PathBuf>) -> anyhow::Result<RefData> {
     Ok(match dir {
@@ -506,7 +460,7 @@ fn print_summary(summary: &Summary) {
         "  elapsed           {:.2} s   throughput {:.0} msg/s   peak RSS {:.0} MiB",
         summary.elapsed_s, summary.throughput_msg_s, summary.peak_rss_mb
     );
-    if summary.store == StoreChoice::Memory.as_str() {
+    if summary.store == StoreKind::Memory.as_str() {
         println!(
             "  memory store      keeps every message, trade and CLS in memory until the run ends: its RSS grows with the run"
         );
@@ -981,7 +935,7 @@ fn run_remote(args: RunArgs, target: String, refdata: Arc<RefData>) -> anyhow::R
     let config = RemoteConfig {
         tls: args.tls_ca.clone().map(|ca| ste_bridge::tls::ClientTls {
             ca,
-            identity: args.tls_cert.clone().zip(args.tls_key.clone()),
+            identity: args.tls.pair(),
         }),
         address: target,
         connections: args.connections,
@@ -1273,7 +1227,7 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
     let base = run_config(args)?;
     let mut points = Vec::with_capacity(levels.len());
     let mut summaries = Vec::with_capacity(levels.len());
-    if levels.iter().any(|l| l.shards.is_some()) && base.store == StoreChoice::Postgres {
+    if levels.iter().any(|l| l.shards.is_some()) && base.settings.store == StoreKind::Postgres {
         bail!("the postgres store has one shard per database URL: sweep its shard count by running with other URLs");
     }
     for (level, spec) in levels.iter().enumerate() {
@@ -1298,11 +1252,13 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
             _ => format!("level-{level}"),
         };
         let (window, rate) = (spec.window, spec.rate);
+        let mut settings = base.settings.clone();
+        settings.shards = spec.shards.unwrap_or(settings.shards).max(1);
+        settings.validators = spec.validators.unwrap_or(settings.validators).max(1);
         let config = RunConfig {
             window: window.or(base.window),
             rate_msgs_per_s: rate.filter(|rate| *rate > 0.0).or(base.rate_msgs_per_s),
-            shards: spec.shards.unwrap_or(base.shards).max(1),
-            validators: spec.validators.unwrap_or(base.validators).max(1),
+            settings,
             run_dir: out.join(&name),
             ..base.clone()
         };
@@ -1320,8 +1276,8 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
             level,
             window: config.window,
             rate_msg_s: config.rate_msgs_per_s,
-            shards: config.shards,
-            validators: config.validators,
+            shards: config.settings.shards,
+            validators: config.settings.validators,
             X: summary.throughput_msg_s,
             N: population,
             R_ms: if summary.throughput_msg_s > 0.0 {
@@ -1344,7 +1300,7 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
         title: format!(
             "Little's law: {} levels, {}",
             points.len(),
-            base.store.as_str()
+            base.settings.store.as_str()
         ),
         measured: points
             .iter()
@@ -1487,63 +1443,27 @@ fn run_config(args: RunArgs) -> anyhow::Result<RunConfig> {
         Some(path) => Source::File(path.clone()),
         None => Source::Generated(generator_config(&args.generation)?),
     };
-    let store = match args.store {
-        // A cluster's shards are PostgreSQL databases.
-        _ if args.nats.is_some() => StoreChoice::Postgres,
-        StoreArg::Memory => StoreChoice::Memory,
-        StoreArg::Embedded => StoreChoice::Embedded,
-        StoreArg::Postgres => StoreChoice::Postgres,
-    };
-    let db_urls: Vec<String> = if args.db.is_empty() {
-        std::env::var("STE_DATABASE_URLS")
-            .map(|urls| {
-                urls.split(',')
-                    .map(str::trim)
-                    .filter(|url| !url.is_empty())
-                    .map(str::to_owned)
-                    .collect()
-            })
-            .unwrap_or_default()
+    // A cluster's shards are PostgreSQL databases.
+    let scope = if args.nats.is_some() {
+        Scope::Cluster
     } else {
-        args.db.clone()
+        Scope::InProcess
     };
-    if store == StoreChoice::Postgres && db_urls.is_empty() {
-        bail!(
-            "the postgres store needs database URLs: --db URL once per shard, or STE_DATABASE_URLS"
-        );
-    }
-    let shards = match (args.shards, store) {
-        (Some(shards), _) => shards,
-        (None, StoreChoice::Postgres) => db_urls.len() as u32,
-        (None, _) => DEFAULT_SHARDS,
-    };
-    if shards == 0 || args.validators == 0 {
-        bail!("--shards and --validators must be at least 1");
-    }
-    if args.resume && args.run_dir.is_none() && store != StoreChoice::Postgres {
+    let settings = args.pipeline.resolve(scope)?;
+    if args.resume && args.run_dir.is_none() && settings.store != StoreKind::Postgres {
         bail!("--resume needs the --run-dir of the run to continue");
-    }
-    if args.retention_days.is_some() && store == StoreChoice::Memory {
-        bail!("--retention-days needs a durable store (embedded or postgres); the memory store keeps everything");
     }
     let config = RunConfig {
         source,
-        store,
-        db_urls,
-        shards,
-        validators: args.validators,
+        settings,
         batch_max_messages: args.batch_max.max(1),
         batch_linger: Duration::from_millis(args.batch_delay_ms),
         queue_capacity_messages: args.queue_capacity.max(1),
-        shard_backlog_bytes: args.shard_backlog_mib.max(1) << 20,
         rate_msgs_per_s: args.rate.filter(|rate| *rate > 0.0),
         cls_out: args.cls_out,
         run_dir: args.run_dir.unwrap_or_else(default_run_dir),
-        sample_interval: Duration::from_millis(args.sample_ms),
         progress: !args.quiet,
-        tolerances: Tolerances::load(args.profile.as_deref())?,
         resume: args.resume,
-        retention_days: args.retention_days,
         window: args.window,
         // A set's own signatures are sent as they are when it is replayed with its own keys.
         signatures: args

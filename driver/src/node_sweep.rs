@@ -14,14 +14,14 @@ use serde::Serialize;
 use ste_driver::scale::{
     local_programs, Compose, CpuUse, LocalCluster, LocalSpec, Share, LOCAL_NATS_SERVERS,
 };
-use ste_driver::Summary;
+use ste_driver::{StoreKind, Summary};
 use ste_engine::keys::KeyRing;
 use ste_engine::refdata::RefData;
 use ste_monitor::mva::{self, Kind, Station};
 
 use super::{
     check_summary, default_run_dir, load_refdata, optional_cell, refdata_with_keys, run_config,
-    write_series, RunArgs, StoreArg,
+    write_series, RunArgs,
 };
 
 /// Messages in flight of a node sweep's closed loop unless --window says otherwise.
@@ -347,8 +347,8 @@ pub fn sweep_nodes(
         Some(file) => Platform::Compose(Compose::find(file)?),
         None => {
             let (engine, nats_server) = local_programs()?;
-            args.store = StoreArg::Postgres;
-            let servers = run_config(args.clone())?.db_urls;
+            args.pipeline.store = Some(StoreKind::Postgres);
+            let servers = run_config(args.clone())?.settings.database_urls;
             let keys = match &args.keys {
                 Some(keys) => keys.clone(),
                 None => {
@@ -533,8 +533,8 @@ fn run_local(
     let cluster = LocalCluster::start(spec)?;
     let outcome = (|| {
         let mut level_args = args.clone();
-        level_args.db = cluster.db_urls.clone();
-        level_args.shards = Some(spec.share.shards);
+        level_args.pipeline.db = cluster.db_urls.clone();
+        level_args.pipeline.shards = Some(spec.share.shards);
         level_args.run_dir = Some(spec.dir.join("run"));
         let config = run_config(level_args)?;
         let target = ste_driver::cluster::ClusterTarget {

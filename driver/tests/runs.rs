@@ -5,31 +5,29 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ste_driver::{RunConfig, Source, StoreChoice, Summary};
+use ste_driver::{RunConfig, Source, StoreKind, Summary};
 use ste_engine::generator::{GeneratorConfig, INVALID_CODES};
-use ste_engine::profile::Tolerances;
+use ste_engine::options::Settings;
 use ste_engine::refdata::RefData;
 
-fn config(source: Source, store: StoreChoice, run_dir: &Path) -> RunConfig {
+fn config(source: Source, store: StoreKind, run_dir: &Path) -> RunConfig {
     RunConfig {
         source,
-        store,
-        db_urls: Vec::new(),
-        shards: 3,
-        validators: 2,
+        settings: Settings {
+            store,
+            shards: 3,
+            sample_interval: Duration::from_millis(5),
+            ..Settings::default()
+        },
         batch_max_messages: 512,
         batch_linger: Duration::from_millis(2),
         queue_capacity_messages: 1024,
-        shard_backlog_bytes: ste_engine::pipeline::SHARD_BACKLOG_BYTES_DEFAULT,
         rate_msgs_per_s: None,
         window: None,
         cls_out: None,
         run_dir: run_dir.to_path_buf(),
-        sample_interval: Duration::from_millis(5),
         progress: false,
-        tolerances: Tolerances::default(),
         resume: false,
-        retention_days: None,
         signatures: None,
         limit_probe: None,
     }
@@ -88,7 +86,7 @@ fn assert_outcome_is_expected(summary: &Summary) {
 fn a_fault_mix_gives_exactly_the_expected_outcome_in_memory() {
     let dir = tempfile::tempdir().expect("temporary folder");
     let summary = ste_driver::run(
-        &config(fault_mix(3000), StoreChoice::Memory, dir.path()),
+        &config(fault_mix(3000), StoreKind::Memory, dir.path()),
         refdata(),
     )
     .expect("the run completes");
@@ -101,7 +99,7 @@ fn a_fault_mix_gives_exactly_the_expected_outcome_in_memory() {
 fn a_fault_mix_gives_exactly_the_expected_outcome_on_the_embedded_store() {
     let dir = tempfile::tempdir().expect("temporary folder");
     let summary = ste_driver::run(
-        &config(fault_mix(2000), StoreChoice::Embedded, dir.path()),
+        &config(fault_mix(2000), StoreKind::Embedded, dir.path()),
         refdata(),
     )
     .expect("the run completes");
@@ -400,7 +398,7 @@ fn a_real_run_obeys_the_operational_laws_and_littles_law_matches_direct_measurem
     let dir = tempfile::tempdir().expect("temporary folder");
     let config = config(
         Source::Generated(GeneratorConfig::clean(10_000)),
-        StoreChoice::Memory,
+        StoreKind::Memory,
         dir.path(),
     );
     let summary = ste_driver::run(&config, refdata()).expect("runs");

@@ -14,6 +14,7 @@ pub mod cluster;
 pub mod cluster_samples;
 pub mod lease;
 pub mod network;
+pub mod options;
 pub mod pipeline;
 pub mod ports;
 pub mod queue;
