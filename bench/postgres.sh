@@ -5,8 +5,16 @@
 # same keys and indexes), one stream per instance in parallel, and that load is timed.
 #
 #   bench/postgres.sh TRADES INSTANCES...      e.g.  bench/postgres.sh 250000 1 2 4
+#   STE_BENCH_REPLAY=1 bench/postgres.sh ...    replay a set written once by `driver generate`,
+#                                               sent with the signatures made beside it, so
+#                                               that the engine's CPU holds no generating or
+#                                               signing
 #
-# Prints one line per instance count: engine msg/s, \copy rows/s, and their ratio; the driver's
+# The load back is a binary COPY (psql \copy ... WITH (FORMAT binary)), the format the engine's
+# writers use. Prints one line per instance count: engine msg/s, COPY rows/s, their ratio, and
+# where the CPU went: the engine process's and the PostgreSQL servers' CPU microseconds per
+# message during the run, the servers' per row during the COPY (every backend's CPU, read from
+# /proc: the postmasters' own and reaped children's, and their live children's). The driver's
 # summaries are kept under runs/bench-postgres-*.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,8 +25,41 @@ shift
 cluster_dir=${STE_BENCH_CLUSTER_DIR:-/tmp/ste-bench-cluster}
 first_port=${STE_BENCH_PORT:-56432}
 cargo build --release --bin driver >/dev/null 2>&1
+source_args=(--trades "$trades")
+if [ -n "${STE_BENCH_REPLAY:-}" ]; then
+  set_file="runs/bench-postgres-set-$trades.xml"
+  mkdir -p runs
+  [ -e "$set_file.signatures" ] ||
+    ./target/release/driver generate --trades "$trades" --out "$set_file" >/dev/null
+  source_args=(--input "$set_file")
+fi
 
-printf '%-9s %-9s %-12s %-14s %-14s %s\n' trades instances messages "engine_msg/s" "copy_rows/s" "engine/copy"
+# CPU seconds the PostgreSQL servers under $cluster_dir have used so far.
+pg_cpu_s() {
+  python3 - "$cluster_dir" <<'PY'
+import glob, os, sys
+tick = os.sysconf("SC_CLK_TCK")
+def fields(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+total = 0
+for pidfile in glob.glob(os.path.join(sys.argv[1], "shard-*", "postmaster.pid")):
+    postmaster = int(open(pidfile).readline())
+    f = fields(postmaster)
+    total += sum(int(x) for x in f[11:15])  # utime stime cutime cstime
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                g = fields(pid)
+            except OSError:
+                continue
+            if int(g[1]) == postmaster:
+                total += int(g[11]) + int(g[12])
+print(total / tick)
+PY
+}
+
+printf '%-9s %-9s %-12s %-14s %-14s %-12s %s\n' trades instances messages "engine_msg/s" "copy_rows/s" "engine/copy" "cpu_us/msg(engine,pg_run,pg_copy)"
 for instances in "$@"; do
   deploy/local-cluster.sh down --dir "$cluster_dir" >/dev/null 2>&1 || true
   rm -rf "$cluster_dir"
@@ -28,8 +69,11 @@ for instances in "$@"; do
   owner_urls=$(deploy/local-cluster.sh owner-urls --dir "$cluster_dir" | paste -sd,)
   mkdir -p runs
   run_dir="runs/bench-postgres-${trades}-${instances}-$(date +%Y%m%dT%H%M%S)"
-  STE_DATABASE_URLS=$urls ./target/release/driver --trades "$trades" --store postgres \
-    --run-dir "$run_dir" --json --quiet > "$run_dir.json"
+  pg_before=$(pg_cpu_s)
+  STE_DATABASE_URLS=$urls ./target/release/driver "${source_args[@]}" --store postgres \
+    --run-dir "$run_dir" --json --quiet --probe-s 0 > "$run_dir.json"
+  pg_run=$(python3 -c "print($(pg_cpu_s) - $pg_before)")
+  engine_cpu=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['process_cpu_s'])" "$run_dir.json")
   engine_rate=$(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['throughput_msg_s']))" "$run_dir.json")
   messages=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['messages_in'])" "$run_dir.json")
 
@@ -37,7 +81,7 @@ for instances in "$@"; do
   IFS=, read -r -a url_list <<< "$owner_urls"
   copy_file() { local port=${1##*:}; echo "$cluster_dir/messages-${port%%/*}.copy"; }
   for url in "${url_list[@]}"; do
-    psql "$url" -qc "\\copy (SELECT trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw FROM messages) TO '$(copy_file "$url")'"
+    psql "$url" -qc "\\copy (SELECT trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw FROM messages) TO '$(copy_file "$url")' WITH (FORMAT binary)"
     psql "$url" -q -v ON_ERROR_STOP=1 <<'SQL'
 CREATE TABLE copy_messages (LIKE messages INCLUDING DEFAULTS INCLUDING CONSTRAINTS) PARTITION BY RANGE (trade_date);
 ALTER TABLE copy_messages ADD UNIQUE (sender, msg_id, trade_date);
@@ -49,16 +93,19 @@ FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid,
 WHERE i.inhparent = 'messages'::regclass \gexec
 SQL
   done
+  pg_before=$(pg_cpu_s)
   started=$(date +%s.%N)
   pids=()
   for url in "${url_list[@]}"; do
-    psql "$url" -qc "\\copy copy_messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw) FROM '$(copy_file "$url")'" &
+    psql "$url" -qc "\\copy copy_messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw) FROM '$(copy_file "$url")' WITH (FORMAT binary)" &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid"; done
   finished=$(date +%s.%N)
+  pg_copy=$(python3 -c "print($(pg_cpu_s) - $pg_before)")
   copy_rate=$(python3 -c "print(round($messages / ($finished - $started)))")
   ratio=$(python3 -c "print(f'{$engine_rate / $copy_rate:.2f}')")
-  printf '%-9s %-9s %-12s %-14s %-14s %s\n' "$trades" "$instances" "$messages" "$engine_rate" "$copy_rate" "$ratio"
+  cpu=$(python3 -c "m=$messages; print(f'{1e6*$engine_cpu/m:.1f},{1e6*$pg_run/m:.1f},{1e6*$pg_copy/m:.1f}')")
+  printf '%-9s %-9s %-12s %-14s %-14s %-12s %s\n' "$trades" "$instances" "$messages" "$engine_rate" "$copy_rate" "$ratio" "$cpu"
 done
 deploy/local-cluster.sh down --dir "$cluster_dir" >/dev/null 2>&1 || true

@@ -134,33 +134,33 @@ fn strangers_with_valid_keys_cannot_settle_block_or_burn_anothers_trades() {
         // The settlement hijack: the trade's last SET, naming the real investment manager and
         // the hijacker as custodian, with its own safekeeping account.
         let hijack = Msg {
-            msg_id: format!("{hijacker}-H{n:06}"),
-            sender: hijacker.clone(),
-            custodian: Some(hijacker.clone()),
-            safekeeping_account: Some("ATTACKER-ACCT".to_owned()),
+            msg_id: format!("{hijacker}-H{n:06}").into(),
+            sender: hijacker.clone().into(),
+            custodian: Some(hijacker.clone().into()),
+            safekeeping_account: Some("ATTACKER-ACCT".to_owned().into()),
             ..set.clone()
         };
         // Pre-injected: an ALC of another investment manager, and an AMD of a SET of its
         // custodian's that never existed, both for the trade's own accounts.
         let blocking_alc = Msg {
-            msg_id: format!("{blocker}-A{n:06}"),
-            sender: blocker.clone(),
-            inv_mgr: Some(blocker.clone()),
+            msg_id: format!("{blocker}-A{n:06}").into(),
+            sender: blocker.clone().into(),
+            inv_mgr: Some(blocker.clone().into()),
             ..alc.clone()
         };
         let blocking_amd = Msg {
-            msg_id: format!("{blockers_custodian}-S{n:06}"),
-            sender: blockers_custodian.clone(),
+            msg_id: format!("{blockers_custodian}-S{n:06}").into(),
+            sender: blockers_custodian.clone().into(),
             function: Function::Amd,
-            related_id: Some(format!("{blockers_custodian}-NEVER")),
-            inv_mgr: Some(blocker.clone()),
-            custodian: Some(blockers_custodian.clone()),
-            safekeeping_account: Some("ATTACKER-ACCT".to_owned()),
+            related_id: Some(format!("{blockers_custodian}-NEVER").into()),
+            inv_mgr: Some(blocker.clone().into()),
+            custodian: Some(blockers_custodian.clone().into()),
+            safekeeping_account: Some("ATTACKER-ACCT".to_owned().into()),
             ..set.clone()
         };
         late_alcs.push(
             encode_msg(&Msg {
-                msg_id: format!("{blocker}-L{n:06}"),
+                msg_id: format!("{blocker}-L{n:06}").into(),
                 ..blocking_alc.clone()
             })
             .into_bytes(),
@@ -172,7 +172,7 @@ fn strangers_with_valid_keys_cannot_settle_block_or_burn_anothers_trades() {
         ] {
             attack.push(encode_msg(&msg).into_bytes());
             expected.push(answer);
-            attackers.insert(msg.sender);
+            attackers.insert(msg.sender.to_string());
         }
     }
 
@@ -248,8 +248,8 @@ fn strangers_with_valid_keys_cannot_settle_block_or_burn_anothers_trades() {
     // The victims' own 1,400 messages, from their parties' connection.
     let mut parties: BTreeSet<String> = BTreeSet::new();
     for msg in &victim_msgs {
-        parties.insert(msg.sender.clone());
-        parties.extend(msg.custodian.clone());
+        parties.insert(msg.sender.to_string());
+        parties.extend(msg.custodian.as_deref().map(str::to_owned));
     }
     let names: Vec<&str> = parties.iter().map(String::as_str).collect();
     let (mut writer, mut reader) = connect_as(&engine, &refdata, &names, true);
@@ -366,7 +366,7 @@ fn a_chain_of_amds_stops_at_the_trades_bound_while_others_trade() {
     let mut lines = vec![encode_msg(&alc).into_bytes()];
     for n in 1..chain {
         let amend = Msg {
-            msg_id: format!("{}-A{n:05}", alc.sender),
+            msg_id: format!("{}-A{n:05}", alc.sender).into(),
             function: Function::Amd,
             related_id: Some(previous.clone()),
             ..alc.clone()

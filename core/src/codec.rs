@@ -461,27 +461,28 @@ pub fn encode_fields(fields: &RawFields<'_>) -> String {
 /// The raw field texts of a typed message, amounts and prices in their shortest exact form.
 pub fn fields_of(msg: &Msg) -> RawFields<'static> {
     let mut fields = RawFields::default();
-    fields.set(Field::MsgId, msg.msg_id.clone());
+    fields.set(Field::MsgId, msg.msg_id.to_string());
     fields.set(Field::Type, msg.msg_type.as_str());
     fields.set(Field::Function, msg.function.as_str());
-    fields.set(Field::Sender, msg.sender.clone());
-    fields.set(Field::SentAt, msg.sent_at.clone());
+    fields.set(Field::Sender, msg.sender.to_string());
+    fields.set(Field::SentAt, msg.sent_at.to_string());
+    let text = |value: &Option<crate::model::Text>| value.as_deref().map(str::to_owned);
     let optional_texts = [
-        (Field::RelatedId, msg.related_id.clone()),
-        (Field::TradeRef, Some(msg.trade_ref.clone())),
-        (Field::Broker, Some(msg.broker.clone())),
-        (Field::InvMgr, msg.inv_mgr.clone()),
+        (Field::RelatedId, text(&msg.related_id)),
+        (Field::TradeRef, Some(msg.trade_ref.to_string())),
+        (Field::Broker, Some(msg.broker.to_string())),
+        (Field::InvMgr, text(&msg.inv_mgr)),
         (Field::Side, msg.side.map(|v| v.as_str().to_owned())),
-        (Field::Isin, msg.isin.clone()),
+        (Field::Isin, text(&msg.isin)),
         (Field::TradeDate, msg.trade_date.map(format_date)),
         (Field::SettleDate, msg.settle_date.map(format_date)),
-        (Field::Market, msg.market.clone()),
+        (Field::Market, text(&msg.market)),
         (Field::Price, msg.price.map(|v| v.to_string())),
-        (Field::Ccy, msg.ccy.clone()),
+        (Field::Ccy, text(&msg.ccy)),
         (Field::Qty, msg.qty.map(|v| v.to_string())),
         (Field::AllocCount, msg.alloc_count.map(|v| v.to_string())),
-        (Field::Account, msg.account.clone()),
-        (Field::Pset, msg.pset.clone()),
+        (Field::Account, text(&msg.account)),
+        (Field::Pset, text(&msg.pset)),
         (
             Field::PaymentType,
             msg.payment_type.map(|v| v.as_str().to_owned()),
@@ -490,8 +491,8 @@ pub fn fields_of(msg: &Msg) -> RawFields<'static> {
         (Field::Commission, msg.commission.map(|v| v.to_string())),
         (Field::Fees, msg.fees.map(|v| v.to_string())),
         (Field::Net, msg.net.map(|v| v.to_string())),
-        (Field::Custodian, msg.custodian.clone()),
-        (Field::SafekeepingAccount, msg.safekeeping_account.clone()),
+        (Field::Custodian, text(&msg.custodian)),
+        (Field::SafekeepingAccount, text(&msg.safekeeping_account)),
         (
             Field::SettleAmount,
             msg.settle_amount.map(|v| v.to_string()),

@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use compact_str::format_compact;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -15,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use time::{Date, Duration, Month};
 
 use crate::codec::{encode_fields, encode_msg, fields_of};
-use crate::model::{format_date, Decimal, Function, Msg, MsgType, PaymentType, Side};
+use crate::model::{format_date, Decimal, Function, Msg, MsgType, PaymentType, Side, Text};
 use crate::reason::ReasonCode;
 use crate::refdata::generate::csd_of_market;
 use crate::refdata::{Participant, RefData, Role, Security};
@@ -280,19 +281,19 @@ impl<'r> Generator<'r> {
     /// SET for each allocation.
     pub fn standard_trade(&mut self, index: u64) -> Vec<Msg> {
         let rng = &mut self.rng;
-        let broker = Self::pick(rng, &self.brokers).bic.clone();
-        let inv_mgr = Self::pick(rng, &self.inv_mgrs).bic.clone();
+        let broker = Text::new(&Self::pick(rng, &self.brokers).bic);
+        let inv_mgr = Text::new(&Self::pick(rng, &self.inv_mgrs).bic);
         // A custodian that acts for the investment manager (custodians.csv).
         let custodians: Vec<&str> = self.refdata.custodians_of(&inv_mgr).collect();
-        let custodian = (*Self::pick(rng, &custodians)).to_owned();
+        let custodian = Text::new(Self::pick(rng, &custodians));
         let security = *Self::pick(rng, &self.securities);
-        let market = security.market.clone();
-        let ccy = security.currency.clone();
+        let market = Text::new(&security.market);
+        let ccy = Text::new(&security.currency);
         let minor_units = self
             .refdata
             .currency(&ccy)
             .map_or(2, |currency| currency.minor_units);
-        let pset = csd_of_market(&market).unwrap_or_default().to_owned();
+        let pset = Text::new(csd_of_market(&market).unwrap_or_default());
         let day_of_year = rng.gen_range(5..340);
         let side = if rng.gen_bool(0.5) {
             Side::Buy
@@ -315,10 +316,10 @@ impl<'r> Generator<'r> {
             settle_date = self.business_day_on_or_after(&market, settle_date + Duration::days(1));
         }
         let run = self.config.run.clone();
-        let trade_ref = format!("T{run}{:011}", index + 1);
-        let sent_at = format!("{}T09:30:00.000Z", format_date(trade_date));
+        let trade_ref = format_compact!("T{run}{:011}", index + 1);
+        let sent_at = format_compact!("{}T09:30:00.000Z", format_date(trade_date));
         let template = Msg {
-            msg_id: String::new(),
+            msg_id: Text::default(),
             msg_type: MsgType::Noe,
             function: Function::New,
             sender: broker.clone(),
@@ -328,7 +329,7 @@ impl<'r> Generator<'r> {
             broker: broker.clone(),
             inv_mgr: Some(inv_mgr.clone()),
             side: Some(side),
-            isin: Some(security.isin.clone()),
+            isin: Some(Text::new(&security.isin)),
             trade_date: Some(trade_date),
             settle_date: Some(settle_date),
             market: None,
@@ -350,7 +351,7 @@ impl<'r> Generator<'r> {
         let mut sequence = 0;
         let mut next_id = |sender: &str| {
             sequence += 1;
-            format!("{sender}-{run}{:012}-{sequence:02}", index + 1)
+            format_compact!("{sender}-{run}{:012}-{sequence:02}", index + 1)
         };
         let mut messages = Vec::with_capacity(MESSAGES_PER_TRADE);
         messages.push(Msg {
@@ -361,7 +362,7 @@ impl<'r> Generator<'r> {
         });
         for (allocation, alloc_qty) in [first_qty, qty - first_qty].into_iter().enumerate() {
             let account_number = index * ALLOCATIONS_PER_TRADE as u64 + allocation as u64 + 1;
-            let account = format!("ACC{account_number:09}");
+            let account = format_compact!("ACC{account_number:09}");
             let gross = price.times_quantity(alloc_qty).round_to(minor_units);
             let commission = Decimal(gross.0 / 1000).round_to(minor_units);
             let fees = Decimal::parse("3.50")
@@ -405,7 +406,7 @@ impl<'r> Generator<'r> {
                 pset: Some(pset.clone()),
                 payment_type: Some(payment_type),
                 custodian: Some(custodian.clone()),
-                safekeeping_account: Some(format!("SK{account_number:09}")),
+                safekeeping_account: Some(format_compact!("SK{account_number:09}")),
                 settle_amount: Some(net),
                 ..template.clone()
             });
@@ -450,7 +451,7 @@ impl<'r> Generator<'r> {
                     // participant sends the corrected message under a new one.
                     if code > ReasonCode::Sig {
                         let renamed = Msg {
-                            msg_id: format!("{}-R", messages[victim].msg_id),
+                            msg_id: format_compact!("{}-R", messages[victim].msg_id),
                             ..messages[victim].clone()
                         };
                         lines[victim] = line(&renamed);
@@ -480,7 +481,7 @@ impl<'r> Generator<'r> {
                 lines[npr_index] = line(&bad);
                 if fault == Some(Fault::MismatchAmended) {
                     let amend = Msg {
-                        msg_id: format!("{}-A", good.msg_id),
+                        msg_id: format_compact!("{}-A", good.msg_id),
                         function: Function::Amd,
                         related_id: Some(good.msg_id.clone()),
                         ..good
@@ -501,7 +502,10 @@ impl<'r> Generator<'r> {
             Some(Fault::DupId) => {
                 let victim = self.rng.gen_range(0..MESSAGES_PER_TRADE);
                 let other = Msg {
-                    sent_at: messages[victim].sent_at.replace("09:30:00", "09:31:00"),
+                    sent_at: messages[victim]
+                        .sent_at
+                        .replace("09:30:00", "09:31:00")
+                        .into(),
                     ..messages[victim].clone()
                 };
                 lines.insert(victim + 1, line(&other));
@@ -527,7 +531,7 @@ impl<'r> Generator<'r> {
             }
             Some(Fault::Closed) => {
                 let late = Msg {
-                    msg_id: format!("{}-L", messages[3].msg_id),
+                    msg_id: format_compact!("{}-L", messages[3].msg_id),
                     ..messages[3].clone()
                 };
                 tail.push(line(&late));
@@ -539,7 +543,7 @@ impl<'r> Generator<'r> {
             }
             Some(Fault::Conflict) => {
                 let competing = Msg {
-                    msg_id: format!("{}-C", messages[1].msg_id),
+                    msg_id: format_compact!("{}-C", messages[1].msg_id),
                     ..messages[1].clone()
                 };
                 lines.insert(2, line(&competing));
@@ -579,7 +583,7 @@ impl<'r> Generator<'r> {
 
     fn cancel_line(&self, msg: &Msg) -> Vec<u8> {
         let cancel = Msg {
-            msg_id: format!("{}-X", msg.msg_id),
+            msg_id: format_compact!("{}-X", msg.msg_id),
             function: Function::Can,
             related_id: Some(msg.msg_id.clone()),
             ..msg.clone()
@@ -601,7 +605,7 @@ impl<'r> Generator<'r> {
                     .replace("</Msg>", &format!("<!--{padding}--></Msg>"))
                     .into_bytes();
             }
-            ReasonCode::Sig => bad.sender = UNKNOWN_SENDER.to_owned(),
+            ReasonCode::Sig => bad.sender = UNKNOWN_SENDER.into(),
             ReasonCode::Parse => {
                 let text = encode_msg(msg);
                 return text.as_bytes()[..text.len() - 4].to_vec();
@@ -609,22 +613,27 @@ impl<'r> Generator<'r> {
             ReasonCode::Field => {
                 return encode_msg(msg).replace("<Qty>", "<Qty>+").into_bytes();
             }
-            ReasonCode::Ccy => bad.ccy = Some("ZZZ".to_owned()),
+            ReasonCode::Ccy => bad.ccy = Some("ZZZ".into()),
             ReasonCode::Country => {
                 let inv_mgr = bad.inv_mgr.clone().unwrap_or_default();
-                bad.inv_mgr = Some(format!("{}QQ{}", &inv_mgr[..4], &inv_mgr[6..]));
+                bad.inv_mgr = Some(format_compact!("{}QQ{}", &inv_mgr[..4], &inv_mgr[6..]));
             }
-            ReasonCode::Market => bad.market = Some("XXXX".to_owned()),
+            ReasonCode::Market => bad.market = Some("XXXX".into()),
             ReasonCode::Isin => {
-                let mut isin = bad.isin.clone().unwrap_or_default().into_bytes();
+                let mut isin = bad
+                    .isin
+                    .clone()
+                    .unwrap_or_default()
+                    .into_string()
+                    .into_bytes();
                 if let Some(last) = isin.last_mut() {
                     *last = b'0' + (*last - b'0' + 1) % 10;
                 }
-                bad.isin = Some(String::from_utf8(isin).unwrap_or_default());
+                bad.isin = Some(String::from_utf8(isin).unwrap_or_default().into());
             }
             ReasonCode::Party => {
                 let broker = Self::pick(&mut self.rng, &self.brokers).bic.clone();
-                bad.inv_mgr = Some(broker);
+                bad.inv_mgr = Some(broker.into());
             }
             ReasonCode::Auth => bad.sender = bad.inv_mgr.clone().unwrap_or_default(),
             ReasonCode::Date => {

@@ -285,36 +285,41 @@ pub fn format_date(date: Date) -> String {
     )
 }
 
+/// A field's text: up to 24 bytes inline (every field of a standard message fits), longer on
+/// the heap, so that a message is parsed into one value without a heap string per field, and
+/// copied without an allocation per field.
+pub type Text = compact_str::CompactString;
+
 /// One validated inbound message. Fields that a type or function does not carry are `None`.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Msg {
-    pub msg_id: String,
+    pub msg_id: Text,
     pub msg_type: MsgType,
     pub function: Function,
-    pub sender: String,
-    pub sent_at: String,
-    pub related_id: Option<String>,
-    pub trade_ref: String,
-    pub broker: String,
-    pub inv_mgr: Option<String>,
+    pub sender: Text,
+    pub sent_at: Text,
+    pub related_id: Option<Text>,
+    pub trade_ref: Text,
+    pub broker: Text,
+    pub inv_mgr: Option<Text>,
     pub side: Option<Side>,
-    pub isin: Option<String>,
+    pub isin: Option<Text>,
     pub trade_date: Option<Date>,
     pub settle_date: Option<Date>,
-    pub market: Option<String>,
+    pub market: Option<Text>,
     pub price: Option<Decimal>,
-    pub ccy: Option<String>,
+    pub ccy: Option<Text>,
     pub qty: Option<u64>,
     pub alloc_count: Option<u32>,
-    pub account: Option<String>,
-    pub pset: Option<String>,
+    pub account: Option<Text>,
+    pub pset: Option<Text>,
     pub payment_type: Option<PaymentType>,
     pub gross: Option<Decimal>,
     pub commission: Option<Decimal>,
     pub fees: Option<Decimal>,
     pub net: Option<Decimal>,
-    pub custodian: Option<String>,
-    pub safekeeping_account: Option<String>,
+    pub custodian: Option<Text>,
+    pub safekeeping_account: Option<Text>,
     pub settle_amount: Option<Decimal>,
 }
 

@@ -36,13 +36,36 @@ pub fn sign(key: &[u8], bytes: &[u8]) -> [u8; SIGNATURE_LEN] {
     sign_keyed(&keyed(key), bytes)
 }
 
+/// An element whose text is read by scanning, not parsing: the bytes between the first
+/// `<Name>` and the `</Name>` after it. The searchers are built once (building one costs more
+/// than a search through a message).
+pub struct Element {
+    open: memchr::memmem::Finder<'static>,
+    close: memchr::memmem::Finder<'static>,
+}
+
+impl Element {
+    /// The element `name`.
+    pub fn new(name: &str) -> Self {
+        Self {
+            open: memchr::memmem::Finder::new(format!("<{name}>").as_bytes()).into_owned(),
+            close: memchr::memmem::Finder::new(format!("</{name}>").as_bytes()).into_owned(),
+        }
+    }
+
+    /// The text of the element's first occurrence in `bytes`.
+    pub fn text<'a>(&self, bytes: &'a [u8]) -> Option<&'a [u8]> {
+        let start = self.open.find(bytes)? + self.open.needle().len();
+        let end = start + self.close.find(&bytes[start..])?;
+        Some(&bytes[start..end])
+    }
+}
+
 /// The text of the first `<Sender>…</Sender>` in a line, which names the key that signs it.
 pub fn claimed_sender(bytes: &[u8]) -> Option<&str> {
-    const OPEN: &[u8] = b"<Sender>";
-    const CLOSE: &[u8] = b"</Sender>";
-    let start = find(bytes, OPEN)? + OPEN.len();
-    let end = start + find(&bytes[start..], CLOSE)?;
-    std::str::from_utf8(&bytes[start..end]).ok()
+    static SENDER: std::sync::LazyLock<Element> =
+        std::sync::LazyLock::new(|| Element::new("Sender"));
+    std::str::from_utf8(SENDER.text(bytes)?).ok()
 }
 
 /// Position of the first occurrence of `needle` in `haystack`.
@@ -53,6 +76,21 @@ pub fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_element_is_read_from_its_first_occurrence() {
+        let broker = Element::new("Broker");
+        assert_eq!(
+            broker.text(b"<Msg><Broker>A</Broker><Broker>B</Broker></Msg>"),
+            Some(&b"A"[..])
+        );
+        assert_eq!(broker.text(b"<Msg><Broker>A</Msg>"), None);
+        assert_eq!(broker.text(b"</Broker><Broker>"), None);
+        assert_eq!(
+            claimed_sender(b"<Sender>BANKGB2L</Sender>"),
+            Some("BANKGB2L")
+        );
+    }
 
     #[test]
     fn keyed_states_agree_with_plain_hmac() {

@@ -6,7 +6,7 @@ use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
 use crate::codec::{parse_fields, Field, RawFields};
-use crate::model::{parse_date, Decimal, Function, Msg, MsgType, PaymentType, Side};
+use crate::model::{parse_date, Decimal, Function, Msg, MsgType, PaymentType, Side, Text};
 use crate::reason::{ReasonCode, Rejection};
 use crate::refdata::{isin_check_digit_ok, RefData, Role};
 
@@ -297,20 +297,20 @@ pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
         }
     }
 
-    let identifier = |field: Field| -> Result<Option<String>, Rejection> {
+    let identifier = |field: Field| -> Result<Option<Text>, Rejection> {
         match fields.get(field) {
             None => Ok(None),
-            Some(text) if is_identifier(text) => Ok(Some(text.to_owned())),
+            Some(text) if is_identifier(text) => Ok(Some(Text::new(text))),
             Some(text) => Err(field_error(format!(
                 "{} {text:?} is not 1 to {IDENTIFIER_LEN_MAX} printable characters",
                 field.name()
             ))),
         }
     };
-    let bic = |field: Field| -> Result<Option<String>, Rejection> {
+    let bic = |field: Field| -> Result<Option<Text>, Rejection> {
         match fields.get(field) {
             None => Ok(None),
-            Some(text) if is_bic(text) => Ok(Some(text.to_owned())),
+            Some(text) if is_bic(text) => Ok(Some(Text::new(text))),
             Some(text) => Err(field_error(format!(
                 "{} {text:?} is not a BIC",
                 field.name()
@@ -344,7 +344,7 @@ pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
             .transpose()
     };
     let code =
-        |field: Field, len: usize, digits_allowed: bool| -> Result<Option<String>, Rejection> {
+        |field: Field, len: usize, digits_allowed: bool| -> Result<Option<Text>, Rejection> {
             match fields.get(field) {
                 None => Ok(None),
                 Some(text)
@@ -353,7 +353,7 @@ pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
                             b.is_ascii_uppercase() || (digits_allowed && b.is_ascii_digit())
                         }) =>
                 {
-                    Ok(Some(text.to_owned()))
+                    Ok(Some(Text::new(text)))
                 }
                 Some(text) => Err(field_error(format!(
                     "{} {text:?} is malformed",
@@ -434,13 +434,13 @@ pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
         msg_type,
         function,
         sender: bic(Field::Sender)?.unwrap_or_default(),
-        sent_at: sent_at.to_owned(),
+        sent_at: Text::new(sent_at),
         related_id: identifier(Field::RelatedId)?,
         trade_ref: identifier(Field::TradeRef)?.unwrap_or_default(),
         broker: bic(Field::Broker)?.unwrap_or_default(),
         inv_mgr: bic(Field::InvMgr)?,
         side,
-        isin: isin.map(str::to_owned),
+        isin: isin.map(Text::new),
         trade_date: date(Field::TradeDate)?,
         settle_date: date(Field::SettleDate)?,
         market: code(Field::Market, 4, true)?,

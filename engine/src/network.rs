@@ -5,7 +5,7 @@
 //! errors, the retry and aging policies, and the threads a wiring starts.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -452,15 +452,9 @@ pub fn signed_line(
 /// bytes name no trade. The bytes are scanned, not parsed: a validator that parses them to
 /// another trade sends the message on ([`crate::stations::validator`]).
 pub fn inbound_index(bytes: &[u8], queues: usize) -> usize {
-    let text_of = |tag_open: &[u8], tag_close: &[u8]| -> Option<&[u8]> {
-        let start = sign::find(bytes, tag_open)? + tag_open.len();
-        let end = start + sign::find(&bytes[start..], tag_close)?;
-        Some(&bytes[start..end])
-    };
-    match (
-        text_of(b"<Broker>", b"</Broker>"),
-        text_of(b"<TradeRef>", b"</TradeRef>"),
-    ) {
+    static BROKER: LazyLock<sign::Element> = LazyLock::new(|| sign::Element::new("Broker"));
+    static TRADE_REF: LazyLock<sign::Element> = LazyLock::new(|| sign::Element::new("TradeRef"));
+    match (BROKER.text(bytes), TRADE_REF.text(bytes)) {
         (Some(broker), Some(trade_ref)) => {
             let mut key = Vec::with_capacity(broker.len() + 1 + trade_ref.len());
             key.extend_from_slice(broker);

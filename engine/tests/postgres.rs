@@ -186,8 +186,8 @@ fn one_message_batch(trade_ref: &str) -> Batch {
         messages: vec![MessageRow {
             trade_date: time::macros::date!(2026 - 01 - 30),
             trade_key: format!("B/{trade_ref}"),
-            sender: "B".to_owned(),
-            msg_id: format!("B-{trade_ref}"),
+            sender: "B".into(),
+            msg_id: format!("B-{trade_ref}").into(),
             msg_type: "NOE",
             function: "NEW",
             related_id: None,
@@ -392,8 +392,8 @@ fn trades_are_kept_by_month_and_retention_drops_whole_months() {
         messages: vec![MessageRow {
             trade_date: date!(2026 - 02 - 10),
             trade_key: "B/LATE".to_owned(),
-            sender: "B".to_owned(),
-            msg_id: "B-LATE".to_owned(),
+            sender: "B".into(),
+            msg_id: "B-LATE".into(),
             msg_type: "NOE",
             function: "NEW",
             related_id: None,

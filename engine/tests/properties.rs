@@ -309,8 +309,8 @@ fn stranger_line(
     match who % 4 {
         // Another investment manager, naming itself.
         0 => {
-            msg.sender = other_inv_mgr.clone();
-            msg.inv_mgr = Some(other_inv_mgr.clone());
+            msg.sender = other_inv_mgr.clone().into();
+            msg.inv_mgr = Some(other_inv_mgr.clone().into());
         }
         // A custodian of another investment manager, for it.
         1 => {
@@ -318,31 +318,31 @@ fn stranger_line(
                 return b"<Msg/>".to_vec();
             };
             msg.msg_type = MsgType::Set;
-            msg.sender = custodian.clone();
-            msg.inv_mgr = Some(other_inv_mgr.clone());
-            msg.custodian = Some(custodian);
+            msg.sender = custodian.clone().into();
+            msg.inv_mgr = Some(other_inv_mgr.clone().into());
+            msg.custodian = Some(custodian.into());
         }
         // A custodian that does not act for the trade's investment manager, naming it.
         2 => {
             let custodian =
                 strangers_custodians[pick as usize % strangers_custodians.len()].clone();
             msg.msg_type = MsgType::Set;
-            msg.sender = custodian.clone();
-            msg.custodian = Some(custodian);
+            msg.sender = custodian.clone().into();
+            msg.custodian = Some(custodian.into());
         }
         // Another broker, under the trade's key.
         _ => {
-            msg.sender = brokers[pick as usize % brokers.len()].clone();
+            msg.sender = brokers[pick as usize % brokers.len()].clone().into();
         }
     }
     // Fields of the right type, random where a slot or an amount is decided.
     let account = if same_account {
         template.account.clone()
     } else {
-        Some(format!("ZZ{qty:09}"))
+        Some(format!("ZZ{qty:09}").into())
     };
     if msg.msg_type == MsgType::Alc {
-        msg.market = template.market.clone().or(Some("XLON".to_owned()));
+        msg.market = template.market.clone().or(Some("XLON".into()));
         msg.price = template.price;
         msg.alloc_count = Some(2);
         msg.custodian = None;
@@ -353,9 +353,10 @@ fn stranger_line(
         msg.price = None;
         msg.alloc_count = None;
         if msg.custodian.is_none() {
-            msg.custodian = custodian_of(msg.inv_mgr.as_deref().unwrap_or_default());
+            msg.custodian =
+                custodian_of(msg.inv_mgr.as_deref().unwrap_or_default()).map(Into::into);
         }
-        msg.safekeeping_account = Some("ATTACKER-ACCT".to_owned());
+        msg.safekeeping_account = Some("ATTACKER-ACCT".into());
         msg.settle_amount = template.net.or(Some(ste_engine::model::Decimal(1)));
     }
     msg.gross = None;
@@ -363,12 +364,12 @@ fn stranger_line(
     msg.fees = None;
     msg.net = None;
     msg.account = account;
-    msg.pset = template.pset.clone().or(Some("CRSTGB22XXX".to_owned()));
+    msg.pset = template.pset.clone().or(Some("CRSTGB22XXX".into()));
     msg.payment_type = Some(ste_engine::model::PaymentType::Dvp);
     msg.qty = Some(1 + qty % 100_000);
-    msg.msg_id = format!("{}-X{n:04}", msg.sender);
+    msg.msg_id = format!("{}-X{n:04}", msg.sender).into();
     if msg.function != Function::New {
-        msg.related_id = Some(format!("{}-X{:04}", msg.sender, (n + 1) % 7));
+        msg.related_id = Some(format!("{}-X{:04}", msg.sender, (n + 1) % 7).into());
     }
     if msg.function == Function::Can {
         let mut fields = ste_engine::codec::fields_of(&msg);

@@ -48,16 +48,16 @@ fn london_trade(first: u64, second: u64) -> Vec<Msg> {
     let settle_date = ste_engine::model::parse_date("2026-08-06").expect("date");
     let price = d("50");
     for msg in &mut messages {
-        msg.isin = Some(security.isin.clone());
-        msg.ccy = Some("GBP".to_owned());
+        msg.isin = Some(security.isin.clone().into());
+        msg.ccy = Some("GBP".into());
         msg.side = Some(Side::Buy);
         msg.trade_date = Some(trade_date);
         msg.settle_date = Some(settle_date);
         if msg.market.is_some() {
-            msg.market = Some("XLON".to_owned());
+            msg.market = Some("XLON".into());
         }
         if msg.pset.is_some() {
-            msg.pset = csd_of_market("XLON").map(str::to_owned);
+            msg.pset = csd_of_market("XLON").map(Into::into);
         }
         if msg.price.is_some() {
             msg.price = Some(price);
@@ -112,10 +112,7 @@ fn every_criterion_passes_and_fails() {
         (
             "C10 pass: every message in EUR",
             (600, 400),
-            |m| {
-                m.iter_mut()
-                    .for_each(|msg| msg.ccy = Some("EUR".to_owned()))
-            },
+            |m| m.iter_mut().for_each(|msg| msg.ccy = Some("EUR".into())),
             vec![],
         ),
         (
@@ -148,13 +145,13 @@ fn every_criterion_passes_and_fails() {
         (
             "C02 fail: a Broker differs",
             (600, 400),
-            |m| m[3].broker = "BAAAFR25XXX".to_owned(),
+            |m| m[3].broker = "BAAAFR25XXX".into(),
             vec![C02],
         ),
         (
             "C03 fail: an InvMgr differs",
             (600, 400),
-            |m| m[3].inv_mgr = Some("IMGBSG22XXX".to_owned()),
+            |m| m[3].inv_mgr = Some("IMGBSG22XXX".into()),
             vec![C03],
         ),
         (
@@ -166,7 +163,7 @@ fn every_criterion_passes_and_fails() {
         (
             "C05 fail: an Isin differs",
             (600, 400),
-            |m| m[3].isin = Some("US0378331005".to_owned()),
+            |m| m[3].isin = Some("US0378331005".into()),
             vec![C05],
         ),
         (
@@ -184,7 +181,7 @@ fn every_criterion_passes_and_fails() {
         (
             "C08 fail: an ALC Market differs",
             (600, 400),
-            |m| m[1].market = Some("XPAR".to_owned()),
+            |m| m[1].market = Some("XPAR".into()),
             vec![C08],
         ),
         (
@@ -196,7 +193,7 @@ fn every_criterion_passes_and_fails() {
         (
             "C10 fail: a SET Ccy differs",
             (600, 400),
-            |m| m[3].ccy = Some("EUR".to_owned()),
+            |m| m[3].ccy = Some("EUR".into()),
             vec![C10],
         ),
         (
@@ -214,7 +211,7 @@ fn every_criterion_passes_and_fails() {
         (
             "C12 fail: a SET names another account",
             (600, 400),
-            |m| m[3].account = Some("ACC999".to_owned()),
+            |m| m[3].account = Some("ACC999".into()),
             vec![C12],
         ),
         (
@@ -268,7 +265,7 @@ fn every_criterion_passes_and_fails() {
         (
             "C16 fail: Pset differs",
             (600, 400),
-            |m| m[3].pset = Some("DTCYUS33XXX".to_owned()),
+            |m| m[3].pset = Some("DTCYUS33XXX".into()),
             vec![C16],
         ),
         (
@@ -453,7 +450,7 @@ fn every_validation_code_passes_and_fails() {
         ),
         (
             "E_SIG fail: unknown sender",
-            with(0, |m| m.sender = "ZZZZSG21XXX".to_owned()),
+            with(0, |m| m.sender = "ZZZZSG21XXX".into()),
             Err(Sig),
         ),
         (
@@ -518,55 +515,55 @@ fn every_validation_code_passes_and_fails() {
         ),
         (
             "E_FIELD fail: RelatedId in a NEW",
-            with(0, |m| m.related_id = Some("X".to_owned())),
+            with(0, |m| m.related_id = Some("X".into())),
             Err(Field),
         ),
         (
             "E_CCY fail",
-            with(0, |m| m.ccy = Some("ZZZ".to_owned())),
+            with(0, |m| m.ccy = Some("ZZZ".into())),
             Err(Ccy),
         ),
         (
             "E_CCY fail wins over E_MARKET",
             with(0, |m| {
-                m.ccy = Some("ZZZ".to_owned());
-                m.market = Some("XXXX".to_owned());
+                m.ccy = Some("ZZZ".into());
+                m.market = Some("XXXX".into());
             }),
             Err(Ccy),
         ),
         (
             "E_COUNTRY fail",
-            with(0, |m| m.inv_mgr = Some("IMGBQQ22XXX".to_owned())),
+            with(0, |m| m.inv_mgr = Some("IMGBQQ22XXX".into())),
             Err(Country),
         ),
         (
             "E_MARKET fail",
-            with(0, |m| m.market = Some("XXXX".to_owned())),
+            with(0, |m| m.market = Some("XXXX".into())),
             Err(Market),
         ),
         (
             "E_MARKET pass: another listed market",
-            with(0, |m| m.market = Some("XPAR".to_owned())),
+            with(0, |m| m.market = Some("XPAR".into())),
             ok,
         ),
         (
             "E_ISIN fail: check digit",
-            with(0, |m| m.isin = m.isin.as_ref().map(|i| flip_check_digit(i))),
+            with(0, |m| m.isin = m.isin.as_ref().map(|i| flip_check_digit(i).into())),
             Err(Isin),
         ),
         (
             "E_ISIN fail: valid but not listed",
-            with(0, |m| m.isin = Some("US0378331005".to_owned())),
+            with(0, |m| m.isin = Some("US0378331005".into())),
             Err(Isin),
         ),
         (
             "E_PARTY fail: InvMgr is a broker",
-            with(0, move |m| m.inv_mgr = Some(broker_for_party.clone())),
+            with(0, move |m| m.inv_mgr = Some(broker_for_party.clone().into())),
             Err(Party),
         ),
         (
             "E_PARTY fail: unknown custodian",
-            with(3, |m| m.custodian = Some("NOPESG21XXX".to_owned())),
+            with(3, |m| m.custodian = Some("NOPESG21XXX".into())),
             Err(Party),
         ),
         (
@@ -576,27 +573,27 @@ fn every_validation_code_passes_and_fails() {
         ),
         (
             "E_AUTH fail: SET sent by a custodian of its InvMgr that it does not name",
-            with(3, move |m| m.sender = custodian_for_auth.clone()),
+            with(3, move |m| m.sender = custodian_for_auth.clone().into()),
             Err(Auth),
         ),
         (
             "E_AUTH fail: SET names a custodian that does not act for its InvMgr",
-            with(3, move |m| m.custodian = Some(stranger_named.clone())),
+            with(3, move |m| m.custodian = Some(stranger_named.clone().into())),
             Err(Auth),
         ),
         (
             "E_AUTH fail: SET sent by a custodian that names itself but does not act for its InvMgr",
             with(3, move |m| {
-                m.custodian = Some(stranger_sends.clone());
-                m.sender = stranger_sends.clone();
+                m.custodian = Some(stranger_sends.clone().into());
+                m.sender = stranger_sends.clone().into();
             }),
             Err(Auth),
         ),
         (
             "E_AUTH pass: SET sent by the custodian it names, which acts for its InvMgr",
             with(3, move |m| {
-                m.custodian = Some(custodian_for_pass.clone());
-                m.sender = custodian_for_pass.clone();
+                m.custodian = Some(custodian_for_pass.clone().into());
+                m.sender = custodian_for_pass.clone().into();
             }),
             ok,
         ),
@@ -723,7 +720,7 @@ fn duplicates_and_dupid() {
     assert_eq!(again, vec![Disposition::Duplicate]);
     // Same MsgId, other content.
     let mut changed = messages[1].clone();
-    changed.sent_at = "2026-08-04T09:31:00.000Z".to_owned();
+    changed.sent_at = "2026-08-04T09:31:00.000Z".into();
     let result = process_all(&mut matcher, &[changed]);
     assert_eq!(code(&result[0]), Some(ReasonCode::DupId));
     // The same MsgId from another sender is a different message.
@@ -762,7 +759,7 @@ fn conflicts() {
         Some(ReasonCode::Conflict)
     );
     let mut changed = competing.clone();
-    changed.sent_at = "2026-08-04T09:45:00.000Z".to_owned();
+    changed.sent_at = "2026-08-04T09:45:00.000Z".into();
     assert_eq!(
         code(&process_all(&mut matcher, &[changed])[0]),
         Some(ReasonCode::DupId)
@@ -800,7 +797,7 @@ fn a_msgid_rejected_after_its_signature_checked_is_never_accepted() {
     );
     // Corrected content under the same MsgId: E_DUPID, the MsgId is spent.
     let mut corrected = messages[0].clone();
-    corrected.sent_at = "2026-08-04T09:45:00.000Z".to_owned();
+    corrected.sent_at = "2026-08-04T09:45:00.000Z".into();
     assert_eq!(
         code(&process_all(&mut matcher, &[corrected])[0]),
         Some(ReasonCode::DupId)
@@ -835,7 +832,7 @@ fn a_msgid_rejected_after_its_signature_checked_is_never_accepted() {
 
 fn cancel_of(msg: &Msg) -> Msg {
     Msg {
-        msg_id: format!("{}-X", msg.msg_id),
+        msg_id: format!("{}-X", msg.msg_id).into(),
         function: Function::Can,
         related_id: Some(msg.msg_id.clone()),
         ..msg.clone()
@@ -874,7 +871,7 @@ fn a_message_named_before_the_match_is_accepted_after_it() {
     let mut matcher = matcher();
     // The AMD of NPR 1 comes first and takes its slot; the trade matches without the original.
     let amend = Msg {
-        msg_id: format!("{}-A", messages[2].msg_id),
+        msg_id: format!("{}-A", messages[2].msg_id).into(),
         function: Function::Amd,
         related_id: Some(messages[2].msg_id.clone()),
         ..messages[2].clone()
@@ -940,7 +937,7 @@ fn a_trade_is_stored_under_the_date_of_its_first_accepted_message() {
     let messages = london_trade(600, 400);
     let mut matcher = matcher();
     let amend = Msg {
-        msg_id: format!("{}-A", messages[2].msg_id),
+        msg_id: format!("{}-A", messages[2].msg_id).into(),
         function: Function::Amd,
         related_id: Some(messages[2].msg_id.clone()),
         ..messages[2].clone()
@@ -1030,13 +1027,16 @@ fn unmatched_trades_age_out_after_business_days_of_their_market() {
     assert_eq!(aged[0].trade_key, key);
     let broker = messages[0].broker.clone();
     let inv_mgr = messages[0].inv_mgr.clone().expect("an investment manager");
-    assert!(aged[0].parties.contains(&broker) && aged[0].parties.contains(&inv_mgr));
+    assert!(
+        aged[0].parties.iter().any(|p| *p == broker)
+            && aged[0].parties.iter().any(|p| *p == inv_mgr)
+    );
     let custodian = messages
         .iter()
         .find_map(|m| m.custodian.clone())
         .expect("a custodian");
     assert!(
-        aged[0].parties.contains(&custodian),
+        aged[0].parties.iter().any(|p| *p == custodian),
         "{:?}",
         aged[0].parties
     );
@@ -1055,7 +1055,7 @@ fn unmatched_trades_age_out_after_business_days_of_their_market() {
     let other: Vec<Msg> = other
         .into_iter()
         .map(|mut m| {
-            m.trade_ref = "T-AGING-2".to_owned();
+            m.trade_ref = "T-AGING-2".into();
             m.msg_id.push_str("-2");
             m
         })
@@ -1074,8 +1074,8 @@ fn the_matcher_tables_grow_with_the_messages_it_remembers() {
     for trade in 0..64 {
         let mut messages = london_trade(600, 400);
         for message in &mut messages {
-            message.trade_ref = format!("{}-{trade}", message.trade_ref);
-            message.msg_id = format!("{}-{trade}", message.msg_id);
+            message.trade_ref = format!("{}-{trade}", message.trade_ref).into();
+            message.msg_id = format!("{}-{trade}", message.msg_id).into();
         }
         process_all(&mut matcher, &messages);
         assert!(
@@ -1114,14 +1114,14 @@ fn stranger_of(messages: &[Msg]) -> (String, String) {
 /// manager (and its custodian, for a SET).
 fn as_stranger(msg: &Msg, inv_mgr: &str, custodian: &str, sender: &str) -> Msg {
     Msg {
-        msg_id: format!("{sender}-{}", msg.msg_id),
-        sender: sender.to_owned(),
-        inv_mgr: Some(inv_mgr.to_owned()),
-        custodian: msg.custodian.as_ref().map(|_| custodian.to_owned()),
+        msg_id: format!("{sender}-{}", msg.msg_id).into(),
+        sender: sender.into(),
+        inv_mgr: Some(inv_mgr.into()),
+        custodian: msg.custodian.as_ref().map(|_| custodian.into()),
         safekeeping_account: msg
             .safekeeping_account
             .as_ref()
-            .map(|_| "ATTACKER-ACCT".to_owned()),
+            .map(|_| "ATTACKER-ACCT".into()),
         ..msg.clone()
     }
 }
@@ -1201,11 +1201,9 @@ fn strangers_before_the_noe_are_released_by_it_and_refused_after_it() {
         cls = cls.or(outcome.cls);
     }
     let cls = cls.expect("the trade matches");
-    assert!(cls
-        .settlements
-        .iter()
-        .all(|s| Some(&s.custodian) == messages[3].custodian.as_ref()
-            && s.safekeeping_account != "ATTACKER-ACCT"));
+    assert!(cls.settlements.iter().all(|s| Some(s.custodian.as_str())
+        == messages[3].custodian.as_deref()
+        && s.safekeeping_account != "ATTACKER-ACCT"));
 }
 
 #[test]
@@ -1216,7 +1214,7 @@ fn a_cancelled_noe_leaves_the_trade_with_its_parties() {
     process_all(&mut matcher, &messages);
     let mut second = london_trade(600, 400);
     for msg in &mut second {
-        msg.trade_ref = "T99999999999".to_owned();
+        msg.trade_ref = "T99999999999".into();
         msg.msg_id.push_str("-2");
     }
     process_all(&mut matcher, &second[..1]);
@@ -1244,10 +1242,10 @@ fn an_amd_never_puts_a_second_live_message_into_another_senders_slot() {
     // The named custodian amends a SET of its own that never arrived, for the account whose SET
     // the investment manager already sent.
     let amend = Msg {
-        msg_id: format!("{named}-A1"),
+        msg_id: format!("{named}-A1").into(),
         sender: named.clone(),
         function: Function::Amd,
-        related_id: Some(format!("{named}-NEVER")),
+        related_id: Some(format!("{named}-NEVER").into()),
         ..messages[3].clone()
     };
     assert!(refdata.acts_for(&named, &inv_mgr));
@@ -1259,13 +1257,13 @@ fn an_amd_never_puts_a_second_live_message_into_another_senders_slot() {
     // taken from it.
     let set = &messages[6];
     let first = Msg {
-        msg_id: format!("{}-C1", set.msg_id),
+        msg_id: format!("{}-C1", set.msg_id).into(),
         function: Function::Amd,
         related_id: Some(set.msg_id.clone()),
         ..set.clone()
     };
     let second = Msg {
-        msg_id: format!("{}-C2", set.msg_id),
+        msg_id: format!("{}-C2", set.msg_id).into(),
         function: Function::Amd,
         related_id: Some(first.msg_id.clone()),
         ..set.clone()
@@ -1292,7 +1290,7 @@ fn a_trade_holds_a_bounded_number_of_messages() {
     let mut answers = Vec::new();
     for n in 2..=TRADE_MESSAGES_MAX {
         let amend = Msg {
-            msg_id: format!("{}-M{n}", messages[1].msg_id),
+            msg_id: format!("{}-M{n}", messages[1].msg_id).into(),
             function: Function::Amd,
             related_id: Some(previous.clone()),
             ..messages[1].clone()
@@ -1307,7 +1305,7 @@ fn a_trade_holds_a_bounded_number_of_messages() {
         answers.len()
     );
     let beyond = Msg {
-        msg_id: format!("{}-M-LAST", messages[1].msg_id),
+        msg_id: format!("{}-M-LAST", messages[1].msg_id).into(),
         function: Function::Amd,
         related_id: Some(previous),
         ..messages[1].clone()
@@ -1319,7 +1317,7 @@ fn a_trade_holds_a_bounded_number_of_messages() {
     // Other trades are untouched.
     let mut other = london_trade(600, 400);
     for msg in &mut other {
-        msg.trade_ref = "T99999999998".to_owned();
+        msg.trade_ref = "T99999999998".into();
         msg.msg_id.push_str("-O");
     }
     process_all(&mut matcher, &other);
@@ -1381,7 +1379,7 @@ fn the_signer_is_the_sender_whatever_the_xml_hides() {
         );
     }
     // The attacker's own bad message is remembered under the attacker.
-    let own = bad.replace(&victim.sender, &attacker);
+    let own = bad.replace(&*victim.sender, &attacker);
     let signature = sign::sign_keyed(attacker_key, own.as_bytes());
     let refused = validate_message(&refdata, own.as_bytes(), Some(&attacker), Some(&signature))
         .expect_err("refused");
@@ -1402,8 +1400,8 @@ fn a_participant_holds_a_bounded_number_of_bytes_in_open_trades() {
     let mut opened = 0;
     let refused = loop {
         let noe = Msg {
-            msg_id: format!("{broker}-Q{opened:06}"),
-            trade_ref: format!("Q{opened:011}"),
+            msg_id: format!("{broker}-Q{opened:06}").into(),
+            trade_ref: format!("Q{opened:011}").into(),
             ..messages[0].clone()
         };
         match process_all(&mut matcher, &[noe]).remove(0) {
@@ -1425,9 +1423,9 @@ fn a_participant_holds_a_bounded_number_of_bytes_in_open_trades() {
         .expect("another broker");
     for msg in &mut other {
         if msg.sender == broker {
-            msg.sender = other_broker.clone();
+            msg.sender = other_broker.clone().into();
         }
-        msg.broker = other_broker.clone();
+        msg.broker = other_broker.clone().into();
     }
     assert_eq!(
         process_all(&mut matcher, &other),
@@ -1443,8 +1441,8 @@ fn a_participant_holds_a_bounded_number_of_bytes_in_open_trades() {
     matcher.age_out(time::macros::date!(2027 - 06 - 01), 20);
     assert_eq!(matcher.held_by(&broker), 0);
     let noe = Msg {
-        msg_id: format!("{broker}-Q-AGAIN"),
-        trade_ref: "Q99999999999".to_owned(),
+        msg_id: format!("{broker}-Q-AGAIN").into(),
+        trade_ref: "Q99999999999".into(),
         ..messages[0].clone()
     };
     assert_eq!(
@@ -1467,7 +1465,7 @@ fn a_trade_sends_a_bounded_number_of_mismatched_advices() {
     for n in 0..200 {
         // C17 one time, C16 the next: the failed criteria change each time.
         let mut amend = Msg {
-            msg_id: format!("{}-F{n}", set.msg_id),
+            msg_id: format!("{}-F{n}", set.msg_id).into(),
             function: Function::Amd,
             related_id: Some(previous.clone()),
             ..set.clone()
@@ -1494,7 +1492,7 @@ fn a_trade_sends_a_bounded_number_of_mismatched_advices() {
     assert_eq!(advices, usize::from(ADVICES_PER_TRADE_MAX));
     // Put right, it still matches.
     let fixed = Msg {
-        msg_id: format!("{}-FIXED", set.msg_id),
+        msg_id: format!("{}-FIXED", set.msg_id).into(),
         function: Function::Amd,
         related_id: Some(previous),
         ..set.clone()
@@ -1534,7 +1532,7 @@ fn a_stranger_filling_a_trade_before_its_noe_leaves_the_parties_their_room() {
     let mut chain = vec![first.clone()];
     for n in 1..TRADE_MESSAGES_MAX {
         let amend = Msg {
-            msg_id: format!("{other}-S{n:05}"),
+            msg_id: format!("{other}-S{n:05}").into(),
             function: Function::Amd,
             related_id: Some(previous.clone()),
             ..first.clone()

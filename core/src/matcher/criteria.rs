@@ -191,14 +191,18 @@ impl<'a> Group<'a> {
                 let npr = self.nprs.iter().find(|m| m.account.as_deref() == account);
                 let set = self.sets.iter().find(|m| m.account.as_deref() == account);
                 Settlement {
-                    account: alc.account.clone().unwrap_or_default(),
+                    account: alc.account.as_deref().unwrap_or_default().to_owned(),
                     qty: alc.qty.unwrap_or_default(),
                     net: npr.and_then(|m| m.net).unwrap_or_default(),
-                    custodian: set.and_then(|m| m.custodian.clone()).unwrap_or_default(),
+                    custodian: set
+                        .and_then(|m| m.custodian.as_deref())
+                        .unwrap_or_default()
+                        .to_owned(),
                     safekeeping_account: set
-                        .and_then(|m| m.safekeeping_account.clone())
-                        .unwrap_or_default(),
-                    pset: alc.pset.clone().unwrap_or_default(),
+                        .and_then(|m| m.safekeeping_account.as_deref())
+                        .unwrap_or_default()
+                        .to_owned(),
+                    pset: alc.pset.as_deref().unwrap_or_default().to_owned(),
                     payment_type: alc.payment_type.unwrap_or(crate::model::PaymentType::Dvp),
                 }
             })
@@ -206,14 +210,14 @@ impl<'a> Group<'a> {
         settlements.sort_by(|a, b| a.account.cmp(&b.account));
         Cls {
             cls_id: cls_id(&noe.broker, &noe.trade_ref),
-            trade_ref: noe.trade_ref.clone(),
-            broker: noe.broker.clone(),
-            inv_mgr: noe.inv_mgr.clone().unwrap_or_default(),
-            isin: noe.isin.clone().unwrap_or_default(),
+            trade_ref: noe.trade_ref.to_string(),
+            broker: noe.broker.to_string(),
+            inv_mgr: noe.inv_mgr.as_deref().unwrap_or_default().to_owned(),
+            isin: noe.isin.as_deref().unwrap_or_default().to_owned(),
             side: noe.side.unwrap_or(Side::Buy),
             trade_date: noe.trade_date.unwrap_or(time::Date::MIN),
             settle_date: noe.settle_date.unwrap_or(time::Date::MIN),
-            ccy: noe.ccy.clone().unwrap_or_default(),
+            ccy: noe.ccy.as_deref().unwrap_or_default().to_owned(),
             ccy_minor_units: self.minor_units(refdata),
             price: noe.price.unwrap_or(Decimal(0)),
             qty: noe.qty.unwrap_or_default(),

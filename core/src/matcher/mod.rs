@@ -529,8 +529,8 @@ impl Matcher {
             let_go.push((held.msg.sender.clone(), held.bytes));
             released.push(Released {
                 trade_key: trade_key.to_owned(),
-                sender: held.msg.sender,
-                msg_id: held.msg.msg_id,
+                sender: held.msg.sender.to_string(),
+                msg_id: held.msg.msg_id.to_string(),
             });
         }
         for (sender, bytes) in let_go {
@@ -566,7 +566,7 @@ impl Matcher {
     pub fn age_out(&mut self, today: Date, business_days: u32) -> Vec<AgedTrade> {
         let refdata = self.refdata.clone();
         let mut aged = Vec::new();
-        let mut let_go: Vec<(String, u32)> = Vec::new();
+        let mut let_go: Vec<(crate::model::Text, u32)> = Vec::new();
         self.open.retain(|trade_key, trade| {
             let market = trade
                 .messages
@@ -600,8 +600,8 @@ impl Matcher {
                     held.msg.custodian.as_ref(),
                 ];
                 for party in named.into_iter().flatten() {
-                    if !parties.contains(party) {
-                        parties.push(party.clone());
+                    if !parties.iter().any(|known| known == party) {
+                        parties.push(party.to_string());
                     }
                 }
             }

@@ -148,8 +148,8 @@ pub(crate) fn run_matcher(
                     );
                     let meta = MessageMeta {
                         trade_key: crate::model::trade_key(&identity.broker, &identity.trade_ref),
-                        sender: identity.sender,
-                        msg_id: identity.msg_id,
+                        sender: identity.sender.into(),
+                        msg_id: identity.msg_id.into(),
                         msg_type: "",
                         function: "",
                         related_id: None,

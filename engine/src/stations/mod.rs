@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use time::Date;
 
 use crate::matcher::{AgedTrade, Outcome};
-use crate::model::Msg;
+use crate::model::{Msg, Text};
 use crate::network::{PipelineError, RetryPolicy};
 use crate::queue::{receive, QueueError, Receipt, Rx};
 use crate::reason::Rejection;
@@ -137,11 +137,11 @@ pub struct Refused {
 /// The few fields of a message that its store row needs once the matcher owns the message.
 pub(crate) struct MessageMeta {
     trade_key: String,
-    sender: String,
-    msg_id: String,
+    sender: Text,
+    msg_id: Text,
     msg_type: &'static str,
     function: &'static str,
-    related_id: Option<String>,
+    related_id: Option<Text>,
 }
 
 impl MessageMeta {

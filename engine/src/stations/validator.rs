@@ -100,8 +100,11 @@ pub(crate) fn run_validator(
                 }
             };
             let (broker, trade_ref) = match &verdict {
-                Ok(msg) => (&msg.broker, &msg.trade_ref),
-                Err(refused) => (&refused.identity.broker, &refused.identity.trade_ref),
+                Ok(msg) => (msg.broker.as_str(), msg.trade_ref.as_str()),
+                Err(refused) => (
+                    refused.identity.broker.as_str(),
+                    refused.identity.trade_ref.as_str(),
+                ),
             };
             let shard = shard_of_parts(broker, trade_ref, shards);
             let queue = match routes {

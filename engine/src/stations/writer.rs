@@ -172,8 +172,8 @@ pub(crate) fn run_writer(
                     batch.exceptions.push(ExceptionRow {
                         received_on: today,
                         trade_key: Some(trade_key.clone()),
-                        sender: Some(meta.sender),
-                        msg_id: Some(meta.msg_id),
+                        sender: Some(meta.sender.to_string()),
+                        msg_id: Some(meta.msg_id.to_string()),
                         code,
                         detail: rejection.detail,
                         raw: item.bytes,

@@ -23,6 +23,7 @@ pub use sqlite::SqliteStore;
 use time::Date;
 
 use crate::matcher::{RecallQuery, Recalled, RetiredFact, TradeStatus};
+use crate::model::Text;
 use crate::reason::ReasonCode;
 
 /// An accepted message, with its raw bytes.
@@ -31,11 +32,11 @@ pub struct MessageRow {
     /// The date of the trade's partition (see [`crate::matcher::Matcher::process`]).
     pub trade_date: Date,
     pub trade_key: String,
-    pub sender: String,
-    pub msg_id: String,
+    pub sender: Text,
+    pub msg_id: Text,
     pub msg_type: &'static str,
     pub function: &'static str,
-    pub related_id: Option<String>,
+    pub related_id: Option<Text>,
     pub injected_ns: u64,
     pub raw: Vec<u8>,
     /// The day the message arrived: aging counts business days from a trade's latest one.
@@ -363,8 +364,8 @@ pub(crate) mod tests {
             messages: vec![MessageRow {
                 trade_date: DAY,
                 trade_key: "B/T1".to_owned(),
-                sender: "B".to_owned(),
-                msg_id: "B-1".to_owned(),
+                sender: "B".into(),
+                msg_id: "B-1".into(),
                 msg_type: "NOE",
                 function: "NEW",
                 related_id: None,

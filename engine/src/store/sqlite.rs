@@ -89,11 +89,11 @@ async fn write_batch(
             messages.by_ref().take(SQLITE_ROWS_PER_STATEMENT),
             |mut row, message| {
                 row.push_bind(message.trade_key)
-                    .push_bind(message.sender)
-                    .push_bind(message.msg_id)
+                    .push_bind(message.sender.into_string())
+                    .push_bind(message.msg_id.into_string())
                     .push_bind(message.msg_type)
                     .push_bind(message.function)
-                    .push_bind(message.related_id)
+                    .push_bind(message.related_id.map(crate::model::Text::into_string))
                     .push_bind(message.injected_ns as i64)
                     .push_bind(message.raw)
                     .push_bind(message.received_on.to_julian_day())
