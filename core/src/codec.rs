@@ -289,8 +289,57 @@ fn resolve_reference(reference: &quick_xml::events::BytesRef<'_>) -> Result<Stri
 /// Parses one `Msg` element. Fails with E_PARSE for anything that is not well-formed XML in the
 /// STE namespace (including any DOCTYPE, text that is not UTF-8, and undeclared entities), and
 /// with E_FIELD for unknown, repeated or nested elements and for attributes on fields.
+///
+/// A message in the canonical layout (what [`encode_msg`] writes: the root with the default
+/// namespace declared, then known fields as `<Name>text</Name>` with no markup in their text)
+/// is read in one pass over its bytes ([`parse_canonical`]); any other falls through to the
+/// general XML parser, which gives the same fields or the reason the message is refused.
 pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
     let text = std::str::from_utf8(bytes).map_err(|_| parse_error("the message is not UTF-8"))?;
+    match parse_canonical(text) {
+        Some(fields) => Ok(fields),
+        None => parse_general(text),
+    }
+}
+
+/// The fields of a message in the canonical layout, read in one pass; `None` for anything
+/// else — whitespace between elements, a prefix, an attribute, a reference, a repeated or
+/// unknown element, text with a byte outside printable ASCII or with markup characters, or
+/// anything after `</Msg>` — which the general parser then reads or refuses. Where it gives
+/// fields, they are the general parser's (a property test holds them to it).
+fn parse_canonical(text: &str) -> Option<RawFields<'_>> {
+    let mut rest = text
+        .strip_prefix("<Msg xmlns=\"")?
+        .strip_prefix(NAMESPACE)?
+        .strip_prefix("\">")?;
+    let mut fields = RawFields::default();
+    loop {
+        if rest == "</Msg>" {
+            return Some(fields);
+        }
+        rest = rest.strip_prefix('<')?;
+        let name_end = memchr::memchr(b'>', rest.as_bytes())?;
+        let name = &rest[..name_end];
+        let field = Field::from_name(name.as_bytes())?;
+        if fields.get(field).is_some() {
+            return None;
+        }
+        rest = &rest[name_end + 1..];
+        let value_end = rest
+            .bytes()
+            .position(|b| !(0x20..0x7f).contains(&b) || b == b'&' || b == b'>' || b == b'<')?;
+        let (value, after) = rest.split_at(value_end);
+        rest = after
+            .strip_prefix("</")?
+            .strip_prefix(name)?
+            .strip_prefix('>')?;
+        fields.set(field, value);
+    }
+}
+
+/// The general parser behind [`parse_fields`]: quick-xml's reader over the whole of XML that a
+/// message may use.
+fn parse_general(text: &str) -> Result<RawFields<'_>, Rejection> {
     let mut reader = quick_xml::Reader::from_str(text);
     reader.config_mut().check_end_names = true;
     let mut fields = RawFields::default();
@@ -634,6 +683,106 @@ mod tests {
     use super::*;
 
     const NOE: &str = r#"<Msg xmlns="urn:ste:trade:1"><MsgId>BRKAAU21XXX-000000000001</MsgId> <Type>NOE</Type> <Function>NEW</Function> <Sender>BRKAAU21XXX</Sender></Msg>"#;
+
+    /// Where the canonical reader gives fields, the general parser gives the same.
+    fn readers_agree(text: &str) -> bool {
+        let Some(fast) = parse_canonical(text) else {
+            return false;
+        };
+        let general =
+            parse_general(text).unwrap_or_else(|refused| panic!("{text:?}: {}", refused.detail));
+        for field in Field::ALL {
+            assert_eq!(fast.get(field), general.get(field), "{field:?} of {text:?}");
+        }
+        true
+    }
+
+    /// Lines of a generated fault mix: valid, invalid, mismatched, amended.
+    fn generated_lines(count: usize) -> Vec<String> {
+        let refdata = crate::refdata::RefData::embedded().expect("reference data");
+        let config = crate::generator::GeneratorConfig {
+            trades: count as u64,
+            seed: 11,
+            fault_rate: 0.5,
+            shuffle: false,
+            run: String::new(),
+        };
+        crate::generator::Generator::new(&refdata, config)
+            .take(count)
+            .map(|line| String::from_utf8(line).expect("UTF-8"))
+            .collect()
+    }
+
+    #[test]
+    fn canonical_lines_are_read_in_one_pass_as_the_general_parser_reads_them() {
+        // Every line already in the canonical layout (it encodes back to itself) is read in
+        // one pass; the generator's unreadable faults are left to the general parser.
+        let mut canonical = 0;
+        for line in generated_lines(700) {
+            let encodes_to_itself =
+                parse_general(&line).is_ok_and(|fields| encode_fields(&fields) == line);
+            assert_eq!(readers_agree(&line), encodes_to_itself, "{line}");
+            canonical += usize::from(encodes_to_itself);
+        }
+        assert!(canonical > 600, "{canonical} canonical lines of 700");
+        // What it leaves to the general parser: layouts it does not read.
+        for text in [
+            NOE,
+            r#"<Msg xmlns="urn:ste:trade:1"><MsgId>A&amp;B</MsgId></Msg>"#,
+            r#"<Msg xmlns="urn:ste:trade:1"><MsgId>A</MsgId><MsgId>B</MsgId></Msg>"#,
+            r#"<Msg xmlns="urn:ste:trade:1"><MsgId>A</MsgId></Msg> "#,
+            r#"<ste:Msg xmlns:ste="urn:ste:trade:1"><ste:MsgId>A</ste:MsgId></ste:Msg>"#,
+            r#"<Msg xmlns="urn:ste:trade:1"><MsgId a="1">A</MsgId></Msg>"#,
+            "<Msg xmlns=\"urn:ste:trade:1\"><MsgId>A\r\nB</MsgId></Msg>",
+            r#"<Msg xmlns="urn:ste:trade:1"><MsgId>A</Type></Msg>"#,
+            r#"<Msg xmlns="urn:ste:trade:1"><Nope>A</Nope></Msg>"#,
+            r#"<Msg xmlns="urn:ste:trade:1"><MsgId>A</MsgId>"#,
+        ] {
+            assert!(parse_canonical(text).is_none(), "{text}");
+        }
+        assert!(readers_agree(
+            r#"<Msg xmlns="urn:ste:trade:1"><MsgId></MsgId><Type> N O E </Type></Msg>"#
+        ));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+        /// Any line a few edits away from a canonical one is read alike by both readers, or
+        /// left to the general one.
+        #[test]
+        fn the_one_pass_reader_never_reads_otherwise_than_the_general_parser(
+            line in 0usize..70,
+            edits in proptest::collection::vec(
+                (0usize..2000, proptest::sample::select(vec![
+                    "<", ">", "&", "/", " ", "\"", "=", "\r", "\n", "\t", ";", "#", "x", "Msg",
+                    "MsgId", "<Type>", "</Type>", "&amp;", "&#65;", "<![CDATA[a]]>", "<!--c-->",
+                    "ste:", "\u{e9}", "\u{0}", "", "</Msg>",
+                ]), proptest::bool::ANY),
+                1..4,
+            ),
+        ) {
+            thread_local! {
+                static LINES: Vec<String> = generated_lines(70);
+            }
+            let mut text = LINES.with(|lines| lines[line].clone());
+            for (at, piece, replace) in edits {
+                let mut at = at % (text.len() + 1);
+                while !text.is_char_boundary(at) {
+                    at -= 1;
+                }
+                if replace && at < text.len() {
+                    let mut end = at + 1;
+                    while !text.is_char_boundary(end) {
+                        end += 1;
+                    }
+                    text.replace_range(at..end, piece);
+                } else {
+                    text.insert_str(at, piece);
+                }
+            }
+            readers_agree(&text);
+        }
+    }
 
     fn code_of(input: &[u8]) -> Option<ReasonCode> {
         parse_fields(input).err().map(|rejection| rejection.code)
