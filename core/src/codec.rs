@@ -302,6 +302,13 @@ pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
     }
 }
 
+/// [`parse_fields`] without the one-pass reader: the general parser alone, for checking that
+/// the two read every input alike (the codec fuzz target compares them).
+pub fn parse_fields_general(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
+    let text = std::str::from_utf8(bytes).map_err(|_| parse_error("the message is not UTF-8"))?;
+    parse_general(text)
+}
+
 /// The fields of a message in the canonical layout, read in one pass; `None` for anything
 /// else — whitespace between elements, a prefix, an attribute, a reference, a repeated or
 /// unknown element, text with a byte outside printable ASCII or with markup characters, or
