@@ -285,9 +285,9 @@ pub fn format_date(date: Date) -> String {
     )
 }
 
-/// A field's text: up to 24 bytes inline (every field of a standard message fits), longer on
-/// the heap, so that a message is parsed into one value without a heap string per field, and
-/// copied without an allocation per field.
+/// A field's text: up to 24 bytes inline, longer on the heap. Every field of a standard message
+/// fits but the identifiers (a generated MsgId is 32 bytes), so that a message is parsed into one
+/// value with one or two heap strings instead of one per field, and copied likewise.
 pub type Text = compact_str::CompactString;
 
 /// One validated inbound message. Fields that a type or function does not carry are `None`.
