@@ -538,7 +538,6 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     }
     std::fs::create_dir_all(&config.run_dir)
         .with_context(|| format!("creating {}", config.run_dir.display()))?;
-    let samples_path = config.run_dir.join("samples.csv");
     let pipeline_config = PipelineConfig {
         queue_capacity_messages: config.queue_capacity_messages,
         batch_max_messages: config.batch_max_messages,
@@ -600,10 +599,9 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     let report = report.context("the pipeline failed")?;
     let messages_in = injected?;
 
-    let samples = if config.settings.sample_interval.is_zero() {
-        Vec::new()
-    } else {
-        ste_monitor::read_samples(&samples_path).context("reading samples")?
+    let samples = match &pipeline_config.samples_path {
+        None => Vec::new(),
+        Some(path) => ste_monitor::read_samples(path).context("reading samples")?,
     };
     let edge_rates = ste_monitor::edge_rates(&samples, "store.", 0.1);
     let (stations, bottleneck) = station_summaries(&samples, |name| {

@@ -525,17 +525,11 @@ fn missing(
     (count, named)
 }
 
-/// The ClsId of a pushed CLS.
+/// The ClsId of a pushed CLS (the whole push when it names none).
 fn cls_id(xml: &[u8]) -> &[u8] {
-    const OPEN: &[u8] = b"<ClsId>";
-    const CLOSE: &[u8] = b"</ClsId>";
-    let Some(start) = ste_engine::sign::find(xml, OPEN).map(|at| at + OPEN.len()) else {
-        return xml;
-    };
-    match ste_engine::sign::find(&xml[start..], CLOSE) {
-        Some(len) => &xml[start..start + len],
-        None => xml,
-    }
+    static CLS_ID: std::sync::LazyLock<ste_engine::sign::Element> =
+        std::sync::LazyLock::new(|| ste_engine::sign::Element::new("ClsId"));
+    CLS_ID.text(xml).unwrap_or(xml)
 }
 
 /// Sends messages over the connections, a trade's messages always over the same one.
