@@ -111,12 +111,12 @@ pub struct PipelineArgs {
     pub aging_check_ms: u64,
     /// Message keys and closed trades a shard's matcher keeps exactly in one generation (two
     /// generations are kept); older ones go into its filter once committed and are read back
-    /// from the shard when a message may need them (postgres store; the others keep every
-    /// one exactly).
+    /// when a message may need them: from the shard's tables (postgres) or from the files of
+    /// retired facts beside the shard's (embedded). The memory store keeps every one exactly.
     #[arg(long, value_name = "ENTRIES", default_value_t = MatcherMemory::default().generation_entries)]
     pub matcher_generation: usize,
-    /// MiB of each shard matcher's filter over what it retired (postgres store): a larger one
-    /// reads back less often. Default 8, or for a generated load of the driver its size for
+    /// MiB of each shard matcher's filter over what it retired (postgres and embedded stores):
+    /// a larger one reads back less often. Default 8, or for a generated load of the driver its size for
     /// the load.
     #[arg(long, value_name = "MIB")]
     pub matcher_filter_mib: Option<usize>,

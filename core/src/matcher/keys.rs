@@ -42,6 +42,15 @@ impl Verdict {
         Self((xxh3_64(raw) & !0xFF) | code)
     }
 
+    /// The verdict as one word, as a store of retired facts keeps it.
+    pub(super) fn bits(self) -> u64 {
+        self.0
+    }
+
+    pub(super) fn from_bits(bits: u64) -> Self {
+        Self(bits)
+    }
+
     pub(super) fn same_content(self, other: Self) -> bool {
         self.0 & !0xFF == other.0 & !0xFF
     }

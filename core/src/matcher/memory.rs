@@ -59,14 +59,34 @@ impl Default for MatcherMemory {
 }
 
 /// What a fact of the exact tables is about; each kind probes the filter with its own salt.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Kind {
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FactKind {
+    /// A message key and its verdict.
     Seen,
+    /// A closed trade's key, with its date and whether it aged out.
     Closed,
+    /// A message key that an accepted CAN or AMD names.
     Named,
 }
 
-impl Kind {
+impl FactKind {
+    /// Every kind, by its [`FactKind::index`].
+    pub const ALL: [Self; 3] = [Self::Seen, Self::Closed, Self::Named];
+
+    /// The kind's number, stable across versions: it is written to files.
+    pub fn index(self) -> u8 {
+        match self {
+            Self::Seen => 0,
+            Self::Closed => 1,
+            Self::Named => 2,
+        }
+    }
+
+    /// The kind numbered `index`.
+    pub fn from_index(index: u8) -> Option<Self> {
+        Self::ALL.get(usize::from(index)).copied()
+    }
+
     pub(super) fn salt(self) -> u64 {
         match self {
             Self::Seen => 0x9E37_79B9_7F4A_7C15,
@@ -106,7 +126,11 @@ impl Filter {
     }
 
     /// The key's block, and its probes' bits within it.
-    pub(super) fn place(&self, key: HashKey, kind: Kind) -> (usize, impl Iterator<Item = usize>) {
+    pub(super) fn place(
+        &self,
+        key: HashKey,
+        kind: FactKind,
+    ) -> (usize, impl Iterator<Item = usize>) {
         let block = ((key[0] ^ kind.salt()) & self.mask) as usize;
         let bits = (key[1] ^ kind.salt().rotate_left(29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let probe_mask = (1_u64 << FILTER_PROBE_BITS) - 1;
@@ -115,7 +139,7 @@ impl Filter {
         (block, probes)
     }
 
-    pub(super) fn insert(&mut self, key: HashKey, kind: Kind) {
+    pub(super) fn insert(&mut self, key: HashKey, kind: FactKind) {
         let (block, probes) = self.place(key, kind);
         let block = &mut self.blocks[block];
         for bit in probes {
@@ -123,7 +147,7 @@ impl Filter {
         }
     }
 
-    pub(super) fn contains(&self, key: HashKey, kind: Kind) -> bool {
+    pub(super) fn contains(&self, key: HashKey, kind: FactKind) -> bool {
         let (block, mut probes) = self.place(key, kind);
         let block = &self.blocks[block];
         probes.all(|bit| block[bit >> 6] & (1 << (bit & 63)) != 0)
@@ -178,9 +202,9 @@ impl<K: Hash + Eq + Copy, V: Copy> Remembered<K, V> {
     }
 
     /// The older generation, emptied (its capacity kept).
-    pub(super) fn retire(&mut self, mut into: impl FnMut(K)) {
-        for (key, _) in self.older.drain() {
-            into(key);
+    pub(super) fn retire(&mut self, mut into: impl FnMut(K, V)) {
+        for (key, value) in self.older.drain() {
+            into(key, value);
         }
     }
 
@@ -219,17 +243,19 @@ mod tests {
             .map(|i| message_key("BROKERGB2L", &format!("M{i}")))
             .collect();
         for key in &keys {
-            filter.insert(*key, Kind::Seen);
+            filter.insert(*key, FactKind::Seen);
         }
-        assert!(keys.iter().all(|key| filter.contains(*key, Kind::Seen)));
+        assert!(keys.iter().all(|key| filter.contains(*key, FactKind::Seen)));
         let others = (0..100_000)
-            .filter(|i| filter.contains(message_key("BROKERGB2L", &format!("N{i}")), Kind::Seen))
+            .filter(|i| {
+                filter.contains(message_key("BROKERGB2L", &format!("N{i}")), FactKind::Seen)
+            })
             .count();
         assert!(others < 10, "{others} false positives in 100,000");
         // Kinds do not answer for each other.
         let crossed = keys
             .iter()
-            .filter(|key| filter.contains(**key, Kind::Closed))
+            .filter(|key| filter.contains(**key, FactKind::Closed))
             .count();
         assert!(crossed < 10, "{crossed}");
     }

@@ -27,11 +27,13 @@ pub use criteria::evaluate_trade;
 use criteria::Group;
 use keys::{hash_key, Verdict};
 pub use keys::{message_key, HashKey};
-use memory::{Filter, Remembered, Window};
 pub use memory::{
-    MatcherMemory, FILTER_BITS_PER_FACT, FILTER_BYTES_MAX, PARTICIPANT_HELD_BYTES_DEFAULT,
+    FactKind, MatcherMemory, FILTER_BITS_PER_FACT, FILTER_BYTES_MAX, PARTICIPANT_HELD_BYTES_DEFAULT,
 };
-pub use recall::{RecallQuery, Recalled, RecalledTrade, RecalledVerdict, RetiredFact};
+use memory::{Filter, Remembered, Window};
+pub use recall::{
+    RecallQuery, Recalled, RecalledTrade, RecalledVerdict, RetiredEntry, RetiredFact,
+};
 
 /// The status of a trade.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -180,6 +182,21 @@ struct Trade {
 struct Closed {
     date: Date,
     aged: bool,
+}
+
+impl Closed {
+    /// The closed trade as one word, as a store of retired facts keeps it: its date's Julian
+    /// day shifted left once, the low bit set if it aged out.
+    fn bits(self) -> u64 {
+        (u64::from(self.date.to_julian_day() as u32) << 1) | u64::from(self.aged)
+    }
+
+    fn from_bits(bits: u64) -> Self {
+        Self {
+            date: Date::from_julian_day((bits >> 1) as u32 as i32).unwrap_or(Date::MIN),
+            aged: bits & 1 == 1,
+        }
+    }
 }
 
 /// A trade that aged out: what its rows and its AGED advice need.

@@ -4,8 +4,8 @@
 
 use time::Date;
 
-use super::keys::{hash_key, message_key, Verdict};
-use super::memory::Kind;
+use super::keys::{hash_key, message_key, HashKey, Verdict};
+use super::memory::FactKind;
 use super::{Closed, Matcher};
 use crate::reason::ReasonCode;
 
@@ -71,7 +71,50 @@ pub enum RetiredFact {
     /// A matched or aged-out trade.
     Closed { trade_key: String, aged: bool },
 }
+/// A fact that a bounded matcher retired from its exact tables, with its value: what a store
+/// of retired facts keyed by hash keeps ([`Matcher::after_batch_into`]) and gives back
+/// ([`Matcher::recall_entries`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetiredEntry {
+    pub key: HashKey,
+    pub kind: FactKind,
+    /// Seen: the verdict (content hash and code); Closed: the trade's date and whether it aged
+    /// out; Named: 0. Opaque outside the matcher.
+    pub value: u64,
+}
+
 impl Matcher {
+    /// Hands `want` the facts that must be read back before a message of `sender` with
+    /// `msg_id` (and, if it was parsed, of `trade_key`) is processed: those about it that only
+    /// the filter may hold. Nothing for a matcher that is not bounded.
+    fn wanted(
+        &self,
+        sender: &str,
+        msg_id: &str,
+        trade_key: Option<&str>,
+        mut want: impl FnMut(FactKind, HashKey),
+    ) {
+        let Some(window) = &self.window else {
+            return;
+        };
+        let key = message_key(sender, msg_id);
+        if !self.seen.contains(&key) && window.filter.contains(key, FactKind::Seen) {
+            want(FactKind::Seen, key);
+        }
+        if let Some(trade_key) = trade_key {
+            let hash = hash_key(&[trade_key]);
+            if !self.open.contains_key(trade_key)
+                && !self.closed.contains(&hash)
+                && window.filter.contains(hash, FactKind::Closed)
+            {
+                want(FactKind::Closed, hash);
+            }
+            if !self.named.contains(&key) && window.filter.contains(key, FactKind::Named) {
+                want(FactKind::Named, key);
+            }
+        }
+    }
+
     /// Adds to `query` what must be read back from the store before a message of `sender`
     /// with `msg_id` (and, if it was parsed, of `trade_key`) is processed: the facts about it
     /// that only the filter may hold. Nothing for a matcher that is not bounded.
@@ -82,23 +125,42 @@ impl Matcher {
         trade_key: Option<&str>,
         query: &mut RecallQuery,
     ) {
-        let Some(window) = &self.window else {
-            return;
-        };
-        let key = message_key(sender, msg_id);
-        if !self.seen.contains(&key) && window.filter.contains(key, Kind::Seen) {
-            query.verdicts.push((sender.to_owned(), msg_id.to_owned()));
-        }
-        if let Some(trade_key) = trade_key {
-            let hash = hash_key(&[trade_key]);
-            if !self.open.contains_key(trade_key)
-                && !self.closed.contains(&hash)
-                && window.filter.contains(hash, Kind::Closed)
-            {
-                query.trades.push(trade_key.to_owned());
+        self.wanted(sender, msg_id, trade_key, |kind, _| {
+            match (kind, trade_key) {
+                (FactKind::Seen, _) => query.verdicts.push((sender.to_owned(), msg_id.to_owned())),
+                (FactKind::Closed, Some(trade_key)) => query.trades.push(trade_key.to_owned()),
+                (FactKind::Named, _) => query.names.push((sender.to_owned(), msg_id.to_owned())),
+                (FactKind::Closed, None) => {}
             }
-            if !self.named.contains(&key) && window.filter.contains(key, Kind::Named) {
-                query.names.push((sender.to_owned(), msg_id.to_owned()));
+        });
+    }
+
+    /// As [`Matcher::to_recall`], for a store of retired facts that answers by hash key: adds
+    /// the keys to look up, and their kinds, to `keys`.
+    pub fn to_recall_keys(
+        &self,
+        sender: &str,
+        msg_id: &str,
+        trade_key: Option<&str>,
+        keys: &mut Vec<(HashKey, FactKind)>,
+    ) {
+        self.wanted(sender, msg_id, trade_key, |kind, key| {
+            keys.push((key, kind))
+        });
+    }
+
+    /// Takes back what a store of retired facts held of the keys [`Matcher::to_recall_keys`]
+    /// asked for; what it did not hold was never retired.
+    pub fn recall_entries(&mut self, entries: impl IntoIterator<Item = RetiredEntry>) {
+        for entry in entries {
+            match entry.kind {
+                FactKind::Seen => self
+                    .seen
+                    .insert_new(entry.key, Verdict::from_bits(entry.value)),
+                FactKind::Closed => self
+                    .closed
+                    .insert(entry.key, Closed::from_bits(entry.value)),
+                FactKind::Named => self.named.insert(entry.key, ()),
             }
         }
     }
@@ -129,14 +191,34 @@ impl Matcher {
     /// committed. Retires the older generation into the filter once it is committed, and
     /// starts a new generation once the current one is full and the older one retired.
     pub fn after_batch(&mut self, sent: u64, committed: u64) {
+        self.after_batch_into(sent, committed, None);
+    }
+
+    /// As [`Matcher::after_batch`]; what it retires is also added to `retired`, if given, for
+    /// a store of retired facts that answers by key. Returns whether it retired a generation.
+    pub fn after_batch_into(
+        &mut self,
+        sent: u64,
+        committed: u64,
+        mut retired: Option<&mut Vec<RetiredEntry>>,
+    ) -> bool {
         let Some(window) = &mut self.window else {
-            return;
+            return false;
         };
-        if window.older_sent.is_some_and(|mark| committed >= mark) {
+        let retiring = window.older_sent.is_some_and(|mark| committed >= mark);
+        if retiring {
             let filter = &mut window.filter;
-            self.seen.retire(|key| filter.insert(key, Kind::Seen));
-            self.closed.retire(|key| filter.insert(key, Kind::Closed));
-            self.named.retire(|key| filter.insert(key, Kind::Named));
+            let mut retire = |key, kind, value| {
+                filter.insert(key, kind);
+                if let Some(retired) = retired.as_deref_mut() {
+                    retired.push(RetiredEntry { key, kind, value });
+                }
+            };
+            self.seen
+                .retire(|key, verdict| retire(key, FactKind::Seen, verdict.bits()));
+            self.closed
+                .retire(|key, closed| retire(key, FactKind::Closed, closed.bits()));
+            self.named.retire(|key, ()| retire(key, FactKind::Named, 0));
             window.older_sent = None;
         }
         let entries =
@@ -147,6 +229,7 @@ impl Matcher {
             self.named.rotate();
             window.older_sent = Some(sent);
         }
+        retiring
     }
 
     /// Rebuilding a bounded matcher: a fact of the shard's history that goes straight into the
@@ -164,20 +247,22 @@ impl Matcher {
             } => {
                 window
                     .filter
-                    .insert(message_key(&sender, &msg_id), Kind::Seen);
+                    .insert(message_key(&sender, &msg_id), FactKind::Seen);
                 if let Some(named) = names {
                     window
                         .filter
-                        .insert(message_key(&sender, &named), Kind::Named);
+                        .insert(message_key(&sender, &named), FactKind::Named);
                 }
             }
             RetiredFact::Rejected { sender, msg_id } => {
                 window
                     .filter
-                    .insert(message_key(&sender, &msg_id), Kind::Seen);
+                    .insert(message_key(&sender, &msg_id), FactKind::Seen);
             }
             RetiredFact::Closed { trade_key, aged } => {
-                window.filter.insert(hash_key(&[&trade_key]), Kind::Closed);
+                window
+                    .filter
+                    .insert(hash_key(&[&trade_key]), FactKind::Closed);
                 self.closed_total += 1;
                 self.aged += u64::from(aged);
             }

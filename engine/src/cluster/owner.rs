@@ -18,7 +18,7 @@ use crate::queue::{local, BatchReceiver, Tx};
 use crate::refdata::RefData;
 use crate::station::{RunClock, Station};
 use crate::stations::exceptions::run_exception_writer;
-use crate::stations::matcher::{run_matcher, Recall};
+use crate::stations::matcher::{run_matcher, Recall, RecallFrom};
 use crate::stations::validator::{run_validator, Routes};
 use crate::stations::writer::{run_writer, WriterContext};
 use crate::stations::{RejectedItem, ToStore, Validated, WriterReport};
@@ -131,12 +131,13 @@ impl ShardOwner {
         let book = Arc::new(DeliveryBook::open(jetstream).map_err(PipelineError::Queue)?);
         let mut store: Box<dyn Store> = Box::new(PgStore::open(&config.database_url)?);
         store.fence(token)?;
-        let matcher = restore_matcher(
+        let (matcher, _) = restore_matcher(
             store.as_mut(),
             shard as usize,
             &refdata,
             &config.tolerances,
             config.matcher_memory,
+            None,
         )?;
         let redeliver = store.undelivered_cls()?;
         let mut exception_store: Box<dyn Store> = Box::new(PgStore::open(&config.database_url)?);
@@ -212,7 +213,7 @@ impl ShardOwner {
         };
         let committed = Arc::new(AtomicU64::new(0));
         let recall = Recall {
-            store: Box::new(PgStore::open(&config.database_url)?),
+            from: RecallFrom::Store(Box::new(PgStore::open(&config.database_url)?)),
             committed: committed.clone(),
             retry,
         };

@@ -29,12 +29,12 @@ use crate::queue::{Rx, Tx};
 use crate::refdata::RefData;
 use crate::station::{RunClock, Station};
 use crate::stations::exceptions::run_exception_writer;
-use crate::stations::matcher::{run_matcher, Recall};
+use crate::stations::matcher::{run_matcher, Recall, RecallFrom};
 use crate::stations::sampler::run_sampler;
 use crate::stations::validator::{run_validator, Routes};
 use crate::stations::writer::{run_writer, WriterContext};
 use crate::stations::{RejectedItem, ToStore, Validated, WriterReport};
-use crate::store::{MemoryStore, PgStore, RowCounts, SqliteStore, Store, StoreError};
+use crate::store::{MemoryStore, PgStore, RetiredRuns, RowCounts, SqliteStore, Store, StoreError};
 
 pub use crate::network::{
     inbound_index, sign_line, Ack, AckResult, Aging, Delivery, Envelope, OutboundEvent,
@@ -97,8 +97,10 @@ pub struct PipelineConfig {
     /// database down), while the other shards go on. Once it is full, backpressure reaches the
     /// validators and the senders.
     pub shard_backlog_bytes: usize,
-    /// What a matcher on a store that answers recalls (PostgreSQL) keeps in memory
-    /// ([`Matcher::bounded`]); the other stores' matchers remember everything exactly.
+    /// What a matcher on a durable store keeps in memory ([`Matcher::bounded`]): it reads back
+    /// what it retired from the shard's tables (PostgreSQL) or from files of retired facts
+    /// beside the shard's (embedded, [`RetiredRuns`]). The memory store's matchers remember
+    /// everything exactly, as the store keeps every row in memory.
     pub matcher_memory: MatcherMemory,
 }
 
@@ -230,40 +232,48 @@ impl Pipeline {
             stores.push(store);
         }
         // Shards rebuild their matchers side by side: each reads only its own store.
-        let rebuilt: Vec<Result<(Matcher, Vec<crate::store::UndeliveredCls>), PipelineError>> =
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = stores
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(shard, store)| {
-                        let refdata = &refdata;
-                        let tolerances = &tolerances;
-                        scope.spawn(move || {
-                            let matcher = restore_matcher(
-                                store.as_mut(),
-                                shard,
-                                refdata,
-                                tolerances,
-                                config.matcher_memory,
-                            )?;
-                            Ok((matcher, store.undelivered_cls()?))
-                        })
+        type Rebuilt = (
+            Matcher,
+            Option<RetiredRuns>,
+            Vec<crate::store::UndeliveredCls>,
+        );
+        let rebuilt: Vec<Result<Rebuilt, PipelineError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = stores
+                .iter_mut()
+                .enumerate()
+                .map(|(shard, store)| {
+                    let refdata = &refdata;
+                    let tolerances = &tolerances;
+                    let retired = retired_dir(&config.store, shard);
+                    scope.spawn(move || {
+                        let (matcher, runs) = restore_matcher(
+                            store.as_mut(),
+                            shard,
+                            refdata,
+                            tolerances,
+                            config.matcher_memory,
+                            retired.as_deref(),
+                        )?;
+                        Ok((matcher, runs, store.undelivered_cls()?))
                     })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|handle| {
-                        handle
-                            .join()
-                            .unwrap_or_else(|_| Err(PipelineError::Panicked("restore".to_owned())))
-                    })
-                    .collect()
-            });
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|handle| {
+                    handle
+                        .join()
+                        .unwrap_or_else(|_| Err(PipelineError::Panicked("restore".to_owned())))
+                })
+                .collect()
+        });
         let mut restored_matchers = Vec::with_capacity(shards as usize);
+        let mut retired_runs = Vec::with_capacity(shards as usize);
         let mut undelivered = Vec::with_capacity(shards as usize);
         for result in rebuilt {
-            let (matcher, unconfirmed) = result?;
+            let (matcher, runs, unconfirmed) = result?;
             restored_matchers.push(matcher);
+            retired_runs.push(runs);
             undelivered.push(unconfirmed);
         }
         let exception_store = open_store(&config.store, None)?;
@@ -284,17 +294,25 @@ impl Pipeline {
         let mut store_stations = Vec::new();
         let mut writers = Vec::new();
         let mut recalls = Vec::new();
-        for ((shard, store), redeliver) in stores.into_iter().enumerate().zip(undelivered) {
+        for (((shard, store), redeliver), runs) in stores
+            .into_iter()
+            .enumerate()
+            .zip(undelivered)
+            .zip(retired_runs)
+        {
             let committed = Arc::new(AtomicU64::new(0));
-            recalls.push(if restored_matchers[shard].is_bounded() {
-                Some(Recall {
-                    store: open_store(&config.store, Some(shard))?,
-                    committed: committed.clone(),
-                    retry,
-                })
-            } else {
-                None
-            });
+            let from = match runs {
+                Some(runs) => Some(RecallFrom::Runs(runs)),
+                None if restored_matchers[shard].is_bounded() => {
+                    Some(RecallFrom::Store(open_store(&config.store, Some(shard))?))
+                }
+                None => None,
+            };
+            recalls.push(from.map(|from| Recall {
+                from,
+                committed: committed.clone(),
+                retry,
+            }));
             let (tx, rx) = local::bounded::<ToStore>(format!("store.{shard}"), capacity, clock);
             store_stations.push(tx.station().clone());
             store_txs.push(tx);
@@ -528,17 +546,37 @@ impl Pipeline {
 /// How often rebuilding a matcher reports its progress.
 const RESTORE_PROGRESS_EVERY_MESSAGES: u64 = 500_000;
 
-/// Rebuilds a shard's matcher by taking back, in order, every message the shard accepted. On
-/// a store that can answer recalls ([`Store::can_recall`]) the matcher is bounded by `memory`:
-/// the closed trades, every message key and every remembered rejection go into its filter,
-/// and only the open trades' messages are taken back.
+/// Where the embedded store keeps a shard's retired facts: beside its file.
+fn retired_dir(config: &StoreConfig, shard: usize) -> Option<PathBuf> {
+    match config {
+        StoreConfig::Embedded { dir } => Some(dir.join(format!("shard-{shard}.retired"))),
+        StoreConfig::Memory | StoreConfig::Postgres { .. } => None,
+    }
+}
+
+/// Rebuilds a shard's matcher by taking back, in order, every message the shard accepted.
+///
+/// On a store that can answer recalls ([`Store::can_recall`]) the matcher is bounded by
+/// `memory`: the closed trades, every message key and every remembered rejection go into its
+/// filter, and only the open trades' messages are taken back. Given `retired` (the embedded
+/// store), the matcher is bounded too and its retired facts go to files there
+/// ([`RetiredRuns`], started empty): every accepted message and then every remembered rejection
+/// is taken back in order, reading back from the files what it needs as a message in service
+/// would, and retiring generations into them as it goes. Otherwise the matcher remembers
+/// everything exactly.
 pub(crate) fn restore_matcher(
     store: &mut dyn Store,
     shard: usize,
     refdata: &Arc<RefData>,
     tolerances: &Tolerances,
     memory: MatcherMemory,
-) -> Result<Matcher, PipelineError> {
+    retired: Option<&std::path::Path>,
+) -> Result<(Matcher, Option<RetiredRuns>), PipelineError> {
+    if let Some(dir) = retired.filter(|_| !store.can_recall()) {
+        let matcher = Matcher::bounded(refdata.clone(), tolerances.clone(), memory);
+        let runs = RetiredRuns::create(dir)?;
+        return take_back_into_runs(store, shard, matcher, runs);
+    }
     let bounded = store.can_recall();
     let mut matcher = if bounded {
         Matcher::bounded(refdata.clone(), tolerances.clone(), memory)
@@ -612,5 +650,119 @@ pub(crate) fn restore_matcher(
             "matcher rebuilt from its shard"
         );
     }
-    Ok(matcher)
+    Ok((matcher, None))
+}
+
+/// Takes a shard's history back into a bounded `matcher` whose retired facts go to `runs`
+/// (see [`restore_matcher`]): everything read back is committed, so each generation retires as
+/// soon as the next one is full.
+fn take_back_into_runs(
+    store: &mut dyn Store,
+    shard: usize,
+    mut matcher: Matcher,
+    mut runs: RetiredRuns,
+) -> Result<(Matcher, Option<RetiredRuns>), PipelineError> {
+    let restart_day = OffsetDateTime::now_utc().date();
+    let started = Instant::now();
+    let (mut keys, mut found, mut retired) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut taken_back, mut disagreements) = (0_u64, 0_u64);
+    // The visitors cannot fail: the first error is kept, and what follows it skipped.
+    let mut failed: Option<StoreError> = None;
+    // Before a message or rejection: what it needs from the runs. After it: the generation it
+    // completed, retired.
+    let mut recall = |matcher: &mut Matcher,
+                      keys: &mut Vec<_>,
+                      runs: &mut RetiredRuns,
+                      failed: &mut Option<StoreError>| {
+        if !keys.is_empty() {
+            if let Err(error) = runs.lookup(keys, &mut found) {
+                failed.get_or_insert(error);
+            }
+            keys.clear();
+            matcher.recall_entries(found.drain(..));
+        }
+    };
+    let mut retire = |matcher: &mut Matcher,
+                      (sent, committed): (u64, u64),
+                      runs: &mut RetiredRuns,
+                      failed: &mut Option<StoreError>| {
+        if matcher.after_batch_into(sent, committed, Some(&mut retired)) {
+            if let Err(error) = runs.add(&mut retired) {
+                failed.get_or_insert(error);
+            }
+        }
+    };
+    let accepted = store.for_each_accepted(&mut |stored| {
+        if failed.is_some() {
+            return;
+        }
+        taken_back += 1;
+        if taken_back.is_multiple_of(RESTORE_PROGRESS_EVERY_MESSAGES) {
+            tracing::info!(shard, messages = taken_back, "rebuilding the matcher");
+        }
+        let Ok(msg) = crate::codec::parse_fields(&stored.raw)
+            .and_then(|fields| crate::validate::typed_fields(&fields))
+        else {
+            disagreements += 1;
+            return;
+        };
+        matcher.to_recall_keys(&msg.sender, &msg.msg_id, Some(&msg.trade_key()), &mut keys);
+        recall(&mut matcher, &mut keys, &mut runs, &mut failed);
+        let restored = matcher.restore(
+            msg,
+            &stored.raw,
+            stored.injected_ns,
+            stored.trade_date,
+            stored.received_on.unwrap_or(restart_day),
+        );
+        if !restored {
+            disagreements += 1;
+        }
+        retire(
+            &mut matcher,
+            (taken_back, taken_back),
+            &mut runs,
+            &mut failed,
+        );
+    })?;
+    if disagreements > 0 {
+        return Err(PipelineError::Config(format!(
+            "shard {shard}: {disagreements} of {accepted} stored messages could not be taken back"
+        )));
+    }
+    let mut count = taken_back;
+    store.for_each_remembered_rejection(&mut |rejection| {
+        if failed.is_some() {
+            return;
+        }
+        count += 1;
+        matcher.to_recall_keys(&rejection.sender, &rejection.msg_id, None, &mut keys);
+        recall(&mut matcher, &mut keys, &mut runs, &mut failed);
+        matcher.restore_rejection(
+            &rejection.sender,
+            &rejection.msg_id,
+            &rejection.raw,
+            rejection.code,
+        );
+        retire(&mut matcher, (count, count), &mut runs, &mut failed);
+    })?;
+    // Everything taken back is committed: the older generation retires now, and one that
+    // becomes older now retires after the first batch in service (sent 0), rather than once the
+    // writer has committed as many items again.
+    retire(&mut matcher, (0, u64::MAX), &mut runs, &mut failed);
+    if let Some(error) = failed {
+        return Err(error.into());
+    }
+    if accepted > 0 {
+        let stats = runs.stats();
+        tracing::info!(
+            shard,
+            messages = accepted,
+            retired = stats.records,
+            runs = stats.runs,
+            seconds = started.elapsed().as_secs_f64(),
+            "matcher rebuilt from its shard"
+        );
+    }
+    Ok((matcher, Some(runs)))
 }

@@ -11,15 +11,30 @@ use super::{complete, queue_error, retrying, MessageMeta, Processed, ToStore, Va
 use crate::matcher::{Matcher, Outcome, RecallQuery, ShardCounts};
 use crate::network::{Aging, PipelineError, RetryPolicy};
 use crate::queue::{QueueError, Rx, Tx};
-use crate::store::Store;
+use crate::store::{RetiredRuns, Store, StoreError};
 
-/// What a bounded matcher ([`Matcher::bounded`]) needs: a connection of its own to the shard's
-/// store, to read back what it retired, and the count of items its writer has committed, to
-/// know when a generation may be retired.
+/// What a bounded matcher ([`Matcher::bounded`]) needs: where to read back what it retired,
+/// and the count of items its writer has committed, to know when a generation may be retired.
 pub(crate) struct Recall {
-    pub(crate) store: Box<dyn Store>,
+    pub(crate) from: RecallFrom,
     pub(crate) committed: Arc<AtomicU64>,
     pub(crate) retry: RetryPolicy,
+}
+
+/// Where a bounded matcher reads back what it retired.
+pub(crate) enum RecallFrom {
+    /// A connection of its own to the shard's store, which answers from its tables
+    /// (PostgreSQL).
+    Store(Box<dyn Store>),
+    /// Its own files of retired facts, written as it retires them (the embedded store).
+    Runs(RetiredRuns),
+}
+
+fn retired_error(station: &str, source: StoreError) -> PipelineError {
+    PipelineError::Shard {
+        station: station.to_owned(),
+        source,
+    }
 }
 
 /// Formats wall-clock time for CLS `MatchedAt`, at most once per millisecond.
@@ -64,6 +79,8 @@ pub(crate) fn run_matcher(
     let mut sent: u64 = 0;
     // Read-backs, and the keys they asked for.
     let (mut reads, mut keys_read) = (0_u64, 0_u64);
+    // Keys to look up in the runs of retired facts, what they held, what a generation retires.
+    let (mut keys, mut found, mut retired) = (Vec::new(), Vec::new(), Vec::new());
     let mut wall = MatchedAtClock {
         last_ms: -1,
         text: String::new(),
@@ -98,35 +115,66 @@ pub(crate) fn run_matcher(
         let (items, enqueued_ns) = (received.items, received.enqueued_ns);
         let started = Instant::now();
         let count = items.len() as u64;
-        if let Some(recall) = &mut recall {
-            let mut query = RecallQuery::default();
-            for item in &items {
-                match &item.verdict {
-                    Ok(msg) => matcher.to_recall(
-                        &msg.sender,
-                        &msg.msg_id,
-                        Some(&msg.trade_key()),
-                        &mut query,
-                    ),
-                    Err(refused) => matcher.to_recall(
-                        &refused.identity.sender,
-                        &refused.identity.msg_id,
-                        None,
-                        &mut query,
-                    ),
+        let retry = recall.as_ref().map(|recall| recall.retry);
+        match recall.as_mut().map(|recall| &mut recall.from) {
+            None => {}
+            Some(RecallFrom::Store(store)) => {
+                let mut query = RecallQuery::default();
+                for item in &items {
+                    match &item.verdict {
+                        Ok(msg) => matcher.to_recall(
+                            &msg.sender,
+                            &msg.msg_id,
+                            Some(&msg.trade_key()),
+                            &mut query,
+                        ),
+                        Err(refused) => matcher.to_recall(
+                            &refused.identity.sender,
+                            &refused.identity.msg_id,
+                            None,
+                            &mut query,
+                        ),
+                    }
+                }
+                if !query.is_empty() {
+                    reads += 1;
+                    keys_read +=
+                        (query.verdicts.len() + query.trades.len() + query.names.len()) as u64;
+                    let (recalled, _) = retrying(
+                        store.as_mut(),
+                        rx.station().name(),
+                        "recall",
+                        retry.unwrap_or_default(),
+                        |store| store.recall(&query),
+                    )?;
+                    matcher.recall(recalled);
                 }
             }
-            if !query.is_empty() {
-                reads += 1;
-                keys_read += (query.verdicts.len() + query.trades.len() + query.names.len()) as u64;
-                let (recalled, _) = retrying(
-                    recall.store.as_mut(),
-                    rx.station().name(),
-                    "recall",
-                    recall.retry,
-                    |store| store.recall(&query),
-                )?;
-                matcher.recall(recalled);
+            Some(RecallFrom::Runs(runs)) => {
+                for item in &items {
+                    match &item.verdict {
+                        Ok(msg) => matcher.to_recall_keys(
+                            &msg.sender,
+                            &msg.msg_id,
+                            Some(&msg.trade_key()),
+                            &mut keys,
+                        ),
+                        Err(refused) => matcher.to_recall_keys(
+                            &refused.identity.sender,
+                            &refused.identity.msg_id,
+                            None,
+                            &mut keys,
+                        ),
+                    }
+                }
+                if !keys.is_empty() {
+                    reads += 1;
+                    keys_read += keys.len() as u64;
+                    runs.lookup(&keys, &mut found)
+                        .map_err(|source| retired_error(rx.station().name(), source))?;
+                    keys.clear();
+                    matcher.recall_entries(found.drain(..));
+                }
             }
         }
         let mut processed = Vec::with_capacity(items.len());
@@ -174,18 +222,43 @@ pub(crate) fn run_matcher(
             .forward(processed, received.receipt)
             .map_err(queue_error)?;
         complete(&rx, count, busy_ns, enqueued_ns);
-        if let Some(recall) = &recall {
-            matcher.after_batch(sent, recall.committed.load(Ordering::Acquire));
+        if let Some(recall) = &mut recall {
+            let committed = recall.committed.load(Ordering::Acquire);
+            match &mut recall.from {
+                RecallFrom::Store(_) => {
+                    matcher.after_batch(sent, committed);
+                }
+                RecallFrom::Runs(runs) => {
+                    if matcher.after_batch_into(sent, committed, Some(&mut retired)) {
+                        runs.add(&mut retired)
+                            .map_err(|source| retired_error(rx.station().name(), source))?;
+                    }
+                }
+            }
         }
         table_bytes.store(matcher.table_bytes(), Ordering::Relaxed);
     }
-    if matcher.is_bounded() {
-        tracing::info!(
+    match recall.as_ref().map(|recall| &recall.from) {
+        Some(RecallFrom::Runs(runs)) => {
+            let stats = runs.stats();
+            tracing::info!(
+                station = rx.station().name(),
+                reads,
+                keys_read,
+                runs = stats.runs,
+                records = stats.records,
+                written = stats.written,
+                blocks_read = stats.blocks_read,
+                "matcher stopped; what it read back from its retired facts"
+            );
+        }
+        Some(RecallFrom::Store(_)) => tracing::info!(
             station = rx.station().name(),
             reads,
             keys_read,
             "matcher stopped; what it read back from its shard"
-        );
+        ),
+        None => {}
     }
     Ok(matcher.counts())
 }

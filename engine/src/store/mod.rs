@@ -14,10 +14,12 @@ macro_rules! delivered_through_sql {
 
 mod memory;
 mod postgres;
+mod retired;
 mod sqlite;
 
 pub use memory::MemoryStore;
 pub use postgres::{Month, PgStore, TradeStates, PGPASS_FILE};
+pub use retired::{RetiredRuns, RetiredStats};
 pub use sqlite::SqliteStore;
 
 use time::Date;
@@ -120,6 +122,9 @@ pub enum StoreError {
     Fenced { store: String, token: i64 },
     #[error("cannot start the i/o runtime")]
     Runtime(#[source] std::io::Error),
+    /// Reading or writing the files of a shard's retired facts ([`RetiredRuns`]).
+    #[error("retired facts in {dir}: {source}")]
+    Retired { dir: String, source: std::io::Error },
 }
 
 /// An accepted message as stored, for rebuilding a matcher.
