@@ -16,8 +16,8 @@ use clap::{Args, ValueEnum};
 
 use crate::matcher::MatcherMemory;
 use crate::pipeline::{
-    Aging, PipelineConfig, StoreConfig, SHARD_BACKLOG_BYTES_DEFAULT,
-    UNCHECKED_EXCEPTION_DAYS_DEFAULT,
+    Aging, PipelineConfig, StoreConfig, CLUSTER_SHARD_BACKLOG_BYTES_DEFAULT,
+    SHARD_BACKLOG_BYTES_DEFAULT, UNCHECKED_EXCEPTION_DAYS_DEFAULT,
 };
 use crate::profile::{ProfileError, Tolerances};
 
@@ -86,11 +86,12 @@ pub struct PipelineArgs {
     /// cluster each shard's owner runs one on the shard's inbound queue.
     #[arg(long, env = "STE_VALIDATORS", default_value_t = VALIDATORS_DEFAULT)]
     pub validators: u32,
-    /// MiB a shard's match queue may hold (in a cluster: its inbound queue, on the NATS
-    /// servers' disks): the backlog of a shard whose store stalls (its database down), while
-    /// the other shards go on.
-    #[arg(long, value_name = "MIB", default_value_t = SHARD_BACKLOG_BYTES_DEFAULT >> 20)]
-    pub shard_backlog_mib: usize,
+    /// MiB a shard's match queue may hold: the backlog of a shard whose store stalls (its
+    /// database down), while the other shards go on. In one process it is memory (default
+    /// 64); in a cluster it is the shard's inbound queue on the NATS servers' disks (default
+    /// 256).
+    #[arg(long, value_name = "MIB")]
+    pub shard_backlog_mib: Option<usize>,
     /// Keep trades this many days after their trade date, then drop them (postgres: whole
     /// monthly partitions; embedded: the expired rows), when each shard starts and once a day;
     /// exceptions likewise by the day they arrived (default: keep everything). Durable stores
@@ -244,7 +245,13 @@ impl PipelineArgs {
             database_urls,
             shards,
             validators: self.validators,
-            shard_backlog_bytes: self.shard_backlog_mib.max(1) << 20,
+            shard_backlog_bytes: self.shard_backlog_mib.map_or(
+                match scope {
+                    Scope::InProcess => SHARD_BACKLOG_BYTES_DEFAULT,
+                    Scope::Cluster => CLUSTER_SHARD_BACKLOG_BYTES_DEFAULT,
+                },
+                |mib| mib.max(1) << 20,
+            ),
             retention_days: self.retention_days,
             unchecked_exception_days: (self.unchecked_exception_days > 0)
                 .then_some(self.unchecked_exception_days),
@@ -365,6 +372,12 @@ mod tests {
             .expect("a cluster on two databases");
         assert_eq!(settings.store, StoreKind::Postgres);
         assert_eq!(settings.shards, 2);
+        // A shard's backlog is memory in one process, disk in a cluster.
+        assert_eq!(settings.shard_backlog_bytes, 256 << 20);
+        let settings = resolve(&[], Scope::InProcess).expect("defaults resolve");
+        assert_eq!(settings.shard_backlog_bytes, 64 << 20);
+        let settings = resolve(&["--shard-backlog-mib", "16"], Scope::InProcess).expect("resolves");
+        assert_eq!(settings.shard_backlog_bytes, 16 << 20);
     }
 
     #[test]

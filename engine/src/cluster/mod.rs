@@ -99,7 +99,7 @@ impl Default for ClusterLayout {
             shards: 4,
             inbound: QueueLimits {
                 batches_max: 65_536,
-                bytes_max: (crate::pipeline::SHARD_BACKLOG_BYTES_DEFAULT as i64),
+                bytes_max: (crate::pipeline::CLUSTER_SHARD_BACKLOG_BYTES_DEFAULT as i64),
             },
             cls: QueueLimits {
                 batches_max: 65_536,

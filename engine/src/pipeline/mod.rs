@@ -104,9 +104,14 @@ pub struct PipelineConfig {
     pub matcher_memory: MatcherMemory,
 }
 
-/// Default of [`PipelineConfig::shard_backlog_bytes`]: about ten seconds of one shard's
-/// share of the load on this kind of machine.
-pub const SHARD_BACKLOG_BYTES_DEFAULT: usize = 256 * 1024 * 1024;
+/// Default of [`PipelineConfig::shard_backlog_bytes`]: memory, about a second of one shard's
+/// share of a saturating load on this kind of machine (a larger one holds more without
+/// committing more: a saturated store is the bottleneck either way, BENCHMARKS.md).
+pub const SHARD_BACKLOG_BYTES_DEFAULT: usize = 64 * 1024 * 1024;
+
+/// The default bound of a shard's backlog in a cluster: its inbound queue on the NATS servers'
+/// disks ([`crate::cluster::ClusterLayout`]).
+pub const CLUSTER_SHARD_BACKLOG_BYTES_DEFAULT: usize = 256 * 1024 * 1024;
 
 impl Default for PipelineConfig {
     fn default() -> Self {
