@@ -82,6 +82,16 @@ pub fn random_run_id() -> String {
         .collect()
 }
 
+/// The lowest price generated, in ten-thousandths (1.0000).
+const PRICE_MIN_MINOR: i128 = 10_000;
+/// The fewest shares an allocation of a generated trade gets: at the lowest price its gross
+/// (10.00) exceeds the fees (3.50) and commission, so a SELL's net is never negative (a negative
+/// amount is E_FIELD). With one share, six trades in ten million were refused.
+const ALLOCATION_QTY_MIN: u64 = 10;
+// The smallest gross, less a tenth of a percent of commission, exceeds the fees (3.50, at most
+// 4 once rounded to a currency without minor units), in ten-thousandths.
+const _: () = assert!(PRICE_MIN_MINOR * ALLOCATION_QTY_MIN as i128 * 999 / 1000 > 40_000);
+
 /// The counts of a run: what a generated set must produce, and what the driver's summary reports.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunOutcome {
@@ -300,9 +310,11 @@ impl<'r> Generator<'r> {
         } else {
             Side::Sell
         };
-        let price = Decimal::from_minor(rng.gen_range(10_000..5_000_000), 4);
+        let price = Decimal::from_minor(rng.gen_range(PRICE_MIN_MINOR..5_000_000), 4);
         let qty: u64 = rng.gen_range(1_000..100_000);
-        let first_qty = rng.gen_range(1..qty);
+        // Each allocation at least ALLOCATION_QTY_MIN: a SELL's net proceeds (gross less
+        // commission and fees) stay positive at the lowest price.
+        let first_qty = rng.gen_range(ALLOCATION_QTY_MIN..=qty - ALLOCATION_QTY_MIN);
         let payment_type = if rng.gen_bool(0.9) {
             PaymentType::Dvp
         } else {
