@@ -17,6 +17,7 @@ use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
 
 use super::StoreError;
 use crate::matcher::{FactKind, HashKey, RetiredEntry};
@@ -170,12 +171,80 @@ pub struct RetiredStats {
     pub blocks_read: u64,
 }
 
-/// One shard's retired facts: its sorted runs, oldest first, in a directory of their own.
+/// Runs a shard may hold before retiring a generation waits for the merges: bounds the blocks
+/// a look-up reads should merging fall behind.
+const RUNS_MAX: usize = 4 * MERGE_FANOUT;
+
+/// What the matcher's thread and the merging thread share.
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A merging thread that panicked left the runs as they were.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+struct State {
+    /// Oldest first; tiers never rise from oldest to newest.
+    runs: Vec<Arc<Run>>,
+    next_file: u64,
+    /// Records written by retiring and by merging.
+    written: u64,
+    merging: bool,
+    stop: bool,
+    /// The merge that failed: every later call returns it.
+    failed: Option<std::io::Error>,
+}
+
+impl State {
+    /// The first [`MERGE_FANOUT`] runs of one tier, oldest first, if some tier has as many:
+    /// where they start and their tier. Runs of one tier are side by side.
+    fn mergeable(&self) -> Option<(usize, u32)> {
+        let mut same = 0;
+        for (index, run) in self.runs.iter().enumerate() {
+            same = if index > 0 && self.runs[index - 1].tier == run.tier {
+                same + 1
+            } else {
+                1
+            };
+            if same == MERGE_FANOUT {
+                return Some((index + 1 - MERGE_FANOUT, run.tier));
+            }
+        }
+        None
+    }
+
+    fn next_path(&mut self, dir: &Path) -> PathBuf {
+        self.next_file += 1;
+        dir.join(format!("{:08}.run", self.next_file))
+    }
+
+    fn check(&self) -> std::io::Result<()> {
+        match &self.failed {
+            None => Ok(()),
+            Some(error) => Err(std::io::Error::new(error.kind(), error.to_string())),
+        }
+    }
+}
+
+/// One shard's retired facts: its sorted runs in a directory of their own. The matcher's thread
+/// writes a retired generation as a new run and looks keys up; a thread of its own merges runs
+/// in the background, so that a merge (up to a gigabyte for ten million trades) never stops the
+/// matcher.
 pub struct RetiredRuns {
     dir: PathBuf,
-    runs: Vec<Run>,
-    next_file: u64,
-    stats: RetiredStats,
+    shared: Arc<Shared>,
+    merger: Option<std::thread::JoinHandle<()>>,
+    lookups: u64,
+    blocks_read: u64,
+    /// The runs as a look-up found them, and the block it reads into.
+    snapshot: Vec<Arc<Run>>,
     block: Vec<u8>,
 }
 
@@ -193,25 +262,37 @@ impl RetiredRuns {
             Err(error) => return Err(failed(error)),
         }
         std::fs::create_dir_all(dir).map_err(failed)?;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                runs: Vec::new(),
+                next_file: 0,
+                written: 0,
+                merging: false,
+                stop: false,
+                failed: None,
+            }),
+            changed: Condvar::new(),
+        });
+        let merger = {
+            let (shared, dir) = (shared.clone(), dir.to_owned());
+            std::thread::Builder::new()
+                .name("retired-merge".to_owned())
+                .spawn(move || merge_while_running(&shared, &dir))
+                .map_err(failed)?
+        };
         Ok(Self {
             dir: dir.to_owned(),
-            runs: Vec::new(),
-            next_file: 0,
-            stats: RetiredStats::default(),
+            shared,
+            merger: Some(merger),
+            lookups: 0,
+            blocks_read: 0,
+            snapshot: Vec::new(),
             block: Vec::with_capacity(BLOCK_RECORDS * RECORD_BYTES),
         })
     }
 
-    fn next_path(&mut self) -> PathBuf {
-        self.next_file += 1;
-        self.dir.join(format!("{:08}.run", self.next_file))
-    }
-
-    /// Keeps the facts of one retired generation (emptying `entries`): one new run, then the
-    /// merges it completes.
-    pub fn add(&mut self, entries: &mut Vec<RetiredEntry>) -> Result<(), StoreError> {
-        self.write_generation(entries)
-            .map_err(|source| self.failed(source))
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.shared.lock()
     }
 
     fn failed(&self, source: std::io::Error) -> StoreError {
@@ -219,6 +300,13 @@ impl RetiredRuns {
             dir: self.dir.display().to_string(),
             source,
         }
+    }
+
+    /// Keeps the facts of one retired generation (emptying `entries`) as a new run, and wakes
+    /// the merging thread. Waits while the shard holds [`RUNS_MAX`] runs.
+    pub fn add(&mut self, entries: &mut Vec<RetiredEntry>) -> Result<(), StoreError> {
+        self.write_generation(entries)
+            .map_err(|source| self.failed(source))
     }
 
     fn write_generation(&mut self, entries: &mut Vec<RetiredEntry>) -> std::io::Result<()> {
@@ -235,38 +323,37 @@ impl RetiredRuns {
             }
             same
         });
-        let path = self.next_path();
+        let path = {
+            let mut state = self.state();
+            state.check()?;
+            state.next_path(&self.dir)
+        };
         let run = Run::write(path, 0, entries.drain(..).map(Ok))?;
-        self.stats.written += run.records;
-        self.runs.push(run);
-        self.merge_full_tiers()
+        let mut state = self.state();
+        state.written += run.records;
+        state.runs.push(Arc::new(run));
+        self.shared.changed.notify_all();
+        while state.runs.len() >= RUNS_MAX && state.failed.is_none() {
+            state = self
+                .shared
+                .changed
+                .wait(state)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        state.check()
     }
 
-    /// While the newest [`MERGE_FANOUT`] runs are of one tier, merges them into one of the
-    /// next. Tiers never rise from oldest to newest, so only the newest runs can complete one.
-    fn merge_full_tiers(&mut self) -> std::io::Result<()> {
-        loop {
-            let count = self.runs.len();
-            if count < MERGE_FANOUT {
-                return Ok(());
-            }
-            let tier = self.runs[count - 1].tier;
-            if self.runs[count - MERGE_FANOUT..]
-                .iter()
-                .any(|run| run.tier != tier)
-            {
-                return Ok(());
-            }
-            let inputs = self.runs.split_off(count - MERGE_FANOUT);
-            let path = self.next_path();
-            let merged = Run::write(path, tier + 1, Merge::new(&inputs)?)?;
-            self.stats.written += merged.records;
-            for input in inputs {
-                drop(input.file);
-                std::fs::remove_file(&input.path)?;
-            }
-            self.runs.push(merged);
+    /// Waits until no tier holds [`MERGE_FANOUT`] runs (or a merge failed).
+    pub fn wait_for_merges(&self) -> Result<(), StoreError> {
+        let mut state = self.state();
+        while state.failed.is_none() && (state.merging || state.mergeable().is_some()) {
+            state = self
+                .shared
+                .changed
+                .wait(state)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
         }
+        state.check().map_err(|source| self.failed(source))
     }
 
     /// Looks up each of `wanted`, adding what the runs hold of it to `found` (the newest
@@ -285,37 +372,106 @@ impl RetiredRuns {
         wanted: &[(HashKey, FactKind)],
         found: &mut Vec<RetiredEntry>,
     ) -> std::io::Result<()> {
+        {
+            let state = self.shared.lock();
+            state.check()?;
+            self.snapshot.clear();
+            self.snapshot.extend(state.runs.iter().cloned());
+        }
         for &(key, kind) in wanted {
-            self.stats.lookups += 1;
+            self.lookups += 1;
             let key = (key[0], key[1], kind.index());
-            for run in self.runs.iter().rev() {
+            for run in self.snapshot.iter().rev() {
                 if run.fences.first().is_none_or(|first| key < *first) {
                     continue;
                 }
-                self.stats.blocks_read += 1;
+                self.blocks_read += 1;
                 if let Some(entry) = run.get(key, &mut self.block)? {
                     found.push(entry);
                     break;
                 }
             }
         }
+        // Merged runs' files close once no look-up holds them.
+        self.snapshot.clear();
         Ok(())
     }
 
     pub fn stats(&self) -> RetiredStats {
+        let state = self.state();
         RetiredStats {
-            records: self.runs.iter().map(|run| run.records).sum(),
-            runs: self.runs.len() as u64,
-            ..self.stats
+            records: state.runs.iter().map(|run| run.records).sum(),
+            runs: state.runs.len() as u64,
+            written: state.written,
+            lookups: self.lookups,
+            blocks_read: self.blocks_read,
         }
     }
 
     /// Bytes of memory the runs' fence keys take.
     pub fn fence_bytes(&self) -> u64 {
-        self.runs
+        self.state()
+            .runs
             .iter()
             .map(|run| (run.fences.capacity() * std::mem::size_of::<SortKey>()) as u64)
             .sum()
+    }
+}
+
+impl Drop for RetiredRuns {
+    fn drop(&mut self) {
+        self.state().stop = true;
+        self.shared.changed.notify_all();
+        if let Some(merger) = self.merger.take() {
+            // A panic there was reported on its thread; the files are derived and rewritten at
+            // the next start.
+            let _ = merger.join();
+        }
+    }
+}
+
+/// The merging thread: while the shard runs, merges the oldest [`MERGE_FANOUT`] runs of a tier
+/// into one of the next, in place of them. Only this thread takes runs out; the matcher's only
+/// appends, so the merged runs are still side by side when the merge is done.
+fn merge_while_running(shared: &Shared, dir: &Path) {
+    let mut state = shared.lock();
+    loop {
+        if state.stop || state.failed.is_some() {
+            return;
+        }
+        let Some((start, tier)) = state.mergeable() else {
+            state = shared
+                .changed
+                .wait(state)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            continue;
+        };
+        let inputs: Vec<Arc<Run>> = state.runs[start..start + MERGE_FANOUT].to_vec();
+        let path = state.next_path(dir);
+        state.merging = true;
+        drop(state);
+        let merged = Merge::new(&inputs).and_then(|merge| Run::write(path, tier + 1, merge));
+        state = shared.lock();
+        state.merging = false;
+        match merged {
+            Ok(merged) => {
+                let at = state
+                    .runs
+                    .iter()
+                    .position(|run| Arc::ptr_eq(run, &inputs[0]))
+                    .expect("only the merging thread takes runs out");
+                state.written += merged.records;
+                state.runs.splice(at..at + MERGE_FANOUT, [Arc::new(merged)]);
+                // A look-up that holds one keeps reading it: the file goes when it is closed.
+                for input in &inputs {
+                    if let Err(error) = std::fs::remove_file(&input.path) {
+                        state.failed.get_or_insert(error);
+                    }
+                }
+            }
+            Err(error) => state.failed = Some(error),
+        }
+        shared.changed.notify_all();
     }
 }
 
@@ -326,7 +482,7 @@ struct Merge<'a> {
 }
 
 impl<'a> Merge<'a> {
-    fn new(runs: &'a [Run]) -> std::io::Result<Self> {
+    fn new(runs: &'a [Arc<Run>]) -> std::io::Result<Self> {
         let mut inputs = Vec::with_capacity(runs.len());
         for run in runs {
             let stream: Box<dyn Iterator<Item = std::io::Result<RetiredEntry>> + 'a> =
@@ -403,6 +559,7 @@ mod tests {
             runs.add(&mut entries).expect("adds");
             assert!(entries.is_empty());
         }
+        runs.wait_for_merges().expect("merges");
         let stats = runs.stats();
         // 67 generations with a fanout of 8: one run of tier 2, none of tier 1, three of tier 0.
         assert_eq!(stats.runs, 4, "{stats:?}");
