@@ -323,25 +323,6 @@ fn with_element(line: &[u8], tag: &str, value: &str) -> Vec<u8> {
     format!("{}{value}{}", &text[..start], &text[end..]).into_bytes()
 }
 
-/// Counts answers as the generator counts what it expects.
-fn outcome_of(results: &[AckResult]) -> ste_engine::generator::RunOutcome {
-    let mut outcome = ste_engine::generator::RunOutcome::default();
-    for result in results {
-        outcome.messages_in += 1;
-        match result {
-            AckResult::Accepted => outcome.accepted += 1,
-            AckResult::Duplicate => outcome.duplicates += 1,
-            AckResult::Rejected(code) => {
-                *outcome
-                    .exceptions
-                    .entry(code.as_str().to_owned())
-                    .or_default() += 1
-            }
-        }
-    }
-    outcome
-}
-
 /// The embedded store's bounded matcher: generations of 32 entries and a filter of 1 KiB
 /// (saturated after a few hundred keys, so that nearly every message looks its facts up in the
 /// files of retired facts) answer a shuffled fault-mix load exactly as the generator expects.
@@ -352,29 +333,14 @@ fn outcome_of(results: &[AckResult]) -> ste_engine::generator::RunOutcome {
 fn a_bounded_matcher_on_the_embedded_store_reads_back_what_it_retired_to_its_files() {
     let dir = tempfile::tempdir().expect("temporary folder");
     let refdata = refdata();
-    let mut generator = Generator::new(
-        &refdata,
-        GeneratorConfig {
-            trades: 1_500,
-            seed: 29,
-            fault_rate: 0.3,
-            shuffle: true,
-            run: String::new(),
-        },
-    );
-    let lines: Vec<Vec<u8>> = generator.by_ref().collect();
-    let expected = generator.expected().clone();
+    let (lines, expected) = common::fault_mix(&refdata, 1_500, 29);
     let config = PipelineConfig {
         recover: true,
-        matcher_memory: ste_engine::matcher::MatcherMemory {
-            generation_entries: 32,
-            filter_bytes: 1024,
-            ..Default::default()
-        },
+        matcher_memory: common::tiny_matcher_memory(),
         ..embedded(dir.path(), 2)
     };
     let (results, cls) = run_lines(&config, &refdata, &lines);
-    let first = outcome_of(&results);
+    let first = common::outcome_of(&results);
     assert_eq!(first.messages_in, expected.messages_in);
     assert_eq!(first.accepted, expected.accepted);
     assert_eq!(first.duplicates, expected.duplicates);
@@ -389,7 +355,7 @@ fn a_bounded_matcher_on_the_embedded_store_reads_back_what_it_retired_to_its_fil
     }
 
     let (results, cls) = run_lines(&config, &refdata, &lines);
-    let again = outcome_of(&results);
+    let again = common::outcome_of(&results);
     assert_eq!(again.messages_in, expected.messages_in);
     assert_eq!(again.accepted, 0, "nothing is accepted twice");
     assert_eq!(again.duplicates, expected.accepted + expected.duplicates);

@@ -79,20 +79,12 @@ fn run_lines(
     let acks = pipeline.acks();
     submit_all(&pipeline, refdata, lines.iter().cloned());
     let report = pipeline.finish().expect("finishes");
-    let mut outcome = RunOutcome::default();
-    for ack in drain(&acks).expect("drains") {
-        outcome.messages_in += 1;
-        match ack.result {
-            AckResult::Accepted => outcome.accepted += 1,
-            AckResult::Duplicate => outcome.duplicates += 1,
-            AckResult::Rejected(code) => {
-                *outcome
-                    .exceptions
-                    .entry(code.as_str().to_owned())
-                    .or_default() += 1
-            }
-        }
-    }
+    let results: Vec<AckResult> = drain(&acks)
+        .expect("drains")
+        .into_iter()
+        .map(|ack| ack.result)
+        .collect();
+    let outcome = common::outcome_of(&results);
     (report, outcome)
 }
 
@@ -110,23 +102,8 @@ fn a_bounded_matcher_reads_back_from_its_shard_what_it_retired() {
             .expect("reference data")
             .with_generated_keys(),
     );
-    let mut generator = Generator::new(
-        &refdata,
-        GeneratorConfig {
-            trades: 1_500,
-            seed: 23,
-            fault_rate: 0.3,
-            shuffle: true,
-            run: String::new(),
-        },
-    );
-    let lines: Vec<Vec<u8>> = generator.by_ref().collect();
-    let expected = generator.expected().clone();
-    let memory = MatcherMemory {
-        generation_entries: 32,
-        filter_bytes: 1024,
-        ..MatcherMemory::default()
-    };
+    let (lines, expected) = common::fault_mix(&refdata, 1_500, 23);
+    let memory = common::tiny_matcher_memory();
 
     let (report, first) = run_lines(databases.urls(), &refdata, &lines, memory, false);
     assert_eq!(first.messages_in, expected.messages_in);

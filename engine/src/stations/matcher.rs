@@ -30,6 +30,23 @@ pub(crate) enum RecallFrom {
     Runs(RetiredRuns),
 }
 
+/// An item's Sender and MsgId, and its trade key if it was parsed: what a bounded matcher looks
+/// up for it.
+fn identity_of(item: &Validated) -> (&str, &str, Option<String>) {
+    match &item.verdict {
+        Ok(msg) => (
+            msg.sender.as_str(),
+            msg.msg_id.as_str(),
+            Some(msg.trade_key()),
+        ),
+        Err(refused) => (
+            refused.identity.sender.as_str(),
+            refused.identity.msg_id.as_str(),
+            None,
+        ),
+    }
+}
+
 fn retired_error(station: &str, source: StoreError) -> PipelineError {
     PipelineError::Shard {
         station: station.to_owned(),
@@ -121,20 +138,8 @@ pub(crate) fn run_matcher(
             Some(RecallFrom::Store(store)) => {
                 let mut query = RecallQuery::default();
                 for item in &items {
-                    match &item.verdict {
-                        Ok(msg) => matcher.to_recall(
-                            &msg.sender,
-                            &msg.msg_id,
-                            Some(&msg.trade_key()),
-                            &mut query,
-                        ),
-                        Err(refused) => matcher.to_recall(
-                            &refused.identity.sender,
-                            &refused.identity.msg_id,
-                            None,
-                            &mut query,
-                        ),
-                    }
+                    let (sender, msg_id, trade_key) = identity_of(item);
+                    matcher.to_recall(sender, msg_id, trade_key.as_deref(), &mut query);
                 }
                 if !query.is_empty() {
                     reads += 1;
@@ -152,20 +157,8 @@ pub(crate) fn run_matcher(
             }
             Some(RecallFrom::Runs(runs)) => {
                 for item in &items {
-                    match &item.verdict {
-                        Ok(msg) => matcher.to_recall_keys(
-                            &msg.sender,
-                            &msg.msg_id,
-                            Some(&msg.trade_key()),
-                            &mut keys,
-                        ),
-                        Err(refused) => matcher.to_recall_keys(
-                            &refused.identity.sender,
-                            &refused.identity.msg_id,
-                            None,
-                            &mut keys,
-                        ),
-                    }
+                    let (sender, msg_id, trade_key) = identity_of(item);
+                    matcher.to_recall_keys(sender, msg_id, trade_key.as_deref(), &mut keys);
                 }
                 if !keys.is_empty() {
                     reads += 1;

@@ -190,3 +190,55 @@ pub fn submit_all(
     }
     submitter.flush().expect("flushes");
 }
+
+/// A shuffled fault mix of `trades` trades drawn from `seed`, and the outcome it must produce.
+pub fn fault_mix(
+    refdata: &ste_engine::refdata::RefData,
+    trades: u64,
+    seed: u64,
+) -> (Vec<Vec<u8>>, ste_engine::generator::RunOutcome) {
+    let mut generator = ste_engine::generator::Generator::new(
+        refdata,
+        ste_engine::generator::GeneratorConfig {
+            trades,
+            seed,
+            fault_rate: 0.3,
+            shuffle: true,
+            run: String::new(),
+        },
+    );
+    let lines = generator.by_ref().collect();
+    (lines, generator.expected().clone())
+}
+
+/// A bounded matcher's memory so small that nearly every message needs what it retired read
+/// back: generations of 32 entries, and a filter of 1 KiB (saturated after a few hundred keys).
+pub fn tiny_matcher_memory() -> ste_engine::matcher::MatcherMemory {
+    ste_engine::matcher::MatcherMemory {
+        generation_entries: 32,
+        filter_bytes: 1024,
+        ..Default::default()
+    }
+}
+
+/// Counts answers as the generator counts what it expects.
+pub fn outcome_of<'a>(
+    results: impl IntoIterator<Item = &'a ste_engine::pipeline::AckResult>,
+) -> ste_engine::generator::RunOutcome {
+    use ste_engine::pipeline::AckResult;
+    let mut outcome = ste_engine::generator::RunOutcome::default();
+    for result in results {
+        outcome.messages_in += 1;
+        match result {
+            AckResult::Accepted => outcome.accepted += 1,
+            AckResult::Duplicate => outcome.duplicates += 1,
+            AckResult::Rejected(code) => {
+                *outcome
+                    .exceptions
+                    .entry(code.as_str().to_owned())
+                    .or_default() += 1
+            }
+        }
+    }
+    outcome
+}
