@@ -34,10 +34,11 @@ pub const SAMPLE_MS_DEFAULT: u64 = 10;
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum StoreKind {
     /// Rows in process memory, for measuring the engine without storage: it keeps every
-    /// message, trade and CLS until the process ends, so its memory grows with the load.
+    /// message, trade and CLS until the process ends, and its matchers every message key, so
+    /// its memory grows with the load.
     Memory,
     /// One SQLite file per shard in the process's folder (the default of a process in one
-    /// piece).
+    /// piece), and beside it the facts its bounded matcher retired (shard-N.retired/).
     Embedded,
     /// One PostgreSQL database per shard (--db): the only store every node of a cluster can
     /// reach.
