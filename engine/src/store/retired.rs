@@ -407,15 +407,6 @@ impl RetiredRuns {
             blocks_read: self.blocks_read,
         }
     }
-
-    /// Bytes of memory the runs' fence keys take.
-    pub fn fence_bytes(&self) -> u64 {
-        self.state()
-            .runs
-            .iter()
-            .map(|run| (run.fences.capacity() * std::mem::size_of::<SortKey>()) as u64)
-            .sum()
-    }
 }
 
 impl Drop for RetiredRuns {
