@@ -563,12 +563,11 @@ fn retired_dir(config: &StoreConfig, shard: usize) -> Option<PathBuf> {
 ///
 /// On a store that can answer recalls ([`Store::can_recall`]) the matcher is bounded by
 /// `memory`: the closed trades, every message key and every remembered rejection go into its
-/// filter, and only the open trades' messages are taken back. Given `retired` (the embedded
-/// store), the matcher is bounded too and its retired facts go to files there
-/// ([`RetiredRuns`], started empty): every accepted message and then every remembered rejection
-/// is taken back in order, reading back from the files what it needs as a message in service
-/// would, and retiring generations into them as it goes. Otherwise the matcher remembers
-/// everything exactly.
+/// filter, and only the open trades' messages are taken back. Otherwise every accepted message
+/// and then every remembered rejection is taken back in order ([`take_back_all`]): given
+/// `retired` (the embedded store), into a matcher bounded by `memory` whose retired facts go to
+/// files there ([`RetiredRuns`], started empty); without it, into one that remembers everything
+/// exactly.
 pub(crate) fn restore_matcher(
     store: &mut dyn Store,
     shard: usize,
@@ -577,109 +576,145 @@ pub(crate) fn restore_matcher(
     memory: MatcherMemory,
     retired: Option<&std::path::Path>,
 ) -> Result<(Matcher, Option<RetiredRuns>), PipelineError> {
-    if let Some(dir) = retired.filter(|_| !store.can_recall()) {
-        let matcher = Matcher::bounded(refdata.clone(), tolerances.clone(), memory);
-        let runs = RetiredRuns::create(dir)?;
-        return take_back_into_runs(store, shard, matcher, runs);
+    let mut progress = TakeBack::new(shard);
+    if !store.can_recall() {
+        let (matcher, runs) = match retired {
+            Some(dir) => (
+                Matcher::bounded(refdata.clone(), tolerances.clone(), memory),
+                Some(RetiredRuns::create(dir)?),
+            ),
+            None => (
+                Matcher::new(refdata.clone(), tolerances.clone())
+                    .with_quota(memory.participant_held_bytes),
+                None,
+            ),
+        };
+        return take_back_all(store, matcher, runs, progress);
     }
-    let bounded = store.can_recall();
-    let mut matcher = if bounded {
-        Matcher::bounded(refdata.clone(), tolerances.clone(), memory)
-    } else {
-        Matcher::new(refdata.clone(), tolerances.clone()).with_quota(memory.participant_held_bytes)
-    };
-    let restart_day = OffsetDateTime::now_utc().date();
-    let mut disagreements = 0_u64;
-    let mut taken_back = 0_u64;
-    let started = Instant::now();
-    let accepted = if bounded {
-        Some(store.for_each_retired(&mut |fact| {
-            matcher.retired(fact);
-        })?)
-    } else {
-        None
-    };
-    let mut take_back = |stored: crate::store::StoredMessage| {
-        taken_back += 1;
-        if taken_back.is_multiple_of(RESTORE_PROGRESS_EVERY_MESSAGES) {
-            tracing::info!(shard, messages = taken_back, "rebuilding the matcher");
+    let mut matcher = Matcher::bounded(refdata.clone(), tolerances.clone(), memory);
+    let accepted = store.for_each_retired(&mut |fact| {
+        matcher.retired(fact);
+    })?;
+    let restored = store.for_each_accepted_of_open_trades(&mut |stored| {
+        progress.take_back(&mut matcher, &stored, |_, _| {});
+    })?;
+    progress.check(restored)?;
+    matcher.set_accepted(accepted);
+    progress.report(accepted, None);
+    Ok((matcher, None))
+}
+
+/// Taking a shard's messages back into its matcher: the count, the messages that would not be
+/// accepted now, and the day a message without one counts as received on.
+struct TakeBack {
+    shard: usize,
+    started: Instant,
+    restart_day: time::Date,
+    taken_back: u64,
+    disagreements: u64,
+}
+
+impl TakeBack {
+    fn new(shard: usize) -> Self {
+        Self {
+            shard,
+            started: Instant::now(),
+            restart_day: OffsetDateTime::now_utc().date(),
+            taken_back: 0,
+            disagreements: 0,
+        }
+    }
+
+    /// Takes `stored` back into `matcher`, handing it the message first to `before` (which may
+    /// read back what it needs).
+    fn take_back(
+        &mut self,
+        matcher: &mut Matcher,
+        stored: &crate::store::StoredMessage,
+        before: impl FnOnce(&mut Matcher, &crate::model::Msg),
+    ) {
+        self.taken_back += 1;
+        if self
+            .taken_back
+            .is_multiple_of(RESTORE_PROGRESS_EVERY_MESSAGES)
+        {
+            tracing::info!(
+                shard = self.shard,
+                messages = self.taken_back,
+                "rebuilding the matcher"
+            );
         }
         // A stored message passed validation when it was accepted; only its fields are needed.
         let typed = crate::codec::parse_fields(&stored.raw)
             .and_then(|fields| crate::validate::typed_fields(&fields));
         let restored = match typed {
-            Ok(msg) => matcher.restore(
-                msg,
-                &stored.raw,
-                stored.injected_ns,
-                stored.trade_date,
-                // A row written before days were kept counts from the restart.
-                stored.received_on.unwrap_or(restart_day),
-            ),
+            Ok(msg) => {
+                before(matcher, &msg);
+                matcher.restore(
+                    msg,
+                    &stored.raw,
+                    stored.injected_ns,
+                    stored.trade_date,
+                    // A row written before days were kept counts from the restart.
+                    stored.received_on.unwrap_or(self.restart_day),
+                )
+            }
             Err(_) => false,
         };
         if !restored {
-            disagreements += 1;
-        }
-    };
-    let restored = if bounded {
-        store.for_each_accepted_of_open_trades(&mut take_back)?
-    } else {
-        store.for_each_accepted(&mut take_back)?
-    };
-    if disagreements > 0 {
-        return Err(PipelineError::Config(format!(
-            "shard {shard}: {disagreements} of {restored} stored messages could not be taken back"
-        )));
-    }
-    match accepted {
-        Some(accepted) => matcher.set_accepted(accepted),
-        // After the accepted messages: a MsgId that was accepted keeps that verdict.
-        None => {
-            store.for_each_remembered_rejection(&mut |rejection| {
-                matcher.restore_rejection(
-                    &rejection.sender,
-                    &rejection.msg_id,
-                    &rejection.raw,
-                    rejection.code,
-                );
-            })?;
+            self.disagreements += 1;
         }
     }
-    if restored > 0 || accepted.is_some_and(|accepted| accepted > 0) {
+
+    /// Whether every one of the `stored` messages was taken back.
+    fn check(&self, stored: u64) -> Result<(), PipelineError> {
+        if self.disagreements > 0 {
+            return Err(PipelineError::Config(format!(
+                "shard {}: {} of {stored} stored messages could not be taken back",
+                self.shard, self.disagreements
+            )));
+        }
+        Ok(())
+    }
+
+    fn report(&self, accepted: u64, runs: Option<&RetiredRuns>) {
+        if accepted == 0 {
+            return;
+        }
+        let stats = runs.map(RetiredRuns::stats).unwrap_or_default();
         tracing::info!(
-            shard,
-            messages = accepted.unwrap_or(restored),
-            taken_back = restored,
-            seconds = started.elapsed().as_secs_f64(),
+            shard = self.shard,
+            messages = accepted,
+            taken_back = self.taken_back,
+            retired = stats.records,
+            runs = stats.runs,
+            seconds = self.started.elapsed().as_secs_f64(),
             "matcher rebuilt from its shard"
         );
     }
-    Ok((matcher, None))
 }
 
-/// Takes a shard's history back into a bounded `matcher` whose retired facts go to `runs`
-/// (see [`restore_matcher`]): everything read back is committed, so each generation retires as
-/// soon as the next one is full.
-fn take_back_into_runs(
+/// Takes every accepted message of a shard back into `matcher`, then every remembered
+/// rejection (so that a MsgId that was accepted keeps that verdict), in order. A bounded
+/// matcher's retired facts go to `runs`: before each message or rejection what it needs is
+/// looked up there, as in service, and after it the generation it completed is retired into
+/// them — everything read back is committed, so a generation retires as soon as the next one
+/// is full.
+fn take_back_all(
     store: &mut dyn Store,
-    shard: usize,
     mut matcher: Matcher,
-    mut runs: RetiredRuns,
+    mut runs: Option<RetiredRuns>,
+    mut progress: TakeBack,
 ) -> Result<(Matcher, Option<RetiredRuns>), PipelineError> {
-    let restart_day = OffsetDateTime::now_utc().date();
-    let started = Instant::now();
     let (mut keys, mut found, mut retired) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut taken_back, mut disagreements) = (0_u64, 0_u64);
     // The visitors cannot fail: the first error is kept, and what follows it skipped.
     let mut failed: Option<StoreError> = None;
-    // Before a message or rejection: what it needs from the runs. After it: the generation it
-    // completed, retired.
     let mut recall = |matcher: &mut Matcher,
                       keys: &mut Vec<_>,
-                      runs: &mut RetiredRuns,
+                      runs: &mut Option<RetiredRuns>,
                       failed: &mut Option<StoreError>| {
-        if !keys.is_empty() {
+        // Only a bounded matcher asks for keys, and only it has runs.
+        if let (false, Some(runs)) = (keys.is_empty(), runs.as_mut()) {
             if let Err(error) = runs.lookup(keys, &mut found) {
                 failed.get_or_insert(error);
             }
@@ -689,11 +724,13 @@ fn take_back_into_runs(
     };
     let mut retire = |matcher: &mut Matcher,
                       (sent, committed): (u64, u64),
-                      runs: &mut RetiredRuns,
+                      runs: &mut Option<RetiredRuns>,
                       failed: &mut Option<StoreError>| {
-        if matcher.after_batch_into(sent, committed, Some(&mut retired)) {
-            if let Err(error) = runs.add(&mut retired) {
-                failed.get_or_insert(error);
+        if let Some(runs) = runs.as_mut() {
+            if matcher.after_batch_into(sent, committed, Some(&mut retired)) {
+                if let Err(error) = runs.add(&mut retired) {
+                    failed.get_or_insert(error);
+                }
             }
         }
     };
@@ -701,41 +738,15 @@ fn take_back_into_runs(
         if failed.is_some() {
             return;
         }
-        taken_back += 1;
-        if taken_back.is_multiple_of(RESTORE_PROGRESS_EVERY_MESSAGES) {
-            tracing::info!(shard, messages = taken_back, "rebuilding the matcher");
-        }
-        let Ok(msg) = crate::codec::parse_fields(&stored.raw)
-            .and_then(|fields| crate::validate::typed_fields(&fields))
-        else {
-            disagreements += 1;
-            return;
-        };
-        matcher.to_recall_keys(&msg.sender, &msg.msg_id, Some(&msg.trade_key()), &mut keys);
-        recall(&mut matcher, &mut keys, &mut runs, &mut failed);
-        let restored = matcher.restore(
-            msg,
-            &stored.raw,
-            stored.injected_ns,
-            stored.trade_date,
-            stored.received_on.unwrap_or(restart_day),
-        );
-        if !restored {
-            disagreements += 1;
-        }
-        retire(
-            &mut matcher,
-            (taken_back, taken_back),
-            &mut runs,
-            &mut failed,
-        );
+        progress.take_back(&mut matcher, &stored, |matcher, msg| {
+            matcher.to_recall_keys(&msg.sender, &msg.msg_id, Some(&msg.trade_key()), &mut keys);
+            recall(matcher, &mut keys, &mut runs, &mut failed);
+        });
+        let count = progress.taken_back;
+        retire(&mut matcher, (count, count), &mut runs, &mut failed);
     })?;
-    if disagreements > 0 {
-        return Err(PipelineError::Config(format!(
-            "shard {shard}: {disagreements} of {accepted} stored messages could not be taken back"
-        )));
-    }
-    let mut count = taken_back;
+    progress.check(accepted)?;
+    let mut count = accepted;
     store.for_each_remembered_rejection(&mut |rejection| {
         if failed.is_some() {
             return;
@@ -758,16 +769,6 @@ fn take_back_into_runs(
     if let Some(error) = failed {
         return Err(error.into());
     }
-    if accepted > 0 {
-        let stats = runs.stats();
-        tracing::info!(
-            shard,
-            messages = accepted,
-            retired = stats.records,
-            runs = stats.runs,
-            seconds = started.elapsed().as_secs_f64(),
-            "matcher rebuilt from its shard"
-        );
-    }
-    Ok((matcher, Some(runs)))
+    progress.report(accepted, runs.as_ref());
+    Ok((matcher, runs))
 }

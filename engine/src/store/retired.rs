@@ -166,8 +166,7 @@ pub struct RetiredStats {
     pub runs: u64,
     /// Records written: by retiring generations, and again by merging runs.
     pub written: u64,
-    /// Keys looked up, and blocks read for them.
-    pub lookups: u64,
+    /// Blocks read by look-ups (the keys looked up are the matcher station's count).
     pub blocks_read: u64,
 }
 
@@ -241,7 +240,6 @@ pub struct RetiredRuns {
     dir: PathBuf,
     shared: Arc<Shared>,
     merger: Option<std::thread::JoinHandle<()>>,
-    lookups: u64,
     blocks_read: u64,
     /// The runs as a look-up found them, and the block it reads into.
     snapshot: Vec<Arc<Run>>,
@@ -284,7 +282,6 @@ impl RetiredRuns {
             dir: dir.to_owned(),
             shared,
             merger: Some(merger),
-            lookups: 0,
             blocks_read: 0,
             snapshot: Vec::new(),
             block: Vec::with_capacity(BLOCK_RECORDS * RECORD_BYTES),
@@ -379,7 +376,6 @@ impl RetiredRuns {
             self.snapshot.extend(state.runs.iter().cloned());
         }
         for &(key, kind) in wanted {
-            self.lookups += 1;
             let key = (key[0], key[1], kind.index());
             for run in self.snapshot.iter().rev() {
                 if run.fences.first().is_none_or(|first| key < *first) {
@@ -403,7 +399,6 @@ impl RetiredRuns {
             records: state.runs.iter().map(|run| run.records).sum(),
             runs: state.runs.len() as u64,
             written: state.written,
-            lookups: self.lookups,
             blocks_read: self.blocks_read,
         }
     }
