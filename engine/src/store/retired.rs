@@ -4,7 +4,8 @@
 //! A retired generation (at most [`crate::matcher::MatcherMemory::generation_entries`] facts) is
 //! sorted and written as one run of fixed-size records — one sequential write, whatever the
 //! keys, which a B-tree keyed by a random hash cannot offer — and runs are merged in tiers of
-//! [`MERGE_FANOUT`], so that a shard holds at most `MERGE_FANOUT - 1` runs of each size and
+//! [`MERGE_FANOUT`] on a thread of their own, so that, once the merges have caught up, a shard
+//! holds at most `MERGE_FANOUT - 1` runs of each size (and never more than [`RUNS_MAX`]) and
 //! each fact is rewritten once per tier. A look-up costs, per run, a binary search of the run's
 //! fence keys (one per block, in memory) and one read of one block. Where a key is in more than
 //! one run, the newest holds its value.
