@@ -301,7 +301,7 @@ impl RetiredRuns {
     }
 
     /// Keeps the facts of one retired generation (emptying `entries`) as a new run, and wakes
-    /// the merging thread. Waits while the shard holds [`RUNS_MAX`] runs.
+    /// the merging thread. Waits while the shard holds `RUNS_MAX` (32) runs.
     pub fn add(&mut self, entries: &mut Vec<RetiredEntry>) -> Result<(), StoreError> {
         self.write_generation(entries)
             .map_err(|source| self.failed(source))
@@ -341,7 +341,7 @@ impl RetiredRuns {
         state.check()
     }
 
-    /// Waits until no tier holds [`MERGE_FANOUT`] runs (or a merge failed).
+    /// Waits until no tier holds `MERGE_FANOUT` (8) runs (or a merge failed).
     pub fn wait_for_merges(&self) -> Result<(), StoreError> {
         let mut state = self.state();
         while state.failed.is_none() && (state.merging || state.mergeable().is_some()) {
