@@ -1,18 +1,25 @@
-//! The sink: consumes the engine's outbound queue, drops repeated CLS by ClsId (a CLS may be
-//! re-emitted after a restart), records per-trade latency (first message of the trade injected →
-//! CLS emitted) in an HdrHistogram, can write every CLS to a file, one per line, and confirms
-//! delivery back to the engine once a CLS is written.
+//! The sink: consumes the engine's outbound queue, drops repeated CLS (a CLS may be emitted
+//! again after a restart or a takeover), records per-trade latency (first message of the trade
+//! injected → CLS emitted) in an HdrHistogram, can write every CLS to a file, one per line, and
+//! confirms delivery back to the engine once a CLS is written.
+//!
+//! A shard's CLS arrive in outbox order, and a CLS emitted again is its outbox row again (same
+//! ClsId, same outbox id), so a CLS whose outbox id is not above the highest already received
+//! from its shard is a repeat: the sink keeps one watermark per shard, and its memory does not
+//! grow with the run (a set of every ClsId received had cost 16 bytes and more a trade).
 //!
 //! Appending to an existing CLS file, the sink first reads the ClsIds it already holds (cutting
-//! off a last line that a crash left unfinished), so a CLS emitted again after a restart is still
-//! recognised as a repeat.
+//! off a last line that a crash left unfinished), so a CLS emitted again after a restart, whose
+//! outbox position this process has not seen, is still recognised as a repeat: those ClsIds are
+//! kept, sorted, for the run (16 bytes a line of the file as it was), and only a CLS marked as
+//! emitted again is looked up in them (a first emission is a commit of this run).
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::Path;
 use std::time::Instant;
 
-use ahash::AHashSet;
+use ahash::AHashMap;
 use hdrhistogram::Histogram;
 use ste_engine::pipeline::{Delivery, OutboundEvent};
 use ste_engine::queue::{receive, Rx};
@@ -39,7 +46,8 @@ pub struct LatencyMs {
 pub struct SinkReport {
     /// Distinct CLS received.
     pub cls: u64,
-    /// CLS received again with a ClsId already seen, and dropped.
+    /// CLS received again (at or under their shard's highest outbox id received, or held in the
+    /// file appended to), and dropped.
     pub cls_repeats: u64,
     /// CLS that the engine emitted again after a restart (repeats or not).
     pub cls_redelivered: u64,
@@ -88,7 +96,11 @@ impl SinkReport {
 
 /// The sink's state.
 pub struct Sink {
-    seen: AHashSet<u128>,
+    /// Each shard's highest outbox id received.
+    through: AHashMap<u32, i64>,
+    /// Hashes of the ClsIds in the file appended to, sorted.
+    held: Box<[u128]>,
+    cls: u64,
     latency: Histogram<u64>,
     cls_out: Option<BufWriter<File>>,
     cls_repeats: u64,
@@ -106,9 +118,10 @@ fn cls_id_of(line: &str) -> Option<&str> {
     Some(&line[start..end])
 }
 
-/// Reads the ClsIds of a CLS file and cuts off an unfinished last line.
-fn read_held(path: &Path) -> std::io::Result<AHashSet<u128>> {
-    let mut held = AHashSet::new();
+/// Reads the ClsIds of a CLS file (hashed, sorted, without repeats) and cuts off an unfinished
+/// last line.
+fn read_held(path: &Path) -> std::io::Result<Box<[u128]>> {
+    let mut held = Vec::new();
     let mut complete_len: u64 = 0;
     let mut reader = BufReader::new(File::open(path)?);
     let mut line = String::new();
@@ -120,34 +133,38 @@ fn read_held(path: &Path) -> std::io::Result<AHashSet<u128>> {
         }
         complete_len += read as u64;
         if let Some(cls_id) = cls_id_of(&line) {
-            held.insert(xxh3_128(cls_id.as_bytes()));
+            held.push(xxh3_128(cls_id.as_bytes()));
         }
     }
     OpenOptions::new()
         .write(true)
         .open(path)?
         .set_len(complete_len)?;
-    Ok(held)
+    held.sort_unstable();
+    held.dedup();
+    Ok(held.into_boxed_slice())
 }
 
 impl Sink {
     /// A sink that writes CLS to `cls_out` when given: a new file, or with `append` the end of
     /// an existing one whose ClsIds count as already seen.
     pub fn new(cls_out: Option<&Path>, append: bool) -> std::io::Result<Self> {
-        let mut seen = AHashSet::new();
+        let mut held = Box::default();
         let cls_out = match cls_out {
             Some(path) if append && path.exists() => {
-                seen = read_held(path)?;
+                held = read_held(path)?;
                 Some(BufWriter::new(OpenOptions::new().append(true).open(path)?))
             }
             Some(path) => Some(BufWriter::new(File::create(path)?)),
             None => None,
         };
-        let cls_already_held = seen.len() as u64;
+        let cls_already_held = held.len() as u64;
         let latency = Histogram::new_with_bounds(1, LATENCY_MAX_US, LATENCY_SIGNIFICANT_FIGURES)
             .map_err(|error| std::io::Error::other(error.to_string()))?;
         Ok(Self {
-            seen,
+            through: AHashMap::new(),
+            held,
+            cls: 0,
             latency,
             cls_out,
             cls_repeats: 0,
@@ -166,14 +183,27 @@ impl Sink {
                 cls_id,
                 body,
                 trade_first_injected_ns,
+                shard,
+                outbox_id,
                 redelivered,
-                ..
             } => {
                 self.cls_redelivered += u64::from(redelivered);
-                if !self.seen.insert(xxh3_128(cls_id.as_bytes())) {
+                let repeat = self
+                    .through
+                    .get(&shard)
+                    .is_some_and(|&through| outbox_id <= through)
+                    || (redelivered
+                        && self
+                            .held
+                            .binary_search(&xxh3_128(cls_id.as_bytes()))
+                            .is_ok());
+                let through = self.through.entry(shard).or_insert(outbox_id);
+                *through = (*through).max(outbox_id);
+                if repeat {
                     self.cls_repeats += 1;
                     return Ok(());
                 }
+                self.cls += 1;
                 // A CLS emitted again after a restart has no injection time in this run.
                 if !redelivered {
                     let latency_us = now_ns.saturating_sub(trade_first_injected_ns) / 1000;
@@ -203,7 +233,7 @@ impl Sink {
     pub fn finish(mut self) -> std::io::Result<SinkReport> {
         self.flush()?;
         Ok(SinkReport {
-            cls: self.seen.len() as u64 - self.cls_already_held,
+            cls: self.cls,
             cls_repeats: self.cls_repeats,
             cls_redelivered: self.cls_redelivered,
             cls_already_held: self.cls_already_held,
@@ -283,15 +313,27 @@ pub fn run_with(
 mod tests {
     use super::*;
 
-    fn cls(id: &str, injected_ns: u64) -> OutboundEvent {
+    fn cls_at(id: &str, shard: u32, outbox_id: i64, redelivered: bool) -> OutboundEvent {
         OutboundEvent::Cls {
             cls_id: id.to_owned(),
             body: format!("<Cls><ClsId>{id}</ClsId></Cls>"),
-            trade_first_injected_ns: injected_ns,
-            shard: 0,
-            outbox_id: 1,
-            redelivered: false,
+            trade_first_injected_ns: 0,
+            shard,
+            outbox_id,
+            redelivered,
         }
+    }
+
+    fn cls(id: &str, outbox_id: i64, injected_ns: u64) -> OutboundEvent {
+        let mut event = cls_at(id, 0, outbox_id, false);
+        if let OutboundEvent::Cls {
+            trade_first_injected_ns,
+            ..
+        } = &mut event
+        {
+            *trade_first_injected_ns = injected_ns;
+        }
+        event
     }
 
     #[test]
@@ -299,9 +341,11 @@ mod tests {
         let dir = tempfile::tempdir().expect("temporary folder");
         let path = dir.path().join("cls.xml");
         let mut sink = Sink::new(Some(&path), false).expect("sink");
-        sink.accept(cls("CLS-A-1", 0), 2_000_000).expect("accepts");
-        sink.accept(cls("CLS-A-1", 0), 3_000_000).expect("accepts");
-        sink.accept(cls("CLS-A-2", 1_000_000), 5_000_000)
+        sink.accept(cls("CLS-A-1", 1, 0), 2_000_000)
+            .expect("accepts");
+        sink.accept(cls("CLS-A-1", 1, 0), 3_000_000)
+            .expect("accepts");
+        sink.accept(cls("CLS-A-2", 2, 1_000_000), 5_000_000)
             .expect("accepts");
         let report = sink.finish().expect("finishes");
         assert_eq!(report.cls, 2);
@@ -314,6 +358,39 @@ mod tests {
     }
 
     #[test]
+    fn each_shard_has_its_own_watermark_and_what_a_takeover_emits_again_is_a_repeat() {
+        let mut sink = Sink::new(None, false).expect("sink");
+        // Two shards interleaved, outbox ids with gaps (retention, rolled-back sequences).
+        for (id, shard, outbox_id) in [
+            ("CLS-A-1", 0, 5),
+            ("CLS-B-1", 1, 1),
+            ("CLS-A-2", 0, 9),
+            ("CLS-B-2", 1, 2),
+        ] {
+            sink.accept(cls_at(id, shard, outbox_id, false), 1_000)
+                .expect("accepts");
+        }
+        // A new owner of shard 0 emits again above the last watermark it read (5), then what it
+        // commits itself; a late CLS of the old owner arrives after them.
+        for (id, outbox_id, redelivered) in [
+            ("CLS-A-2", 9, true),
+            ("CLS-A-3", 12, true),
+            ("CLS-A-4", 13, false),
+            ("CLS-A-3", 12, false),
+        ] {
+            sink.accept(cls_at(id, 0, outbox_id, redelivered), 1_000)
+                .expect("accepts");
+        }
+        let report = sink.finish().expect("finishes");
+        assert_eq!(
+            (report.cls, report.cls_repeats, report.cls_redelivered),
+            (6, 2, 2)
+        );
+        // Only first emissions of this run are timed.
+        assert_eq!(report.latency.len(), 5);
+    }
+
+    #[test]
     fn appending_remembers_what_the_file_holds_and_cuts_a_torn_line() {
         let dir = tempfile::tempdir().expect("temporary folder");
         let path = dir.path().join("cls.xml");
@@ -323,15 +400,19 @@ mod tests {
         )
         .expect("writes");
         let mut sink = Sink::new(Some(&path), true).expect("sink");
-        sink.accept(cls("CLS-A-2", 0), 1_000).expect("accepts");
-        sink.accept(cls("CLS-A-3", 0), 1_000).expect("accepts");
+        // Emitted again after the restart: one the file holds, one it does not.
+        sink.accept(cls_at("CLS-A-2", 0, 2, true), 1_000)
+            .expect("accepts");
+        sink.accept(cls_at("CLS-A-3", 0, 3, true), 1_000)
+            .expect("accepts");
+        sink.accept(cls("CLS-A-4", 4, 0), 1_000).expect("accepts");
         let report = sink.finish().expect("finishes");
         assert_eq!(
             (report.cls, report.cls_repeats, report.cls_already_held),
-            (1, 1, 2)
+            (2, 1, 2)
         );
         let written = std::fs::read_to_string(&path).expect("cls file");
         let ids: Vec<&str> = written.lines().filter_map(cls_id_of).collect();
-        assert_eq!(ids, ["CLS-A-1", "CLS-A-2", "CLS-A-3"]);
+        assert_eq!(ids, ["CLS-A-1", "CLS-A-2", "CLS-A-3", "CLS-A-4"]);
     }
 }
