@@ -341,6 +341,7 @@ pub fn run_cluster(
         throughput_last_10pct_msg_s: None,
         latency_ms: latency.into(),
         stations,
+        sampler_on_time: None,
         bottleneck,
         shards,
         stored_validation_exceptions: 0,

@@ -141,6 +141,10 @@ pub struct Summary {
     pub throughput_last_10pct_msg_s: Option<f64>,
     pub latency_ms: LatencySummary,
     pub stations: Vec<StationSummary>,
+    /// In process: whether the sampler ran at real-time priority, which its populations need
+    /// when the cores are busy (`None`: not sampled, or a cluster's nodes sampled).
+    #[serde(default)]
+    pub sampler_on_time: Option<bool>,
     pub bottleneck: Option<String>,
     pub shards: Vec<ShardSummary>,
     /// Rows of the store of messages rejected by validation.
@@ -670,6 +674,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         throughput_last_10pct_msg_s: edge_rates.map(|(_, last)| last),
         latency_ms: latency.into(),
         stations,
+        sampler_on_time: report.sampler_on_time,
         bottleneck,
         shards,
         stored_validation_exceptions: report.exception_rows.exceptions,

@@ -506,6 +506,12 @@ fn print_summary(summary: &Summary) {
             station.R_direct_ms
         );
     }
+    if summary.sampler_on_time == Some(false) {
+        println!(
+            "  sampling          at normal priority (real-time refused): N and R from the \
+             samples lean late in the pipeline when the cores are busy"
+        );
+    }
     if let Some(bottleneck) = &summary.bottleneck {
         println!("  bottleneck        {bottleneck}");
     }

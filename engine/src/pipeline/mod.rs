@@ -152,6 +152,8 @@ pub struct PipelineReport {
     pub shard_commit_retries: Vec<u64>,
     /// Rows of the validation-exception store.
     pub exception_rows: RowCounts,
+    /// Whether the sampler ran at real-time priority (`None`: no sampler).
+    pub sampler_on_time: Option<bool>,
 }
 
 /// A running pipeline.
@@ -164,7 +166,7 @@ pub struct Pipeline {
     matchers: Vec<Joined<ShardCounts>>,
     writers: Vec<Joined<WriterReport>>,
     exception_writer: Option<Joined<WriterReport>>,
-    sampler: Option<(Arc<AtomicBool>, Joined<()>)>,
+    sampler: Option<(Arc<AtomicBool>, Joined<bool>)>,
     delivery: Delivery,
 }
 
@@ -532,9 +534,13 @@ impl Pipeline {
                 Err(error) => keep(Err(error)),
             }
         }
+        let mut sampler_on_time = None;
         if let Some((stop, handle)) = self.sampler.take() {
             stop.store(true, Ordering::Relaxed);
-            keep(join(handle));
+            match join(handle) {
+                Ok(on_time) => sampler_on_time = Some(on_time),
+                Err(error) => keep(Err(error)),
+            }
         }
         match first_error {
             Some(error) => Err(error),
@@ -543,6 +549,7 @@ impl Pipeline {
                 shard_rows,
                 shard_commit_retries,
                 exception_rows,
+                sampler_on_time,
             }),
         }
     }
