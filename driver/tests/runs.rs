@@ -402,6 +402,26 @@ fn a_real_run_obeys_the_operational_laws_and_littles_law_matches_direct_measurem
         dir.path(),
     );
     let summary = ste_driver::run(&config, refdata()).expect("runs");
+    // The sampler asks for real-time priority; a process that may set it (CAP_SYS_NICE in its
+    // effective capabilities, which root has, outside a control group without real-time time)
+    // gets it, and the summary says either way (an RLIMIT_RTPRIO may grant it without).
+    let may_set_priority = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let mask = status
+                .lines()
+                .find_map(|line| line.strip_prefix("CapEff:"))?;
+            u64::from_str_radix(mask.trim(), 16).ok()
+        })
+        .is_some_and(|mask| mask & (1 << 23) != 0);
+    assert!(summary.sampler_on_time.is_some(), "the sampler's priority");
+    if may_set_priority {
+        assert_eq!(
+            summary.sampler_on_time,
+            Some(true),
+            "the sampler's priority"
+        );
+    }
     let mut checked_direct = 0;
     for s in summary.stations.iter().filter(|s| s.C > 0) {
         let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0);
