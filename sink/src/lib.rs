@@ -188,16 +188,14 @@ impl Sink {
                 redelivered,
             } => {
                 self.cls_redelivered += u64::from(redelivered);
-                let repeat = self
-                    .through
-                    .get(&shard)
-                    .is_some_and(|&through| outbox_id <= through)
+                // One look-up a CLS: a shard's first CLS finds nothing below it.
+                let through = self.through.entry(shard).or_insert(i64::MIN);
+                let repeat = outbox_id <= *through
                     || (redelivered
                         && self
                             .held
                             .binary_search(&xxh3_128(cls_id.as_bytes()))
                             .is_ok());
-                let through = self.through.entry(shard).or_insert(outbox_id);
                 *through = (*through).max(outbox_id);
                 if repeat {
                     self.cls_repeats += 1;
