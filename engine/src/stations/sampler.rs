@@ -60,8 +60,8 @@ fn write_samples(
 /// early in the pipeline emptier, and the late ones fuller, than they are on average: in a
 /// closed-loop run of 16 messages, the stations' summed population read 14–17% above what
 /// Little's law gives from the response times measured directly, and 0.3–4% off at real-time
-/// priority (ARCHITECTURE.md, "Sampling"). Sleeping 10 ms between samples of a few tens of
-/// microseconds, the sampler takes well under 1% of a core at that priority.
+/// priority (ARCHITECTURE.md, "Sampling"). Sleeping 10 ms between samples of about 30 µs, the
+/// sampler takes well under 1% of a core at that priority.
 pub fn sample_on_time() -> bool {
     #[cfg(unix)]
     {
