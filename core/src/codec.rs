@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 
 use quick_xml::events::Event;
 
-use crate::model::{format_date, Cls, Msg};
+use crate::model::{format_date, push_date, Cls, Decimal, Msg};
 use crate::reason::{ReasonCode, Rejection};
 
 /// The namespace of every STE message.
@@ -568,14 +568,32 @@ pub fn encode_msg(msg: &Msg) -> String {
     out.push_str("<Msg xmlns=\"");
     out.push_str(NAMESPACE);
     out.push_str("\">");
+    // Written piece by piece, not through `write!`: encoding is most of what generating a
+    // message costs, and the formatting machinery was most of encoding.
     let text = |out: &mut String, field: Field, value: Option<&str>| {
         if let Some(value) = value {
             push_element(out, field.name(), value);
         }
     };
-    let shown = |out: &mut String, field: Field, value: Option<&dyn std::fmt::Display>| {
+    let element = |out: &mut String, field: Field, body: &dyn Fn(&mut String)| {
+        out.push('<');
+        out.push_str(field.name());
+        out.push('>');
+        body(out);
+        out.push_str("</");
+        out.push_str(field.name());
+        out.push('>');
+    };
+    let amount = |out: &mut String, field: Field, value: Option<Decimal>| {
         if let Some(value) = value {
-            let _ = write!(out, "<{0}>{value}</{0}>", field.name());
+            element(out, field, &|out| value.push_to(out));
+        }
+    };
+    let number = |out: &mut String, field: Field, value: Option<u64>| {
+        if let Some(value) = value {
+            element(out, field, &|out| {
+                out.push_str(itoa::Buffer::new().format(value))
+            });
         }
     };
     text(&mut out, Field::MsgId, Some(&msg.msg_id));
@@ -589,31 +607,19 @@ pub fn encode_msg(msg: &Msg) -> String {
     text(&mut out, Field::InvMgr, msg.inv_mgr.as_deref());
     text(&mut out, Field::Side, msg.side.map(|v| v.as_str()));
     text(&mut out, Field::Isin, msg.isin.as_deref());
-    let dates = [
+    for (field, date) in [
         (Field::TradeDate, msg.trade_date),
         (Field::SettleDate, msg.settle_date),
-    ];
-    for (field, date) in dates {
+    ] {
         if let Some(date) = date {
-            let _ = write!(
-                out,
-                "<{0}>{1:04}-{2:02}-{3:02}</{0}>",
-                field.name(),
-                date.year(),
-                u8::from(date.month()),
-                date.day()
-            );
+            element(&mut out, field, &|out| push_date(out, date));
         }
     }
     text(&mut out, Field::Market, msg.market.as_deref());
-    shown(&mut out, Field::Price, msg.price.as_ref().map(|v| v as _));
+    amount(&mut out, Field::Price, msg.price);
     text(&mut out, Field::Ccy, msg.ccy.as_deref());
-    shown(&mut out, Field::Qty, msg.qty.as_ref().map(|v| v as _));
-    shown(
-        &mut out,
-        Field::AllocCount,
-        msg.alloc_count.as_ref().map(|v| v as _),
-    );
+    number(&mut out, Field::Qty, msg.qty);
+    number(&mut out, Field::AllocCount, msg.alloc_count.map(u64::from));
     text(&mut out, Field::Account, msg.account.as_deref());
     text(&mut out, Field::Pset, msg.pset.as_deref());
     text(
@@ -621,25 +627,17 @@ pub fn encode_msg(msg: &Msg) -> String {
         Field::PaymentType,
         msg.payment_type.map(|v| v.as_str()),
     );
-    shown(&mut out, Field::Gross, msg.gross.as_ref().map(|v| v as _));
-    shown(
-        &mut out,
-        Field::Commission,
-        msg.commission.as_ref().map(|v| v as _),
-    );
-    shown(&mut out, Field::Fees, msg.fees.as_ref().map(|v| v as _));
-    shown(&mut out, Field::Net, msg.net.as_ref().map(|v| v as _));
+    amount(&mut out, Field::Gross, msg.gross);
+    amount(&mut out, Field::Commission, msg.commission);
+    amount(&mut out, Field::Fees, msg.fees);
+    amount(&mut out, Field::Net, msg.net);
     text(&mut out, Field::Custodian, msg.custodian.as_deref());
     text(
         &mut out,
         Field::SafekeepingAccount,
         msg.safekeeping_account.as_deref(),
     );
-    shown(
-        &mut out,
-        Field::SettleAmount,
-        msg.settle_amount.as_ref().map(|v| v as _),
-    );
+    amount(&mut out, Field::SettleAmount, msg.settle_amount);
     out.push_str("</Msg>");
     out
 }

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use time::{Date, Duration, Month};
 
 use crate::codec::{encode_fields, encode_msg, fields_of};
-use crate::model::{format_date, Decimal, Function, Msg, MsgType, PaymentType, Side, Text};
+use crate::model::{push_date, Decimal, Function, Msg, MsgType, PaymentType, Side, Text};
 use crate::reason::ReasonCode;
 use crate::refdata::generate::csd_of_market;
 use crate::refdata::{Participant, RefData, Role, Security};
@@ -210,6 +210,33 @@ pub struct Generator<'r> {
     expected: RunOutcome,
 }
 
+/// A piece of a generated identifier.
+enum Part<'a> {
+    Text(&'a str),
+    /// A number zero-padded to at least this many digits.
+    Number(u64, usize),
+}
+
+/// The pieces joined: the generator's identifiers (nine or more a trade), built without the
+/// formatting machinery, which was most of what generating a trade cost.
+fn ident(parts: &[Part<'_>]) -> Text {
+    let mut out = Text::default();
+    let mut digits = itoa::Buffer::new();
+    for part in parts {
+        match *part {
+            Part::Text(text) => out.push_str(text),
+            Part::Number(value, width) => {
+                let text = digits.format(value);
+                for _ in text.len()..width {
+                    out.push('0');
+                }
+                out.push_str(text);
+            }
+        }
+    }
+    out
+}
+
 fn of_role(refdata: &RefData, role: Role) -> Vec<&Participant> {
     refdata
         .participants()
@@ -328,8 +355,15 @@ impl<'r> Generator<'r> {
             settle_date = self.business_day_on_or_after(&market, settle_date + Duration::days(1));
         }
         let run = self.config.run.clone();
-        let trade_ref = format_compact!("T{run}{:011}", index + 1);
-        let sent_at = format_compact!("{}T09:30:00.000Z", format_date(trade_date));
+        let trade_ref = ident(&[
+            Part::Text("T"),
+            Part::Text(&run),
+            Part::Number(index + 1, 11),
+        ]);
+        let mut sent_at = String::with_capacity(24);
+        push_date(&mut sent_at, trade_date);
+        sent_at.push_str("T09:30:00.000Z");
+        let sent_at = Text::from(sent_at);
         let template = Msg {
             msg_id: Text::default(),
             msg_type: MsgType::Noe,
@@ -363,7 +397,14 @@ impl<'r> Generator<'r> {
         let mut sequence = 0;
         let mut next_id = |sender: &str| {
             sequence += 1;
-            format_compact!("{sender}-{run}{:012}-{sequence:02}", index + 1)
+            ident(&[
+                Part::Text(sender),
+                Part::Text("-"),
+                Part::Text(&run),
+                Part::Number(index + 1, 12),
+                Part::Text("-"),
+                Part::Number(sequence, 2),
+            ])
         };
         let mut messages = Vec::with_capacity(MESSAGES_PER_TRADE);
         messages.push(Msg {
@@ -374,7 +415,7 @@ impl<'r> Generator<'r> {
         });
         for (allocation, alloc_qty) in [first_qty, qty - first_qty].into_iter().enumerate() {
             let account_number = index * ALLOCATIONS_PER_TRADE as u64 + allocation as u64 + 1;
-            let account = format_compact!("ACC{account_number:09}");
+            let account = ident(&[Part::Text("ACC"), Part::Number(account_number, 9)]);
             let gross = price.times_quantity(alloc_qty).round_to(minor_units);
             let commission = Decimal(gross.0 / 1000).round_to(minor_units);
             let fees = Decimal::parse("3.50")
@@ -418,7 +459,10 @@ impl<'r> Generator<'r> {
                 pset: Some(pset.clone()),
                 payment_type: Some(payment_type),
                 custodian: Some(custodian.clone()),
-                safekeeping_account: Some(format_compact!("SK{account_number:09}")),
+                safekeeping_account: Some(ident(&[
+                    Part::Text("SK"),
+                    Part::Number(account_number, 9),
+                ])),
                 settle_amount: Some(net),
                 ..template.clone()
             });
@@ -672,5 +716,38 @@ impl Iterator for Generator<'_> {
             let case = self.next_trade()?;
             self.queued.extend(case.lines);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::format_date;
+
+    #[test]
+    fn identifiers_are_the_pieces_joined_with_numbers_zero_padded() {
+        let refdata = RefData::embedded()
+            .expect("reference data")
+            .with_generated_keys();
+        let mut generator = Generator::new(&refdata, GeneratorConfig::clean(1));
+        let run = generator.config.run.clone();
+        let trade = generator.standard_trade(41);
+        assert_eq!(trade[0].trade_ref, format!("T{run}{:011}", 42));
+        for (sequence, msg) in trade.iter().enumerate() {
+            let expected = format!("{}-{run}{:012}-{:02}", msg.sender, 42, sequence + 1);
+            assert_eq!(msg.msg_id, expected);
+        }
+        let date = trade[0].trade_date.expect("a trade date");
+        assert_eq!(
+            trade[0].sent_at,
+            format!("{}T09:30:00.000Z", format_date(date))
+        );
+        assert_eq!(trade[1].account.as_deref(), Some("ACC000000083"));
+        assert_eq!(trade[3].safekeeping_account.as_deref(), Some("SK000000083"));
+        assert_eq!(
+            ident(&[Part::Text("X"), Part::Number(1_234_567, 3)]),
+            "X1234567",
+            "a number wider than its width is written whole"
+        );
     }
 }

@@ -233,6 +233,40 @@ impl std::ops::Sub for Decimal {
     }
 }
 
+impl Decimal {
+    /// Appends the text [`Display`](fmt::Display) writes, without the formatting machinery: the
+    /// encoder writes up to six amounts a message.
+    pub fn push_to(self, out: &mut String) {
+        let Ok(magnitude) = u64::try_from(self.0.unsigned_abs()) else {
+            // Beyond 18 million million units: parsing accepts no such amount; computed ones
+            // take the general path.
+            let _ = fmt::Write::write_fmt(out, format_args!("{self}"));
+            return;
+        };
+        if self.0 < 0 {
+            out.push('-');
+        }
+        let one = DECIMAL_ONE as u64;
+        let mut digits = itoa::Buffer::new();
+        out.push_str(digits.format(magnitude / one));
+        let mut fraction = magnitude % one;
+        if fraction == 0 {
+            return;
+        }
+        let mut width = DECIMAL_SCALE_DIGITS as usize;
+        while fraction.is_multiple_of(10) {
+            fraction /= 10;
+            width -= 1;
+        }
+        out.push('.');
+        let text = digits.format(fraction);
+        for _ in text.len()..width {
+            out.push('0');
+        }
+        out.push_str(text);
+    }
+}
+
 impl fmt::Display for Decimal {
     /// The shortest exact form: trailing zero fraction digits are dropped.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -273,6 +307,35 @@ pub fn parse_date(text: &str) -> Option<Date> {
     let month = Month::try_from(u8::try_from(number(5..7)?).ok()?).ok()?;
     let day = u8::try_from(number(8..10)?).ok()?;
     Date::from_calendar_date(year, month, day).ok()
+}
+
+/// Appends `date` as [`format_date`] writes it, without the formatting machinery.
+pub fn push_date(out: &mut String, date: Date) {
+    let year = date.year();
+    let Ok(year) = u16::try_from(year) else {
+        out.push_str(&format_date(date));
+        return;
+    };
+    if year > 9999 {
+        out.push_str(&format_date(date));
+        return;
+    }
+    let digit = |value: u16| char::from(b'0' + (value % 10) as u8);
+    let (month, day) = (u16::from(u8::from(date.month())), u16::from(date.day()));
+    for ch in [
+        digit(year / 1000),
+        digit(year / 100),
+        digit(year / 10),
+        digit(year),
+        '-',
+        digit(month / 10),
+        digit(month),
+        '-',
+        digit(day / 10),
+        digit(day),
+    ] {
+        out.push(ch);
+    }
 }
 
 /// Formats a date as `YYYY-MM-DD`.
@@ -432,5 +495,24 @@ mod tests {
             format_date(parse_date("2002-10-15").expect("valid date")),
             "2002-10-15"
         );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn an_amount_is_appended_as_it_is_displayed(units in proptest::num::i128::ANY) {
+            // Every magnitude: the fast path (within u64) and the general one beyond it.
+            let value = Decimal(units / 1_000);
+            let mut out = String::from("x");
+            value.push_to(&mut out);
+            proptest::prop_assert_eq!(out, format!("x{value}"));
+        }
+
+        #[test]
+        fn a_date_is_appended_as_it_is_formatted(day in -800_000_i32..3_000_000) {
+            let date = Date::from_julian_day(day).expect("in range");
+            let mut out = String::new();
+            push_date(&mut out, date);
+            proptest::prop_assert_eq!(out, format_date(date));
+        }
     }
 }

@@ -421,10 +421,12 @@ pub fn sign_line(
     correlation: u64,
     injected_ns: u64,
 ) -> Envelope {
-    let signature = sign::claimed_sender(&bytes)
+    let sender = sign::claimed_sender(&bytes);
+    let signature = sender
         .and_then(|sender| refdata.participant_mac(sender))
         .map(|(_, mac)| sign::sign_keyed(mac, &bytes));
-    signed_line(bytes, signature, correlation, injected_ns)
+    let sender = sender.map(str::to_owned);
+    envelope(bytes, sender, signature, correlation, injected_ns)
 }
 
 /// The envelope of a line signed beforehand (a pre-signed message set), as [`sign_line`] would
@@ -435,8 +437,19 @@ pub fn signed_line(
     correlation: u64,
     injected_ns: u64,
 ) -> Envelope {
+    let sender = sign::claimed_sender(&bytes).map(str::to_owned);
+    envelope(bytes, sender, signature, correlation, injected_ns)
+}
+
+fn envelope(
+    bytes: Vec<u8>,
+    sender: Option<String>,
+    signature: Option<[u8; SIGNATURE_LEN]>,
+    correlation: u64,
+    injected_ns: u64,
+) -> Envelope {
     Envelope {
-        sender: sign::claimed_sender(&bytes).map(str::to_owned),
+        sender,
         bytes,
         signature,
         correlation,

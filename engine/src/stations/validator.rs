@@ -59,7 +59,11 @@ pub(crate) fn run_validator(
         let enqueued_ns = received.enqueued_ns;
         let started = Instant::now();
         let count = envelopes.len() as u64;
-        let mut to_match: Vec<Vec<Validated>> = (0..own_queues).map(|_| Vec::new()).collect();
+        // Room for the whole batch in each: a batch's messages spread over the shards, and
+        // growing a vector a message at a time copied each of them again.
+        let mut to_match: Vec<Vec<Validated>> = (0..own_queues)
+            .map(|_| Vec::with_capacity(envelopes.len()))
+            .collect();
         let mut rejected = Vec::new();
         for mut envelope in envelopes {
             let refusal = envelope.refusal.take();

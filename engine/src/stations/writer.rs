@@ -124,7 +124,13 @@ pub(crate) fn run_writer(
                 tracing::error!(shard, error = %error, "retention purge failed; retried tomorrow");
             }
         }
-        let mut batch = Batch::default();
+        // Each message is one row: room for all of them at once, where growing the vector
+        // row by row copied every row again (and left up to half of it unused in the memory
+        // store, which keeps the vector).
+        let mut batch = Batch {
+            messages: Vec::with_capacity(items.len()),
+            ..Batch::default()
+        };
         let mut acks = Vec::with_capacity(items.len());
         let mut events = Vec::new();
         // Only the last status of a trade in this batch needs writing.
