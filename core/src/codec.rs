@@ -8,6 +8,7 @@
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
+use std::sync::LazyLock;
 
 use quick_xml::events::Event;
 
@@ -474,9 +475,24 @@ fn parse_general(text: &str) -> Result<RawFields<'_>, Rejection> {
     }
 }
 
+/// The open and close tags of every field, by [`Field::index`].
+static ELEMENT_TAGS: LazyLock<[(Box<str>, Box<str>); FIELD_COUNT]> = LazyLock::new(|| {
+    Field::ALL.map(|field| {
+        let name = field.name();
+        (format!("<{name}>").into(), format!("</{name}>").into())
+    })
+});
+
 /// Escapes text for an element body.
 fn push_escaped(out: &mut String, text: &str) {
-    if memchr::memchr3(b'&', b'<', b'>', text.as_bytes()).is_none() {
+    let markup = |b: &u8| matches!(b, b'&' | b'<' | b'>');
+    // Most field texts are a few bytes: a plain loop finds nothing sooner than memchr's setup.
+    let plain = if text.len() < 64 {
+        !text.as_bytes().iter().any(markup)
+    } else {
+        memchr::memchr3(b'&', b'<', b'>', text.as_bytes()).is_none()
+    };
+    if plain {
         out.push_str(text);
         return;
     }
@@ -569,20 +585,18 @@ pub fn encode_msg(msg: &Msg) -> String {
     out.push_str(NAMESPACE);
     out.push_str("\">");
     // Written piece by piece, not through `write!`: encoding is most of what generating a
-    // message costs, and the formatting machinery was most of encoding.
+    // message costs, and the formatting machinery was most of encoding. An element is its
+    // open tag, its text and its close tag: three copies.
+    let element = |out: &mut String, field: Field, body: &dyn Fn(&mut String)| {
+        let (open, close) = &ELEMENT_TAGS[field.index()];
+        out.push_str(open);
+        body(out);
+        out.push_str(close);
+    };
     let text = |out: &mut String, field: Field, value: Option<&str>| {
         if let Some(value) = value {
-            push_element(out, field.name(), value);
+            element(out, field, &|out| push_escaped(out, value));
         }
-    };
-    let element = |out: &mut String, field: Field, body: &dyn Fn(&mut String)| {
-        out.push('<');
-        out.push_str(field.name());
-        out.push('>');
-        body(out);
-        out.push_str("</");
-        out.push_str(field.name());
-        out.push('>');
     };
     let amount = |out: &mut String, field: Field, value: Option<Decimal>| {
         if let Some(value) = value {

@@ -213,25 +213,47 @@ pub struct Generator<'r> {
 /// A piece of a generated identifier.
 enum Part<'a> {
     Text(&'a str),
-    /// A number zero-padded to at least this many digits.
+    /// A number zero-padded to at least this many digits (up to 20).
     Number(u64, usize),
 }
 
 /// The pieces joined: the generator's identifiers (nine or more a trade), built without the
 /// formatting machinery, which was most of what generating a trade cost.
 fn ident(parts: &[Part<'_>]) -> Text {
-    let mut out = Text::default();
+    const ZEROS: &[u8] = b"00000000000000000000";
+    // Joined on the stack and made a `Text` once: pushing piece by piece onto a `Text` cost
+    // more than the pieces.
+    let mut joined = [0_u8; 96];
+    let mut length = 0;
     let mut digits = itoa::Buffer::new();
+    for part in parts {
+        let (zeros, text) = match *part {
+            Part::Text(text) => (0, text.as_bytes()),
+            Part::Number(value, width) => {
+                let text = digits.format(value).as_bytes();
+                (width.saturating_sub(text.len()).min(ZEROS.len()), text)
+            }
+        };
+        let Some(piece) = joined.get_mut(length..length + zeros + text.len()) else {
+            return ident_long(parts);
+        };
+        piece[..zeros].copy_from_slice(&ZEROS[..zeros]);
+        piece[zeros..].copy_from_slice(text);
+        length += zeros + text.len();
+    }
+    match std::str::from_utf8(&joined[..length]) {
+        Ok(text) => Text::new(text),
+        Err(_) => ident_long(parts),
+    }
+}
+
+/// [`ident`] for identifiers longer than its buffer.
+fn ident_long(parts: &[Part<'_>]) -> Text {
+    let mut out = Text::default();
     for part in parts {
         match *part {
             Part::Text(text) => out.push_str(text),
-            Part::Number(value, width) => {
-                let text = digits.format(value);
-                for _ in text.len()..width {
-                    out.push('0');
-                }
-                out.push_str(text);
-            }
+            Part::Number(value, width) => out.push_str(&format!("{value:0width$}")),
         }
     }
     out
@@ -748,6 +770,12 @@ mod tests {
             ident(&[Part::Text("X"), Part::Number(1_234_567, 3)]),
             "X1234567",
             "a number wider than its width is written whole"
+        );
+        let long = "L".repeat(120);
+        assert_eq!(
+            ident(&[Part::Text(&long), Part::Number(7, 4)]),
+            format!("{long}0007"),
+            "an identifier longer than the buffer is joined all the same"
         );
     }
 }

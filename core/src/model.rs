@@ -320,22 +320,22 @@ pub fn push_date(out: &mut String, date: Date) {
         out.push_str(&format_date(date));
         return;
     }
-    let digit = |value: u16| char::from(b'0' + (value % 10) as u8);
+    let digit = |value: u16| b'0' + (value % 10) as u8;
     let (month, day) = (u16::from(u8::from(date.month())), u16::from(date.day()));
-    for ch in [
+    let text = [
         digit(year / 1000),
         digit(year / 100),
         digit(year / 10),
         digit(year),
-        '-',
+        b'-',
         digit(month / 10),
         digit(month),
-        '-',
+        b'-',
         digit(day / 10),
         digit(day),
-    ] {
-        out.push(ch);
-    }
+    ];
+    // Digits and dashes only: always UTF-8.
+    out.push_str(std::str::from_utf8(&text).unwrap_or_default());
 }
 
 /// Formats a date as `YYYY-MM-DD`.
