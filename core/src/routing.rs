@@ -30,13 +30,13 @@ pub fn jump_consistent_hash(mut key: u64, buckets: u32) -> u32 {
 
 /// The shard of the trade `broker/trade_ref`, hashing the parts without building the key.
 pub fn shard_of_parts(broker: &str, trade_ref: &str, shards: u32) -> u32 {
+    shard_of_byte_parts(broker.as_bytes(), trade_ref.as_bytes(), shards)
+}
+
+/// [`shard_of_parts`] of the two texts as a message's bytes spell them (a gateway's scan).
+pub fn shard_of_byte_parts(broker: &[u8], trade_ref: &[u8], shards: u32) -> u32 {
     let mut hash = FNV_OFFSET_BASIS;
-    for byte in broker
-        .as_bytes()
-        .iter()
-        .chain(b"/")
-        .chain(trade_ref.as_bytes())
-    {
+    for byte in broker.iter().chain(b"/").chain(trade_ref) {
         hash ^= u64::from(*byte);
         hash = hash.wrapping_mul(FNV_PRIME);
     }

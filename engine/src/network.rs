@@ -14,7 +14,7 @@ use crate::matcher::Advice;
 use crate::queue::{QueueError, Tx};
 use crate::reason::{ReasonCode, Rejection};
 use crate::refdata::RefData;
-use crate::routing::shard_of_bytes;
+use crate::routing::shard_of_byte_parts;
 use crate::sign::{self, SIGNATURE_LEN};
 use crate::station::RunClock;
 use crate::store::StoreError;
@@ -469,11 +469,7 @@ pub fn inbound_index(bytes: &[u8], queues: usize) -> usize {
     static TRADE_REF: LazyLock<sign::Element> = LazyLock::new(|| sign::Element::new("TradeRef"));
     match (BROKER.text(bytes), TRADE_REF.text(bytes)) {
         (Some(broker), Some(trade_ref)) => {
-            let mut key = Vec::with_capacity(broker.len() + 1 + trade_ref.len());
-            key.extend_from_slice(broker);
-            key.push(b'/');
-            key.extend_from_slice(trade_ref);
-            shard_of_bytes(&key, queues as u32) as usize
+            shard_of_byte_parts(broker, trade_ref, queues as u32) as usize
         }
         _ => 0,
     }
