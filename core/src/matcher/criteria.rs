@@ -28,6 +28,22 @@ impl<'a> Group<'a> {
     /// A trade is complete when its live messages are 1 NOE and n ALC, n NPR and n SET, where n
     /// is the AllocCount of at least one ALC.
     pub(super) fn complete(live: &'a [&'a Msg]) -> Option<Self> {
+        // Counted first, without a vector: six messages of every seven leave a trade
+        // incomplete, and are answered without building the groups.
+        let mut counts = [0_usize; 4];
+        for msg in live {
+            let slot = match msg.msg_type {
+                MsgType::Noe => 0,
+                MsgType::Alc => 1,
+                MsgType::Npr => 2,
+                MsgType::Set => 3,
+            };
+            counts[slot] += 1;
+        }
+        let [noes, alcs, nprs, sets] = counts;
+        if noes != 1 || alcs == 0 || nprs != alcs || sets != alcs {
+            return None;
+        }
         let of = |msg_type: MsgType| -> Vec<&'a Msg> {
             live.iter()
                 .copied()

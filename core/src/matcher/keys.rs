@@ -10,12 +10,31 @@ use crate::reason::ReasonCode;
 pub type HashKey = [u64; 2];
 
 pub(super) fn hash_key(parts: &[&str]) -> HashKey {
-    let mut bytes = Vec::with_capacity(64);
+    // Joined on the stack where they fit (a Sender and a MsgId do): a key a message, or two.
+    let mut joined = [0_u8; 128];
+    let mut length = 0;
+    for part in parts {
+        let Some(room) = joined.get_mut(length..length + part.len() + 1) else {
+            return hash_key_long(parts);
+        };
+        room[..part.len()].copy_from_slice(part.as_bytes());
+        room[part.len()] = 0;
+        length += part.len() + 1;
+    }
+    split(xxh3_128(&joined[..length]))
+}
+
+/// [`hash_key`] of parts longer than its buffer: the same bytes, on the heap.
+fn hash_key_long(parts: &[&str]) -> HashKey {
+    let mut bytes = Vec::with_capacity(parts.iter().map(|part| part.len() + 1).sum());
     for part in parts {
         bytes.extend_from_slice(part.as_bytes());
         bytes.push(0);
     }
-    let hash = xxh3_128(&bytes);
+    split(xxh3_128(&bytes))
+}
+
+fn split(hash: u128) -> HashKey {
     [(hash >> 64) as u64, hash as u64]
 }
 
@@ -59,6 +78,27 @@ impl Verdict {
         match (self.0 & 0xFF) as usize {
             0 => None,
             index => ReasonCode::ALL.get(index - 1).copied(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_is_the_hash_of_its_parts_each_ended_by_a_zero_byte_however_long() {
+        let long = "X".repeat(200);
+        for parts in [
+            vec!["BRKAAU21XXX", "BRKAAU21XXX-00000001-01"],
+            vec![&long, "A"],
+        ] {
+            let mut joined = Vec::new();
+            for part in &parts {
+                joined.extend_from_slice(part.as_bytes());
+                joined.push(0);
+            }
+            assert_eq!(hash_key(&parts), split(xxh3_128(&joined)), "{parts:?}");
         }
     }
 }

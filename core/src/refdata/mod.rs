@@ -509,29 +509,35 @@ pub fn isin_check_digit_ok(isin: &str) -> bool {
     if bytes.len() != 12 {
         return false;
     }
-    match isin_check_digit(&isin[..11]) {
+    match isin.get(..11).and_then(isin_check_digit) {
         Some(digit) => bytes[11] == b'0' + digit,
         None => false,
     }
 }
 
-/// Computes the ISIN check digit of the first eleven characters.
+/// Computes the ISIN check digit of the first eleven characters: `None` for a character
+/// outside 0-9 and A-Z, or for a body longer than an ISIN's.
 pub fn isin_check_digit(body: &str) -> Option<u8> {
-    let mut digits: Vec<u8> = Vec::with_capacity(22);
+    // Two digits a letter at most: on the stack, for every message that names a security.
+    let mut digits = [0_u8; 22];
+    let mut count = 0;
     for b in body.bytes() {
-        match b {
-            b'0'..=b'9' => digits.push(b - b'0'),
+        let (tens, units) = match b {
+            b'0'..=b'9' => (None, b - b'0'),
             b'A'..=b'Z' => {
                 let value = b - b'A' + 10;
-                digits.push(value / 10);
-                digits.push(value % 10);
+                (Some(value / 10), value % 10)
             }
             _ => return None,
+        };
+        for digit in tens.into_iter().chain([units]) {
+            *digits.get_mut(count)? = digit;
+            count += 1;
         }
     }
     // Luhn: double every second digit from the right, starting with the rightmost.
     let mut sum: u32 = 0;
-    for (position, digit) in digits.iter().rev().enumerate() {
+    for (position, digit) in digits[..count].iter().rev().enumerate() {
         let mut value = u32::from(*digit);
         if position % 2 == 0 {
             value *= 2;
@@ -558,7 +564,8 @@ mod tests {
         ] {
             assert!(isin_check_digit_ok(isin), "{isin}");
         }
-        for isin in ["US0378331006", "GB000263494", "us0378331005"] {
+        // The last: twelve bytes, the eleventh and twelfth one two-byte letter.
+        for isin in ["US0378331006", "GB000263494", "us0378331005", "US03783310é"] {
             assert!(!isin_check_digit_ok(isin), "{isin}");
         }
     }
