@@ -517,6 +517,15 @@ pub fn push_element(out: &mut String, name: &str, value: &str) {
     out.push('>');
 }
 
+/// Appends a field's element: its open tag, what `body` writes, its close tag (three copies, the
+/// tags from [`ELEMENT_TAGS`]).
+fn push_field(out: &mut String, field: Field, body: impl FnOnce(&mut String)) {
+    let (open, close) = &ELEMENT_TAGS[field.index()];
+    out.push_str(open);
+    body(out);
+    out.push_str(close);
+}
+
 /// Encodes raw field texts as one canonical `Msg` line (no trailing newline).
 pub fn encode_fields(fields: &RawFields<'_>) -> String {
     let mut out = String::with_capacity(640);
@@ -524,7 +533,7 @@ pub fn encode_fields(fields: &RawFields<'_>) -> String {
     out.push_str(NAMESPACE);
     out.push_str("\">");
     for (field, value) in fields.present() {
-        push_element(&mut out, field.name(), value);
+        push_field(&mut out, field, |out| push_escaped(out, value));
     }
     out.push_str("</Msg>");
     out
@@ -585,27 +594,20 @@ pub fn encode_msg(msg: &Msg) -> String {
     out.push_str(NAMESPACE);
     out.push_str("\">");
     // Written piece by piece, not through `write!`: encoding is most of what generating a
-    // message costs, and the formatting machinery was most of encoding. An element is its
-    // open tag, its text and its close tag: three copies.
-    let element = |out: &mut String, field: Field, body: &dyn Fn(&mut String)| {
-        let (open, close) = &ELEMENT_TAGS[field.index()];
-        out.push_str(open);
-        body(out);
-        out.push_str(close);
-    };
+    // message costs, and the formatting machinery was most of encoding.
     let text = |out: &mut String, field: Field, value: Option<&str>| {
         if let Some(value) = value {
-            element(out, field, &|out| push_escaped(out, value));
+            push_field(out, field, |out| push_escaped(out, value));
         }
     };
     let amount = |out: &mut String, field: Field, value: Option<Decimal>| {
         if let Some(value) = value {
-            element(out, field, &|out| value.push_to(out));
+            push_field(out, field, |out| value.push_to(out));
         }
     };
     let number = |out: &mut String, field: Field, value: Option<u64>| {
         if let Some(value) = value {
-            element(out, field, &|out| {
+            push_field(out, field, |out| {
                 out.push_str(itoa::Buffer::new().format(value))
             });
         }
@@ -626,7 +628,7 @@ pub fn encode_msg(msg: &Msg) -> String {
         (Field::SettleDate, msg.settle_date),
     ] {
         if let Some(date) = date {
-            element(&mut out, field, &|out| push_date(out, date));
+            push_field(&mut out, field, |out| push_date(out, date));
         }
     }
     text(&mut out, Field::Market, msg.market.as_deref());
