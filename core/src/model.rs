@@ -1,6 +1,6 @@
 //! The message model: the four inbound types, their functions and the typed fields.
 
-use std::fmt;
+use std::fmt::{self, Write as _};
 
 use time::{Date, Month};
 
@@ -239,55 +239,53 @@ impl std::ops::Sub for Decimal {
 }
 
 impl Decimal {
-    /// Appends the text [`Display`](fmt::Display) writes, without the formatting machinery: the
-    /// encoder writes up to six amounts a message.
+    /// Appends the text [`Display`](fmt::Display) writes: the encoder writes up to six amounts
+    /// a message straight into its line.
     pub fn push_to(self, out: &mut String) {
-        let Ok(magnitude) = u64::try_from(self.0.unsigned_abs()) else {
-            // Beyond 18 million million units: parsing accepts no such amount; computed ones
-            // take the general path.
-            let _ = fmt::Write::write_fmt(out, format_args!("{self}"));
-            return;
-        };
+        // Writing to a String cannot fail.
+        let _ = self.write_to(out);
+    }
+
+    /// The shortest exact form, trailing zero fraction digits dropped, its digits written by
+    /// `itoa` rather than the formatting machinery (most of what encoding a message cost).
+    fn write_to(self, out: &mut impl fmt::Write) -> fmt::Result {
+        const ONE: u64 = DECIMAL_ONE as u64;
         if self.0 < 0 {
-            out.push('-');
+            out.write_char('-')?;
         }
-        let one = DECIMAL_ONE as u64;
-        let mut digits = itoa::Buffer::new();
-        out.push_str(digits.format(magnitude / one));
-        let mut fraction = magnitude % one;
+        let magnitude = self.0.unsigned_abs();
+        let mut integer_digits = itoa::Buffer::new();
+        // 64-bit arithmetic for every amount parsing accepts; 128-bit beyond.
+        let (integer, mut fraction) = match u64::try_from(magnitude) {
+            Ok(magnitude) => (integer_digits.format(magnitude / ONE), magnitude % ONE),
+            Err(_) => (
+                integer_digits.format(magnitude / u128::from(ONE)),
+                (magnitude % u128::from(ONE)) as u64,
+            ),
+        };
+        out.write_str(integer)?;
         if fraction == 0 {
-            return;
+            return Ok(());
         }
         let mut width = DECIMAL_SCALE_DIGITS as usize;
         while fraction.is_multiple_of(10) {
             fraction /= 10;
             width -= 1;
         }
-        out.push('.');
-        let text = digits.format(fraction);
+        out.write_char('.')?;
+        let mut fraction_digits = itoa::Buffer::new();
+        let text = fraction_digits.format(fraction);
         for _ in text.len()..width {
-            out.push('0');
+            out.write_char('0')?;
         }
-        out.push_str(text);
+        out.write_str(text)
     }
 }
 
 impl fmt::Display for Decimal {
     /// The shortest exact form: trailing zero fraction digits are dropped.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let sign = if self.0 < 0 { "-" } else { "" };
-        let magnitude = self.0.abs();
-        let integer = magnitude / DECIMAL_ONE;
-        let mut fraction = magnitude % DECIMAL_ONE;
-        if fraction == 0 {
-            return write!(f, "{sign}{integer}");
-        }
-        let mut digits = DECIMAL_SCALE_DIGITS as usize;
-        while fraction % 10 == 0 {
-            fraction /= 10;
-            digits -= 1;
-        }
-        write!(f, "{sign}{integer}.{fraction:0digits$}")
+        self.write_to(f)
     }
 }
 
@@ -314,19 +312,19 @@ pub fn parse_date(text: &str) -> Option<Date> {
     Date::from_calendar_date(year, month, day).ok()
 }
 
-/// Appends `date` as [`format_date`] writes it, without the formatting machinery.
+/// Appends `date` as `YYYY-MM-DD`, a four-digit year by hand (the encoder writes two dates a
+/// message), any other year through the formatting machinery.
 pub fn push_date(out: &mut String, date: Date) {
-    let year = date.year();
-    let Ok(year) = u16::try_from(year) else {
-        out.push_str(&format_date(date));
-        return;
+    let (month, day) = (u8::from(date.month()), date.day());
+    let year = match u16::try_from(date.year()) {
+        Ok(year) if year <= 9999 => year,
+        _ => {
+            let _ = write!(out, "{:04}-{month:02}-{day:02}", date.year());
+            return;
+        }
     };
-    if year > 9999 {
-        out.push_str(&format_date(date));
-        return;
-    }
     let digit = |value: u16| b'0' + (value % 10) as u8;
-    let (month, day) = (u16::from(u8::from(date.month())), u16::from(date.day()));
+    let (month, day) = (u16::from(month), u16::from(day));
     let text = [
         digit(year / 1000),
         digit(year / 100),
@@ -345,12 +343,9 @@ pub fn push_date(out: &mut String, date: Date) {
 
 /// Formats a date as `YYYY-MM-DD`.
 pub fn format_date(date: Date) -> String {
-    format!(
-        "{:04}-{:02}-{:02}",
-        date.year(),
-        u8::from(date.month()),
-        date.day()
-    )
+    let mut out = String::with_capacity(10);
+    push_date(&mut out, date);
+    out
 }
 
 /// A field's text: up to 24 bytes inline, longer on the heap. Every field of a standard message
@@ -502,13 +497,32 @@ mod tests {
         );
     }
 
+    /// A decimal's shortest exact form through `write!`, as it was written before `itoa`.
+    fn shortest_form(value: Decimal) -> String {
+        let sign = if value.0 < 0 { "-" } else { "" };
+        let magnitude = value.0.abs();
+        let integer = magnitude / DECIMAL_ONE;
+        let mut fraction = magnitude % DECIMAL_ONE;
+        if fraction == 0 {
+            return format!("{sign}{integer}");
+        }
+        let mut digits = DECIMAL_SCALE_DIGITS as usize;
+        while fraction % 10 == 0 {
+            fraction /= 10;
+            digits -= 1;
+        }
+        format!("{sign}{integer}.{fraction:0digits$}")
+    }
+
     proptest::proptest! {
         #[test]
         fn an_amount_is_appended_as_it_is_displayed(units in proptest::num::i128::ANY) {
-            // Every magnitude: the fast path (within u64) and the general one beyond it.
+            // Every magnitude: the fast path (within u64) and the general one beyond it, against
+            // the shortest form written through the formatting machinery.
             let value = Decimal(units / 1_000);
             let mut out = String::from("x");
             value.push_to(&mut out);
+            proptest::prop_assert_eq!(&out, &format!("x{}", shortest_form(value)));
             proptest::prop_assert_eq!(out, format!("x{value}"));
         }
 
@@ -524,7 +538,14 @@ mod tests {
             let date = Date::from_julian_day(day).expect("in range");
             let mut out = String::new();
             push_date(&mut out, date);
-            proptest::prop_assert_eq!(out, format_date(date));
+            let formatted = format!(
+                "{:04}-{:02}-{:02}",
+                date.year(),
+                u8::from(date.month()),
+                date.day()
+            );
+            proptest::prop_assert_eq!(&out, &formatted);
+            proptest::prop_assert_eq!(format_date(date), formatted);
         }
     }
 }
