@@ -50,21 +50,20 @@ impl<'a> Group<'a> {
                 .filter(|m| m.msg_type == msg_type)
                 .collect()
         };
-        let noes = of(MsgType::Noe);
+        // The counts hold; what is left is an ALC that allocates to as many accounts.
+        let noe = live.iter().copied().find(|m| m.msg_type == MsgType::Noe)?;
         let alcs = of(MsgType::Alc);
-        let nprs = of(MsgType::Npr);
-        let sets = of(MsgType::Set);
-        let count = alcs.len();
-        let complete = noes.len() == 1
-            && count >= 1
-            && nprs.len() == count
-            && sets.len() == count
-            && alcs.iter().any(|alc| alc.alloc_count == Some(count as u32));
-        complete.then(|| Self {
-            noe: noes[0],
+        if !alcs
+            .iter()
+            .any(|alc| alc.alloc_count == Some(alcs.len() as u32))
+        {
+            return None;
+        }
+        Some(Self {
+            noe,
             alcs,
-            nprs,
-            sets,
+            nprs: of(MsgType::Npr),
+            sets: of(MsgType::Set),
             all: live,
         })
     }

@@ -736,6 +736,7 @@ impl Matcher {
             .map(|held| &held.msg)
             .collect();
         let mut failed = Vec::new();
+        let mut cls = None;
         let status = if live.is_empty() {
             if trade
                 .messages
@@ -749,17 +750,13 @@ impl Matcher {
         } else if let Some(group) = Group::complete(&live) {
             failed = group.failed_criteria(&self.refdata, &self.tolerances);
             if failed.is_empty() {
+                cls = Some(group.cls(&self.refdata, now));
                 TradeStatus::Matched
             } else {
                 TradeStatus::Mismatched
             }
         } else {
             TradeStatus::Pending
-        };
-        let cls = if status == TradeStatus::Matched {
-            Group::complete(&live).map(|group| group.cls(&self.refdata, now))
-        } else {
-            None
         };
         let first_injected_ns = trade.first_injected_ns;
         let date = trade.date;
