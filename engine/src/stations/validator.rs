@@ -59,11 +59,14 @@ pub(crate) fn run_validator(
         let enqueued_ns = received.enqueued_ns;
         let started = Instant::now();
         let count = envelopes.len() as u64;
-        // Room for the whole batch in each: a batch's messages spread over the shards, and
-        // growing a vector a message at a time copied each of them again.
-        let mut to_match: Vec<Vec<Validated>> = (0..own_queues)
-            .map(|_| Vec::with_capacity(envelopes.len()))
-            .collect();
+        // Room for twice a shard's even share of the batch (the whole batch on two shards):
+        // growing a vector a message at a time copied each of them again, and room for the
+        // whole batch in every one of many shards would be mostly unused.
+        let room = (2 * envelopes.len())
+            .div_ceil(own_queues)
+            .min(envelopes.len());
+        let mut to_match: Vec<Vec<Validated>> =
+            (0..own_queues).map(|_| Vec::with_capacity(room)).collect();
         let mut rejected = Vec::new();
         for mut envelope in envelopes {
             let refusal = envelope.refusal.take();
