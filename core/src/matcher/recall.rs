@@ -194,6 +194,12 @@ impl Matcher {
         self.after_batch_into(sent, committed, None);
     }
 
+    /// The count of items the writer must have committed before the older generation can be
+    /// retired; `None` when no generation waits to be retired.
+    pub fn retires_at(&self) -> Option<u64> {
+        self.window.as_ref().and_then(|window| window.older_sent)
+    }
+
     /// As [`Matcher::after_batch`]; what it retires is also added to `retired`, if given, for
     /// a store of retired facts that answers by key. Returns whether it retired a generation.
     pub fn after_batch_into(

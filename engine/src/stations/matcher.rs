@@ -80,6 +80,10 @@ impl MatchedAtClock {
     }
 }
 
+/// How long a bounded matcher that has stopped waits for its writer to commit the generation
+/// it is to retire.
+const RETIRE_AT_STOP_WAIT: Duration = Duration::from_secs(5);
+
 /// Runs a shard's matcher over its match queue; what it decided goes to the shard's writer,
 /// with the receipts of the batches it came from, acknowledged once committed. After each
 /// batch, `table_bytes` holds the size of the matcher's tables ([`Matcher::table_bytes`]). A
@@ -230,6 +234,27 @@ pub(crate) fn run_matcher(
             }
         }
         table_bytes.store(matcher.table_bytes(), Ordering::Relaxed);
+    }
+    if let Some(Recall {
+        committed,
+        from: RecallFrom::Runs(runs),
+        ..
+    }) = &mut recall
+    {
+        // At a clean stop, the generation waiting for its writer's commit is retired to the
+        // files once committed, so that they hold every generation the run closed. The writer
+        // commits what it was sent within its linger; the wait is bounded in case it failed.
+        if let Some(mark) = matcher.retires_at() {
+            let deadline = Instant::now() + RETIRE_AT_STOP_WAIT;
+            while committed.load(Ordering::Acquire) < mark && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let committed = committed.load(Ordering::Acquire);
+            if matcher.after_batch_into(sent, committed, Some(&mut retired)) {
+                runs.add(&mut retired)
+                    .map_err(|source| retired_error(rx.station().name(), source))?;
+            }
+        }
     }
     match recall.as_ref().map(|recall| &recall.from) {
         Some(RecallFrom::Runs(runs)) => {
