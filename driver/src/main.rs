@@ -1112,16 +1112,26 @@ struct SweepPoint {
     X: f64,
     /// Mean messages in the system: the sum of the stations' N.
     N: f64,
-    /// Response time of a message through the system, ms: N / X (Little's law).
+    /// Response time of a message through the system, ms: the stations' R = W / C from their
+    /// samples (Little's law at each station), weighted by visits per message and summed.
     R_ms: f64,
     /// The same from the stations' directly measured response times, summed along the path.
     R_direct_ms: f64,
     cls_p50_ms: f64,
     cls_p99_ms: f64,
     bottleneck: Option<String>,
-    /// What MVA predicts at this level from the measured demands (see `mva_prediction`).
+    /// CPU this process spent per message at this level, µs: the cores' demand as measured here.
+    D_us: Option<f64>,
+    /// What MVA predicts at this level from the measured demands (see `SweepModel`).
     X_mva: Option<f64>,
     R_mva_ms: Option<f64>,
+    /// The same model with this level's own measured CPU per message (`D_us`) as the cores'
+    /// demand: what the cores and the delay allow once what a message costs at this load is known.
+    X_mva_level: Option<f64>,
+    /// Whether the model applies at this level: the cores were at least 90% busy (X × D_us / c).
+    /// Below that, messages in flight leave the cores idle while threads wait for batches and for
+    /// each other, which no closed network of load-independent stations represents.
+    mva_applies: Option<bool>,
     run_dir: String,
 }
 
@@ -1140,8 +1150,11 @@ impl SweepPoint {
         "cls_p50_ms",
         "cls_p99_ms",
         "bottleneck",
+        "D_us",
         "X_mva",
         "R_mva_ms",
+        "X_mva_level",
+        "mva_applies",
     ];
 
     /// This point's cells, in the order of [`Self::COLUMNS`].
@@ -1159,8 +1172,11 @@ impl SweepPoint {
             format!("{:.3}", self.cls_p50_ms),
             format!("{:.3}", self.cls_p99_ms),
             self.bottleneck.clone().unwrap_or_default(),
+            optional_cell(self.D_us, 3),
             optional_cell(self.X_mva, 4),
             optional_cell(self.R_mva_ms, 4),
+            optional_cell(self.X_mva_level, 1),
+            self.mva_applies.map(|a| a.to_string()).unwrap_or_default(),
         ]
     }
 }
@@ -1173,11 +1189,20 @@ impl SweepPoint {
 /// filling, a thread waking, the way back of its answer). At small windows the delay bounds the
 /// rate (W / loop time); as the window grows the cores saturate at `c / D`. A station per
 /// thread, each with a processor of its own, would predict what two cores cannot give.
+///
+/// Each level is also given the same model with its own measured CPU per message
+/// (`X_mva_level`), and is marked where the model applies (`mva_applies`: the cores at least
+/// 90% busy). In between the two ends a message costs more than at saturation (its batches are
+/// smaller) and waits for batch-mates and hand-overs off the cores; the model, whose demand and
+/// delay do not change with the load, predicts more than such a level gives.
 struct SweepModel {
     /// The cores and the off-core delay; no think time: the loop's time off the cores is in the
     /// delay station.
     stations: Vec<ste_monitor::mva::Station>,
 }
+
+/// The share of the cores' time a level must keep busy for the sweep's model to apply to it.
+const MVA_BUSY_CORES: f64 = 0.9;
 
 fn sweep_model(first: &Summary, last: &Summary) -> Option<SweepModel> {
     use ste_monitor::mva::{Kind, Station};
@@ -1213,6 +1238,12 @@ fn sweep_model(first: &Summary, last: &Summary) -> Option<SweepModel> {
     }
     Some(SweepModel { stations })
 }
+
+/// How often a sweep's levels sample their stations unless `--sample-ms` is given: a level
+/// lasts a second or two, and its stations' populations, read from instants, need about a
+/// thousand samples to come within a few percent of what the response times measured item by
+/// item give (at 10 ms, 5–17% off at small windows; BENCHMARKS.md).
+const SWEEP_SAMPLE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(1);
 
 fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Result<()> {
     if args.run_dir.is_some() || args.resume {
@@ -1259,6 +1290,9 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
         };
         let (window, rate) = (spec.window, spec.rate);
         let mut settings = base.settings.clone();
+        if !settings.sample_given {
+            settings.sample_interval = SWEEP_SAMPLE_INTERVAL;
+        }
         settings.shards = spec.shards.unwrap_or(settings.shards).max(1);
         settings.validators = spec.validators.unwrap_or(settings.validators).max(1);
         let config = RunConfig {
@@ -1272,12 +1306,19 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
         let summary = ste_driver::run(&config, refdata.clone())?;
         check_summary(&summary)?;
         let population: f64 = summary.stations.iter().map(|s| s.N).sum();
-        let r_direct: f64 = summary
-            .stations
-            .iter()
-            .filter(|s| s.C > 0)
-            .map(|s| s.R_direct_ms * s.C as f64 / summary.outcome.messages_in.max(1) as f64)
-            .sum();
+        // A message's time along its path: each station's response time weighted by its visits
+        // per message, from the samples (W / C over the sampler's window) and item by item.
+        // N / X would divide the sampler's population by a throughput over the driver's
+        // elapsed time, a window 0.4–3.5% shorter in a run of a second or two.
+        let messages = summary.outcome.messages_in.max(1) as f64;
+        let along_path = |r_ms: fn(&ste_driver::StationSummary) -> f64| -> f64 {
+            summary
+                .stations
+                .iter()
+                .filter(|s| s.C > 0)
+                .map(|s| r_ms(s) * s.C as f64 / messages)
+                .sum()
+        };
         points.push(SweepPoint {
             level,
             window: config.window,
@@ -1286,17 +1327,16 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
             validators: config.settings.validators,
             X: summary.throughput_msg_s,
             N: population,
-            R_ms: if summary.throughput_msg_s > 0.0 {
-                1e3 * population / summary.throughput_msg_s
-            } else {
-                0.0
-            },
-            R_direct_ms: r_direct,
+            R_ms: along_path(|s| s.R_ms),
+            R_direct_ms: along_path(|s| s.R_direct_ms),
             cls_p50_ms: summary.latency_ms.p50,
             cls_p99_ms: summary.latency_ms.p99,
             bottleneck: summary.bottleneck.clone(),
+            D_us: summary.process_cpu_s.map(|cpu| 1e6 * cpu / messages),
             X_mva: None,
             R_mva_ms: None,
+            X_mva_level: None,
+            mva_applies: None,
             run_dir: config.run_dir.display().to_string(),
         });
         summaries.push(summary);
@@ -1401,6 +1441,24 @@ fn predict(
     let demands = mva::demands(&model.stations, 0.0)?;
     if demands.D_max > 0.0 {
         curve.x_bound = Some(1.0 / demands.D_max);
+    }
+    // MVA takes a message's demand on the cores to be the same at every load, and the time off
+    // them to be a fixed delay; where batches are small a message costs more (each batch's
+    // wake-ups, hand-overs and commit are shared by fewer messages) and waits for its batch,
+    // and the model over-predicts what the cores give.
+    let cores = f64::from(model.stations[0].kind.servers().unwrap_or(1));
+    for p in points.iter_mut() {
+        p.mva_applies = p
+            .D_us
+            .map(|measured| p.X * measured / 1e6 / cores >= MVA_BUSY_CORES);
+        if let (Some(window), Some(measured)) = (p.window, p.D_us) {
+            let mut stations = model.stations.clone();
+            stations[0].service = measured / 1e6;
+            let population = u32::try_from(window).unwrap_or(u32::MAX).min(1 << 20);
+            p.X_mva_level = mva::closed(&stations, 0.0, population)?
+                .last()
+                .map(|at| at.X);
+        }
     }
     let largest_window = points.iter().filter_map(|p| p.window).max();
     if let Some(largest) = largest_window {

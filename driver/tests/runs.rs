@@ -344,6 +344,18 @@ fn a_sweep_of_closed_loop_windows_draws_a_littles_law_series() {
     // can make happen), and then by that excess.
     for point in &points {
         assert!(point["X_mva"].as_f64().is_some_and(|x| x > 0.0), "{point}");
+        // Each level also has its own CPU per message, the model at that demand, and whether
+        // its cores were busy enough for the model to apply.
+        let demand_us = point["D_us"].as_f64().expect("CPU per message");
+        assert!(demand_us > 0.0, "{point}");
+        assert!(
+            point["X_mva_level"].as_f64().is_some_and(|x| x > 0.0),
+            "{point}"
+        );
+        let busy = point["X"].as_f64().expect("X") * demand_us
+            / 1e6
+            / std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64);
+        assert_eq!(point["mva_applies"].as_bool(), Some(busy >= 0.9), "{point}");
     }
     let low = (
         points[0]["X"].as_f64().expect("X"),
@@ -370,7 +382,8 @@ fn a_sweep_of_closed_loop_windows_draws_a_littles_law_series() {
         .expect("JSON");
         assert_eq!(summary["cls"], 300);
         assert_eq!(summary["window"], point["window"]);
-        // Little's law per level: N / X against the response times measured directly.
+        // Little's law per level: the stations' W / C from samples, along the path, against
+        // the response times measured directly.
         let (r, r_direct) = (
             point["R_ms"].as_f64().expect("R"),
             point["R_direct_ms"].as_f64().expect("R direct"),

@@ -129,9 +129,10 @@ pub struct PipelineArgs {
     pub participant_held_mib: u64,
     /// Station sampling interval in milliseconds (samples.csv in the process's folder; a
     /// node of a cluster publishes them on ste.samples.<node-id>, at least every 100 ms); 0
-    /// turns sampling off.
-    #[arg(long, value_name = "MS", default_value_t = SAMPLE_MS_DEFAULT)]
-    pub sample_ms: u64,
+    /// turns sampling off. Default 10; 1 for the levels of `driver sweep`, whose short runs
+    /// need more samples for their populations to read true.
+    #[arg(long, value_name = "MS")]
+    pub sample_ms: Option<u64>,
     /// Matching profile (JSON); default: the T2S-style tolerances.
     #[arg(long, value_name = "FILE")]
     pub profile: Option<PathBuf>,
@@ -184,6 +185,8 @@ pub struct Settings {
     /// the load it knows ([`MatcherMemory::for_facts`]).
     pub filter_given: bool,
     pub sample_interval: Duration,
+    /// Whether `--sample-ms` was given; otherwise a sweep samples more often.
+    pub sample_given: bool,
     pub tolerances: Tolerances,
 }
 
@@ -268,7 +271,8 @@ impl PipelineArgs {
                 participant_held_bytes: self.participant_held_mib.max(1) << 20,
             },
             filter_given: self.matcher_filter_mib.is_some(),
-            sample_interval: Duration::from_millis(self.sample_ms),
+            sample_interval: Duration::from_millis(self.sample_ms.unwrap_or(SAMPLE_MS_DEFAULT)),
+            sample_given: self.sample_ms.is_some(),
             tolerances: Tolerances::load(self.profile.as_deref())?,
         })
     }
@@ -289,6 +293,7 @@ impl Default for Settings {
             matcher_memory: MatcherMemory::default(),
             filter_given: false,
             sample_interval: Duration::from_millis(SAMPLE_MS_DEFAULT),
+            sample_given: false,
             tolerances: Tolerances::default(),
         }
     }

@@ -309,14 +309,16 @@ fn sweep_section(dir: &Path, html: &mut String) -> Result<(), ReportError> {
     }
     html.push_str(
         "<h2>Little's law over the sweep</h2><table id=\"sweep\"><tr><th>level</th>\
-         <th>window</th><th>rate (msg/s)</th><th>X (msg/s)</th><th>N</th><th>R = N/X (ms)</th>\
-         <th>R measured (ms)</th><th>MVA X (msg/s)</th><th>MVA R (ms)</th><th>bottleneck</th></tr>",
+         <th>window</th><th>rate (msg/s)</th><th>X (msg/s)</th><th>N</th>\
+         <th>R from samples (ms)</th><th>R measured (ms)</th><th>CPU µs/msg</th>\
+         <th>MVA X (msg/s)</th><th>MVA R (ms)</th><th>MVA X, level's CPU</th>\
+         <th>cores ≥ 90% busy (model applies)</th><th>bottleneck</th></tr>",
     );
     for point in &points {
         let _ = write!(
             html,
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
-             <td>{}</td><td>{}</td><td>{}</td></tr>",
+             <td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             cell(point, "level", 0),
             cell(point, "window", 0),
             cell(point, "rate_msg_s", 0),
@@ -324,8 +326,14 @@ fn sweep_section(dir: &Path, html: &mut String) -> Result<(), ReportError> {
             cell(point, "N", 1),
             cell(point, "R_ms", 3),
             cell(point, "R_direct_ms", 3),
+            cell(point, "D_us", 2),
             cell(point, "X_mva", 0),
             cell(point, "R_mva_ms", 3),
+            cell(point, "X_mva_level", 0),
+            point
+                .get("mva_applies")
+                .and_then(serde_json::Value::as_bool)
+                .map_or("", |applies| if applies { "yes" } else { "no" }),
             escape(
                 point
                     .get("bottleneck")
