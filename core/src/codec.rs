@@ -7,7 +7,6 @@
 //! validator's job.
 
 use std::borrow::Cow;
-use std::fmt::Write as _;
 use std::sync::LazyLock;
 
 use quick_xml::events::Event;
@@ -661,38 +660,49 @@ pub fn encode_msg(msg: &Msg) -> String {
 /// Encodes a CLS as one line. Amounts carry the currency's minor units.
 pub fn encode_cls(cls: &Cls) -> String {
     let mut out = String::with_capacity(512 + 256 * cls.settlements.len());
+    /// Appends `<name>`, what `body` writes to `out`, `</name>`: the tags are joined when
+    /// compiled, and amounts, dates and numbers written in place.
+    macro_rules! element {
+        ($name:literal, $body:expr) => {{
+            out.push_str(concat!("<", $name, ">"));
+            $body;
+            out.push_str(concat!("</", $name, ">"));
+        }};
+    }
+    let mut digits = itoa::Buffer::new();
     out.push_str("<Cls xmlns=\"");
     out.push_str(NAMESPACE);
     out.push_str("\">");
-    push_element(&mut out, "ClsId", &cls.cls_id);
-    push_element(&mut out, "TradeRef", &cls.trade_ref);
-    push_element(&mut out, "Broker", &cls.broker);
-    push_element(&mut out, "InvMgr", &cls.inv_mgr);
-    push_element(&mut out, "Isin", &cls.isin);
-    push_element(&mut out, "Side", cls.side.as_str());
-    push_element(&mut out, "TradeDate", &format_date(cls.trade_date));
-    push_element(&mut out, "SettleDate", &format_date(cls.settle_date));
-    push_element(&mut out, "Ccy", &cls.ccy);
-    push_element(&mut out, "Price", &cls.price.to_string());
-    push_element(&mut out, "Qty", &cls.qty.to_string());
-    push_element(&mut out, "MatchedAt", &cls.matched_at);
+    element!("ClsId", push_escaped(&mut out, &cls.cls_id));
+    element!("TradeRef", push_escaped(&mut out, &cls.trade_ref));
+    element!("Broker", push_escaped(&mut out, &cls.broker));
+    element!("InvMgr", push_escaped(&mut out, &cls.inv_mgr));
+    element!("Isin", push_escaped(&mut out, &cls.isin));
+    element!("Side", out.push_str(cls.side.as_str()));
+    element!("TradeDate", push_date(&mut out, cls.trade_date));
+    element!("SettleDate", push_date(&mut out, cls.settle_date));
+    element!("Ccy", push_escaped(&mut out, &cls.ccy));
+    element!("Price", cls.price.push_to(&mut out));
+    element!("Qty", out.push_str(digits.format(cls.qty)));
+    element!("MatchedAt", push_escaped(&mut out, &cls.matched_at));
     for settlement in &cls.settlements {
         out.push_str("<Settlement>");
-        push_element(&mut out, "Account", &settlement.account);
-        let _ = write!(out, "<Qty>{}</Qty>", settlement.qty);
-        push_element(
-            &mut out,
+        element!("Account", push_escaped(&mut out, &settlement.account));
+        element!("Qty", out.push_str(digits.format(settlement.qty)));
+        element!(
             "Net",
-            &settlement.net.format_fixed(cls.ccy_minor_units),
+            settlement.net.push_fixed(cls.ccy_minor_units, &mut out)
         );
-        push_element(&mut out, "Custodian", &settlement.custodian);
-        push_element(
-            &mut out,
+        element!("Custodian", push_escaped(&mut out, &settlement.custodian));
+        element!(
             "SafekeepingAccount",
-            &settlement.safekeeping_account,
+            push_escaped(&mut out, &settlement.safekeeping_account)
         );
-        push_element(&mut out, "Pset", &settlement.pset);
-        push_element(&mut out, "PaymentType", settlement.payment_type.as_str());
+        element!("Pset", push_escaped(&mut out, &settlement.pset));
+        element!(
+            "PaymentType",
+            out.push_str(settlement.payment_type.as_str())
+        );
         out.push_str("</Settlement>");
     }
     out.push_str("</Cls>");

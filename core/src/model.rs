@@ -209,18 +209,43 @@ impl Decimal {
 
     /// Formats with exactly `digits` fraction digits (truncating any finer digits).
     pub fn format_fixed(self, digits: u8) -> String {
-        let digits = u32::from(digits.min(6));
-        let sign = if self.0 < 0 { "-" } else { "" };
-        let magnitude = self.0.abs();
-        let integer = magnitude / DECIMAL_ONE;
-        if digits == 0 {
-            return format!("{sign}{integer}");
+        let mut out = String::new();
+        self.push_fixed(digits, &mut out);
+        out
+    }
+
+    /// Appends the text [`Decimal::format_fixed`] gives.
+    pub fn push_fixed(self, digits: u8, out: &mut String) {
+        let digits = u32::from(digits.min(DECIMAL_SCALE_DIGITS as u8));
+        let mut integer_digits = itoa::Buffer::new();
+        let (integer, fraction) = self.split(&mut integer_digits);
+        if self.0 < 0 {
+            out.push('-');
         }
-        let fraction = (magnitude % DECIMAL_ONE) / 10_i128.pow(DECIMAL_SCALE_DIGITS - digits);
-        format!(
-            "{sign}{integer}.{fraction:0width$}",
-            width = digits as usize
-        )
+        out.push_str(integer);
+        if digits > 0 {
+            out.push('.');
+            // Writing to a String cannot fail.
+            let _ = write_zero_padded(
+                out,
+                fraction / 10_u64.pow(DECIMAL_SCALE_DIGITS - digits),
+                digits as usize,
+            );
+        }
+    }
+
+    /// The digits of the magnitude's integer part, written into `buffer`, and its fraction in
+    /// millionths: 64-bit arithmetic for every amount parsing accepts, 128-bit beyond.
+    fn split(self, buffer: &mut itoa::Buffer) -> (&str, u64) {
+        const ONE: u64 = DECIMAL_ONE as u64;
+        let magnitude = self.0.unsigned_abs();
+        match u64::try_from(magnitude) {
+            Ok(magnitude) => (buffer.format(magnitude / ONE), magnitude % ONE),
+            Err(_) => (
+                buffer.format(magnitude / u128::from(ONE)),
+                (magnitude % u128::from(ONE)) as u64,
+            ),
+        }
     }
 }
 
@@ -249,20 +274,11 @@ impl Decimal {
     /// The shortest exact form, trailing zero fraction digits dropped, its digits written by
     /// `itoa` rather than the formatting machinery (most of what encoding a message cost).
     fn write_to(self, out: &mut impl fmt::Write) -> fmt::Result {
-        const ONE: u64 = DECIMAL_ONE as u64;
         if self.0 < 0 {
             out.write_char('-')?;
         }
-        let magnitude = self.0.unsigned_abs();
         let mut integer_digits = itoa::Buffer::new();
-        // 64-bit arithmetic for every amount parsing accepts; 128-bit beyond.
-        let (integer, mut fraction) = match u64::try_from(magnitude) {
-            Ok(magnitude) => (integer_digits.format(magnitude / ONE), magnitude % ONE),
-            Err(_) => (
-                integer_digits.format(magnitude / u128::from(ONE)),
-                (magnitude % u128::from(ONE)) as u64,
-            ),
-        };
+        let (integer, mut fraction) = self.split(&mut integer_digits);
         out.write_str(integer)?;
         if fraction == 0 {
             return Ok(());
@@ -273,13 +289,18 @@ impl Decimal {
             width -= 1;
         }
         out.write_char('.')?;
-        let mut fraction_digits = itoa::Buffer::new();
-        let text = fraction_digits.format(fraction);
-        for _ in text.len()..width {
-            out.write_char('0')?;
-        }
-        out.write_str(text)
+        write_zero_padded(out, fraction, width)
     }
+}
+
+/// Writes `value` in at least `width` digits, zeros in front.
+fn write_zero_padded(out: &mut impl fmt::Write, value: u64, width: usize) -> fmt::Result {
+    let mut digits = itoa::Buffer::new();
+    let text = digits.format(value);
+    for _ in text.len()..width {
+        out.write_char('0')?;
+    }
+    out.write_str(text)
 }
 
 impl fmt::Display for Decimal {
@@ -514,7 +535,33 @@ mod tests {
         format!("{sign}{integer}.{fraction:0digits$}")
     }
 
+    /// A decimal with a fixed number of fraction digits through `format!`, as it was written
+    /// before `itoa`.
+    fn fixed_form(value: Decimal, digits: u8) -> String {
+        let digits = u32::from(digits.min(6));
+        let sign = if value.0 < 0 { "-" } else { "" };
+        let magnitude = value.0.abs();
+        let integer = magnitude / DECIMAL_ONE;
+        if digits == 0 {
+            return format!("{sign}{integer}");
+        }
+        let fraction = (magnitude % DECIMAL_ONE) / 10_i128.pow(DECIMAL_SCALE_DIGITS - digits);
+        format!(
+            "{sign}{integer}.{fraction:0width$}",
+            width = digits as usize
+        )
+    }
+
     proptest::proptest! {
+        #[test]
+        fn an_amount_is_fixed_as_format_writes_it(units in proptest::num::i128::ANY, digits in 0_u8..9) {
+            let value = Decimal(units / 1_000);
+            let mut out = String::from("x");
+            value.push_fixed(digits, &mut out);
+            proptest::prop_assert_eq!(&out, &format!("x{}", fixed_form(value, digits)));
+            proptest::prop_assert_eq!(value.format_fixed(digits), fixed_form(value, digits));
+        }
+
         #[test]
         fn an_amount_is_appended_as_it_is_displayed(units in proptest::num::i128::ANY) {
             // Every magnitude: the fast path (within u64) and the general one beyond it, against

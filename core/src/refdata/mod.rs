@@ -121,8 +121,11 @@ struct Keys {
     markets: Vec<u128>,
     securities: Vec<u128>,
     participants: Vec<u128>,
-    /// (market, date as Julian day) pairs.
-    holidays: Vec<(u128, i32)>,
+    /// The markets that have holidays, sorted, and each one's holidays as sorted Julian days
+    /// (a search among a few markets, then among one market's days, where one search among
+    /// every (market, day) pair compared 128-bit keys eleven times).
+    holiday_markets: Vec<u128>,
+    holiday_days: Vec<Vec<i32>>,
     /// (investment manager, custodian) pairs.
     custodians: Vec<(u128, u128)>,
 }
@@ -339,10 +342,8 @@ impl RefData {
             markets: packed_keys(&markets, |m| &m.mic),
             securities: packed_keys(&securities, |s| &s.isin),
             participants: packed_keys(&participants, |p| &p.bic),
-            holidays: holidays
-                .iter()
-                .map(|(market, date)| (pack(market).unwrap_or(u128::MAX), date.to_julian_day()))
-                .collect(),
+            holiday_markets: Vec::new(),
+            holiday_days: Vec::new(),
             custodians: custodians
                 .iter()
                 .map(|(inv_mgr, custodian)| {
@@ -353,6 +354,21 @@ impl RefData {
                 })
                 .collect(),
         };
+        let mut keys = keys;
+        let mut pairs: Vec<(u128, i32)> = holidays
+            .iter()
+            .map(|(market, date)| (pack(market).unwrap_or(u128::MAX), date.to_julian_day()))
+            .collect();
+        pairs.sort_unstable();
+        for (market, day) in pairs {
+            if keys.holiday_markets.last() != Some(&market) {
+                keys.holiday_markets.push(market);
+                keys.holiday_days.push(Vec::new());
+            }
+            if let Some(days) = keys.holiday_days.last_mut() {
+                days.push(day);
+            }
+        }
         Ok(Self {
             keys,
             currencies,
@@ -435,9 +451,11 @@ impl RefData {
         let Some(market) = pack(market) else {
             return false;
         };
-        self.keys
-            .holidays
-            .binary_search(&(market, date.to_julian_day()))
+        let Ok(index) = self.keys.holiday_markets.binary_search(&market) else {
+            return false;
+        };
+        self.keys.holiday_days[index]
+            .binary_search(&date.to_julian_day())
             .is_ok()
     }
 
@@ -595,6 +613,30 @@ mod tests {
         assert!(refdata.is_business_day("XSES", tuesday));
         let saturday = parse_date("2026-08-08").expect("valid date");
         assert!(!refdata.is_business_day("XSES", saturday));
+    }
+
+    #[test]
+    fn every_row_of_holidays_csv_is_a_holiday_and_no_other_day_is() {
+        let refdata = RefData::embedded().expect("committed reference data loads");
+        let listed: std::collections::HashSet<(&str, Date)> = refdata
+            .holidays
+            .iter()
+            .map(|(market, date)| (market.as_str(), *date))
+            .collect();
+        assert!(listed.len() > 100);
+        for &(market, date) in &listed {
+            assert!(refdata.is_holiday(market, date), "{market} {date}");
+            for other in [date.previous_day(), date.next_day()].into_iter().flatten() {
+                assert_eq!(
+                    refdata.is_holiday(market, other),
+                    listed.contains(&(market, other)),
+                    "{market} {other}"
+                );
+            }
+            for (unlisted, day) in [("XXXX", date), ("", date), ("XLON\0", date)] {
+                assert!(!refdata.is_holiday(unlisted, day), "{unlisted:?} {day}");
+            }
+        }
     }
 
     #[test]
