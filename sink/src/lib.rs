@@ -269,12 +269,9 @@ pub fn run_with(
         let (batch, enqueued_ns) = (received.items, received.enqueued_ns);
         let started = Instant::now();
         let count = batch.len() as u64;
-        let mut response_ns = 0;
         confirmations.clear();
         for event in batch {
             let now_ns = clock.now_ns();
-            // Time in the queue on the queue's own clock (across nodes: the wall clock).
-            response_ns += events.now_ns().saturating_sub(enqueued_ns);
             if let OutboundEvent::Cls {
                 shard, outbox_id, ..
             } = &event
@@ -294,6 +291,11 @@ pub fn run_with(
                 }
             }
         }
+        // Each item's time at the station, on the queue's own clock (across nodes: the wall
+        // clock), runs to the batch's completion, after the flush and the confirmations, as
+        // the station's count of completions does: read item by item as each was accepted, it
+        // left those out and read about 20% below what the samples gave at small windows.
+        let response_ns = count * events.now_ns().saturating_sub(enqueued_ns);
         events
             .station()
             .complete(count, started.elapsed().as_nanos() as u64, response_ns);

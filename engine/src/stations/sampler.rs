@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::network::PipelineError;
-use crate::station::{RunClock, Station};
+use crate::station::{RunClock, Station, StationReading};
 
 /// The header of `samples.csv`.
 pub const SAMPLES_HEADER: &str = "t_ms,station,queue_len,arrivals,completions,busy_ms";
@@ -30,14 +30,21 @@ pub(crate) fn write_row(
     )
 }
 
+/// Reads every station's counters, then writes them: the readings are taken together, within a
+/// microsecond, before any row is formatted. Formatting between readings spread one sample over
+/// tens of microseconds, as long as a message stays at a station at small windows, so a message
+/// moving along its path was read at two stations or at none, and the stations' populations read
+/// up to 24% off what their response times give.
 fn write_samples(
     out: &mut impl Write,
     stations: &[Arc<Station>],
+    readings: &mut Vec<StationReading>,
     clock: RunClock,
 ) -> std::io::Result<()> {
     let t_ms = clock.now_ns() as f64 / 1e6;
-    for station in stations {
-        let reading = station.read();
+    readings.clear();
+    readings.extend(stations.iter().map(|station| station.read()));
+    for (station, reading) in stations.iter().zip(readings.iter()) {
         write_row(
             out,
             t_ms,
@@ -104,8 +111,9 @@ pub(crate) fn run_sampler(
     writeln!(out, "{SAMPLES_HEADER}").map_err(PipelineError::Samples)?;
     let mut next = Instant::now();
     let mut flushed = Instant::now();
+    let mut readings = Vec::with_capacity(stations.len());
     loop {
-        write_samples(&mut out, stations, clock).map_err(PipelineError::Samples)?;
+        write_samples(&mut out, stations, &mut readings, clock).map_err(PipelineError::Samples)?;
         // A live dashboard reads the file while the run goes on.
         if flushed.elapsed() >= SAMPLES_FLUSH_INTERVAL {
             out.flush().map_err(PipelineError::Samples)?;
