@@ -1309,7 +1309,7 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
         // A message's time along its path: each station's response time weighted by its visits
         // per message, from the samples (W / C over the sampler's window) and item by item.
         // N / X would divide the sampler's population by a throughput over the driver's
-        // elapsed time, a window 0.4–3.5% shorter in a run of a second or two.
+        // elapsed time, a window 0.4–3.8% shorter in a run of a second or two.
         let messages = summary.outcome.messages_in.max(1) as f64;
         let along_path = |r_ms: fn(&ste_driver::StationSummary) -> f64| -> f64 {
             summary
