@@ -292,9 +292,8 @@ pub fn run_with(
             }
         }
         // Each item's time at the station, on the queue's own clock (across nodes: the wall
-        // clock), runs to the batch's completion, after the flush and the confirmations, as
-        // the station's count of completions does: read item by item as each was accepted, it
-        // left those out and read about 20% below what the samples gave at small windows.
+        // clock), runs to the batch's completion, after the flush and the confirmations, where
+        // the station's count of completions is taken: Little's law pairs the two.
         let response_ns = count * events.now_ns().saturating_sub(enqueued_ns);
         events
             .station()

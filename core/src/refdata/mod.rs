@@ -102,6 +102,26 @@ fn pack(text: &str) -> Option<u128> {
     Some(u128::from_be_bytes(padded))
 }
 
+/// The markets of `holidays`, sorted, and each one's days as sorted Julian days.
+fn holidays_by_market(holidays: &[(String, Date)]) -> (Vec<u128>, Vec<Vec<i32>>) {
+    let mut pairs: Vec<(u128, i32)> = holidays
+        .iter()
+        .map(|(market, date)| (pack(market).unwrap_or(u128::MAX), date.to_julian_day()))
+        .collect();
+    pairs.sort_unstable();
+    let (mut markets, mut days) = (Vec::new(), Vec::<Vec<i32>>::new());
+    for (market, day) in pairs {
+        match days.last_mut() {
+            Some(last) if markets.last() == Some(&market) => last.push(day),
+            _ => {
+                markets.push(market);
+                days.push(vec![day]);
+            }
+        }
+    }
+    (markets, days)
+}
+
 fn packed_keys<T>(rows: &[T], key: impl Fn(&T) -> &str) -> Vec<u128> {
     rows.iter()
         .map(|row| pack(key(row)).unwrap_or(u128::MAX))
@@ -336,14 +356,15 @@ impl RefData {
         custodians.sort();
         custodians.dedup();
         let keys_by_participant = vec![ParticipantKeys::default(); participants.len()];
+        let (holiday_markets, holiday_days) = holidays_by_market(&holidays);
         let keys = Keys {
             currencies: packed_keys(&currencies, |c| &c.code),
             countries: packed_keys(&countries, |c| c),
             markets: packed_keys(&markets, |m| &m.mic),
             securities: packed_keys(&securities, |s| &s.isin),
             participants: packed_keys(&participants, |p| &p.bic),
-            holiday_markets: Vec::new(),
-            holiday_days: Vec::new(),
+            holiday_markets,
+            holiday_days,
             custodians: custodians
                 .iter()
                 .map(|(inv_mgr, custodian)| {
@@ -354,21 +375,6 @@ impl RefData {
                 })
                 .collect(),
         };
-        let mut keys = keys;
-        let mut pairs: Vec<(u128, i32)> = holidays
-            .iter()
-            .map(|(market, date)| (pack(market).unwrap_or(u128::MAX), date.to_julian_day()))
-            .collect();
-        pairs.sort_unstable();
-        for (market, day) in pairs {
-            if keys.holiday_markets.last() != Some(&market) {
-                keys.holiday_markets.push(market);
-                keys.holiday_days.push(Vec::new());
-            }
-            if let Some(days) = keys.holiday_days.last_mut() {
-                days.push(day);
-            }
-        }
         Ok(Self {
             keys,
             currencies,

@@ -31,10 +31,10 @@ pub(crate) fn write_row(
 }
 
 /// Reads every station's counters, then writes them: the readings are taken together, within a
-/// microsecond, before any row is formatted. Formatting between readings spread one sample over
-/// tens of microseconds, as long as a message stays at a station at small windows, so a message
-/// moving along its path was read at two stations or at none, and the stations' populations read
-/// up to 24% off what their response times give.
+/// microsecond, before any row is formatted, so that a sample is one instant of the network.
+/// Formatting between readings spread a sample over tens of microseconds, about as long as a
+/// message stays at a station at small windows, in which it could be read at two stations or
+/// at none.
 fn write_samples(
     out: &mut impl Write,
     stations: &[Arc<Station>],
