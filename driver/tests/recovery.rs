@@ -17,7 +17,7 @@ fn driver() -> Command {
     Command::new(env!("CARGO_BIN_EXE_driver"))
 }
 
-fn count(database: &Path, query: &str) -> i64 {
+fn count(database: &Path, query: &'static str) -> i64 {
     tokio::runtime::Builder::new_current_thread()
         .build()
         .expect("runtime")
@@ -171,7 +171,7 @@ fn killed_and_resumed_on_postgres_shards() {
                 format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
                 format!("CREATE DATABASE {name}"),
             ] {
-                sqlx::query(&statement)
+                sqlx::query(sqlx::AssertSqlSafe(statement.as_str()))
                     .execute(&mut *connection)
                     .await
                     .expect("ddl");
@@ -207,9 +207,11 @@ fn killed_and_resumed_on_postgres_shards() {
     assert_eq!(stored as u64, TRADES * 7);
     pg(&admin, async |connection| {
         for name in &names {
-            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                .execute(&mut *connection)
-                .await;
+            let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+            )))
+            .execute(&mut *connection)
+            .await;
         }
     });
 }

@@ -239,7 +239,7 @@ fn a_shard_refuses_the_commits_of_an_owner_with_an_older_lease_token() {
 }
 
 fn query_i64(connection: &mut PgConnection, sql: &str) -> i64 {
-    block_on(sqlx::query_scalar(sql).fetch_one(&mut *connection)).expect(sql)
+    block_on(sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&mut *connection)).expect(sql)
 }
 
 /// The months (YYYY-MM) of the partitions of `table`, read from their bounds.

@@ -235,13 +235,14 @@ fn redacted(url: &str) -> String {
 impl PgStore {
     /// Connects and applies the migrations (checksums verified by sqlx).
     /// One page of rows after `after_id`, by a query whose placeholders are the last id read
-    /// and the page size.
+    /// and the page size. The queries are this module's own text: their only parts not
+    /// written here are conditions from this module and partition names of its own making.
     fn page<T>(&mut self, query: &str, after_id: i64) -> Result<Vec<T>, StoreError>
     where
         T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
     {
         let result = self.runtime.block_on(
-            sqlx::query_as(query)
+            sqlx::query_as(sqlx::AssertSqlSafe(query))
                 .bind(after_id)
                 .bind(RECOVERY_PAGE_ROWS)
                 .fetch_all(&mut self.connection),
@@ -304,11 +305,13 @@ impl PgStore {
         runtime
             .block_on(async {
                 let mut connection = PgConnection::connect(&admin).await?;
-                sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                    .execute(&mut connection)
-                    .await?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                )))
+                .execute(&mut connection)
+                .await?;
                 if create {
-                    sqlx::query(&format!("CREATE DATABASE {name}"))
+                    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
                         .execute(&mut connection)
                         .await?;
                 }
@@ -547,7 +550,7 @@ async fn write_pg_batch(
             .await?;
     }
     if !create_partitions.is_empty() {
-        sqlx::raw_sql(create_partitions)
+        sqlx::raw_sql(sqlx::AssertSqlSafe(create_partitions))
             .execute(&mut *transaction)
             .await?;
     }
@@ -679,11 +682,11 @@ async fn purge_partitions(
         .map(|&(_, month)| month)
         .collect();
     for month in outbox_months {
-        let undelivered: bool = sqlx::query_scalar(&format!(
+        let undelivered: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
             "SELECT EXISTS (SELECT 1 FROM \"{}\" WHERE id > {})",
             PartitionedTable::ClsOutbox.partition(month),
             delivered_through_sql!()
-        ))
+        )))
         .fetch_one(&mut *connection)
         .await?;
         if undelivered {
@@ -713,7 +716,9 @@ async fn purge_partitions(
         }))
         .chain(std::iter::once("COMMIT;".to_owned()))
         .collect();
-    sqlx::raw_sql(&drop).execute(&mut *connection).await?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(drop.as_str()))
+        .execute(&mut *connection)
+        .await?;
     report.dropped = names;
     Ok((report, expired))
 }
@@ -937,9 +942,9 @@ impl Store for PgStore {
 
     fn purge_unchecked_exceptions(&mut self, before: Date) -> Result<u64, StoreError> {
         let result = self.runtime.block_on(
-            sqlx::query(&format!(
+            sqlx::query(sqlx::AssertSqlSafe(format!(
                 "DELETE FROM exceptions WHERE received_on < $1 AND {UNCHECKED_EXCEPTIONS_SQL}"
-            ))
+            )))
             .bind(before)
             .execute(&mut self.connection),
         );
@@ -1012,15 +1017,16 @@ async fn recall(
         .bind(&msg_ids)
         .fetch_all(&mut *connection)
         .await?;
-        let rejected: Vec<(String, String, String, Vec<u8>)> = sqlx::query_as(&format!(
-            "SELECT DISTINCT ON (sender, msg_id) sender, msg_id, code, raw FROM exceptions \
+        let rejected: Vec<(String, String, String, Vec<u8>)> =
+            sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT DISTINCT ON (sender, msg_id) sender, msg_id, code, raw FROM exceptions \
              WHERE (sender, msg_id) IN (SELECT * FROM UNNEST($1::text[], $2::text[])) \
              AND {REMEMBERED_EXCEPTIONS_SQL} ORDER BY sender, msg_id, id"
-        ))
-        .bind(&senders)
-        .bind(&msg_ids)
-        .fetch_all(&mut *connection)
-        .await?;
+            )))
+            .bind(&senders)
+            .bind(&msg_ids)
+            .fetch_all(&mut *connection)
+            .await?;
         // An accepted message is the first verdict of its key: a rejection remembered under an
         // accepted key came after it.
         let accepted_keys: ahash::AHashSet<(String, String)> = accepted

@@ -70,7 +70,7 @@ impl SqliteStore {
     }
 
     /// Runs one statement outside any batch (for tests and maintenance).
-    pub fn execute(&mut self, sql: &str) -> Result<(), StoreError> {
+    pub fn execute(&mut self, sql: &'static str) -> Result<(), StoreError> {
         let result = self
             .runtime
             .block_on(sqlx::raw_sql(sql).execute(&mut self.connection));
@@ -183,9 +183,9 @@ async fn purge_expired(
     );
     let horizon = horizon.to_julian_day();
     let mut transaction = connection.begin().await?;
-    let kept: i64 = sqlx::query_scalar(&format!(
+    let kept: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT COUNT(DISTINCT trade_key) FROM messages WHERE trade_date < ? AND trade_key IN ({UNDELIVERED})"
-    ))
+    )))
     .bind(horizon)
     .fetch_one(&mut *transaction)
     .await?;
@@ -205,11 +205,13 @@ async fn purge_expired(
         ),
         ("exceptions", "received_on < ?".to_owned()),
     ] {
-        let deleted = sqlx::query(&format!("DELETE FROM {table} WHERE {condition}"))
-            .bind(horizon)
-            .execute(&mut *transaction)
-            .await?
-            .rows_affected();
+        let deleted = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DELETE FROM {table} WHERE {condition}"
+        )))
+        .bind(horizon)
+        .execute(&mut *transaction)
+        .await?
+        .rows_affected();
         if deleted > 0 {
             dropped.push(format!("{table}: {deleted} rows"));
         }
@@ -230,10 +232,10 @@ async fn purge_expired(
 impl Store for SqliteStore {
     fn purge_unchecked_exceptions(&mut self, before: Date) -> Result<u64, StoreError> {
         let result = self.runtime.block_on(
-            sqlx::query(&format!(
+            sqlx::query(sqlx::AssertSqlSafe(format!(
                 "DELETE FROM exceptions WHERE received_on < ? AND {}",
                 super::UNCHECKED_EXCEPTIONS_SQL
-            ))
+            )))
             .bind(before.to_julian_day())
             .execute(&mut self.connection),
         );
@@ -318,7 +320,7 @@ impl Store for SqliteStore {
         read_pages(
             |after_id| {
                 let result: Result<Vec<RejectionRow>, _> = self.runtime.block_on(
-                    sqlx::query_as(&query)
+                    sqlx::query_as(sqlx::AssertSqlSafe(query.as_str()))
                         .bind(after_id)
                         .bind(RECOVERY_PAGE_ROWS)
                         .fetch_all(&mut self.connection),

@@ -109,11 +109,13 @@ impl TempDatabases {
                 .await
                 .expect("DATABASE_URL reaches a PostgreSQL server");
             for name in &names {
-                sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                    .execute(&mut admin)
-                    .await
-                    .expect("drop");
-                sqlx::query(&format!("CREATE DATABASE {name}"))
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                )))
+                .execute(&mut admin)
+                .await
+                .expect("drop");
+                sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
                     .execute(&mut admin)
                     .await
                     .expect("create");
@@ -135,9 +137,11 @@ impl Drop for TempDatabases {
         block_on(async {
             if let Ok(mut admin) = PgConnection::connect(&admin_url()).await {
                 for name in &self.names {
-                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                        .execute(&mut admin)
-                        .await;
+                    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                    )))
+                    .execute(&mut admin)
+                    .await;
                 }
             }
         });
