@@ -9,6 +9,12 @@
 #                                               sent with the signatures made beside it, so
 #                                               that the engine's CPU holds no generating or
 #                                               signing
+#   STE_BENCH_WARM=N bench/postgres.sh ...      first store N trades, untimed, and time the run
+#                                               that follows (`--resume`): the shards then hold
+#                                               their month partitions, as the COPY's table does
+#                                               before its load is timed and as a database does
+#                                               after its first day; without it the timed run
+#                                               creates every month's partitions of every shard
 #
 # The load back is a binary COPY (psql \copy ... WITH (FORMAT binary)), the format the engine's
 # writers use. Prints one line per instance count: engine msg/s, COPY rows/s, their ratio, and
@@ -69,9 +75,15 @@ for instances in "$@"; do
   owner_urls=$(deploy/local-cluster.sh owner-urls --dir "$cluster_dir" | paste -sd,)
   mkdir -p runs
   run_dir="runs/bench-postgres-${trades}-${instances}-$(date +%Y%m%dT%H%M%S)"
+  resume=()
+  if [ -n "${STE_BENCH_WARM:-}" ]; then
+    STE_DATABASE_URLS=$urls ./target/release/driver --trades "$STE_BENCH_WARM" --seed 1 \
+      --store postgres --run-dir "$run_dir-warm" --json --quiet --probe-s 0 > "$run_dir-warm.json"
+    resume=(--resume)
+  fi
   pg_before=$(pg_cpu_s)
   STE_DATABASE_URLS=$urls ./target/release/driver "${source_args[@]}" --store postgres \
-    --run-dir "$run_dir" --json --quiet --probe-s 0 > "$run_dir.json"
+    "${resume[@]}" --run-dir "$run_dir" --json --quiet --probe-s 0 > "$run_dir.json"
   pg_run=$(python3 -c "print($(pg_cpu_s) - $pg_before)")
   engine_cpu=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['process_cpu_s'])" "$run_dir.json")
   engine_rate=$(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['throughput_msg_s']))" "$run_dir.json")
@@ -93,6 +105,11 @@ FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid,
 WHERE i.inhparent = 'messages'::regclass \gexec
 SQL
   done
+  # Rows the COPY loads: the timed run's, and with STE_BENCH_WARM the warm-up's as well.
+  copied=0
+  for url in "${url_list[@]}"; do
+    copied=$((copied + $(psql "$url" -Atc "SELECT count(*) FROM messages")))
+  done
   pg_before=$(pg_cpu_s)
   started=$(date +%s.%N)
   pids=()
@@ -103,9 +120,9 @@ SQL
   for pid in "${pids[@]}"; do wait "$pid"; done
   finished=$(date +%s.%N)
   pg_copy=$(python3 -c "print($(pg_cpu_s) - $pg_before)")
-  copy_rate=$(python3 -c "print(round($messages / ($finished - $started)))")
+  copy_rate=$(python3 -c "print(round($copied / ($finished - $started)))")
   ratio=$(python3 -c "print(f'{$engine_rate / $copy_rate:.2f}')")
-  cpu=$(python3 -c "m=$messages; print(f'{1e6*$engine_cpu/m:.1f},{1e6*$pg_run/m:.1f},{1e6*$pg_copy/m:.1f}')")
+  cpu=$(python3 -c "m=$messages; print(f'{1e6*$engine_cpu/m:.1f},{1e6*$pg_run/m:.1f},{1e6*$pg_copy/$copied:.1f}')")
   printf '%-9s %-9s %-12s %-14s %-14s %-12s %s\n' "$trades" "$instances" "$messages" "$engine_rate" "$copy_rate" "$ratio" "$cpu"
 done
 deploy/local-cluster.sh down --dir "$cluster_dir" >/dev/null 2>&1 || true
