@@ -77,7 +77,7 @@ for instances in "$@"; do
   run_dir="runs/bench-postgres-${trades}-${instances}-$(date +%Y%m%dT%H%M%S)"
   resume=()
   if [ -n "${STE_BENCH_WARM:-}" ]; then
-    STE_DATABASE_URLS=$urls ./target/release/driver --trades "$STE_BENCH_WARM" --seed 1 \
+    STE_DATABASE_URLS=$urls ./target/release/driver --trades "$STE_BENCH_WARM" \
       --store postgres --run-dir "$run_dir-warm" --json --quiet --probe-s 0 > "$run_dir-warm.json"
     resume=(--resume)
   fi

@@ -8,6 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use sqlx::{Connection, SqliteConnection};
+use ste_engine::store::PgStore;
 
 const TRADES: u64 = 20_000;
 /// At least this many runs must still be going when they are killed.
@@ -161,24 +162,13 @@ fn pg<T>(url: &str, work: impl AsyncFnOnce(&mut sqlx::PgConnection) -> T) -> T {
 fn killed_and_resumed_on_postgres_shards() {
     let dir = tempfile::tempdir().expect("temporary folder");
     let admin = admin_url();
-    let (base, _) = admin.rsplit_once('/').expect("a URL with a database");
     let names: Vec<String> = (0..2)
         .map(|shard| format!("ste_test_kill_{}_{shard}", std::process::id()))
         .collect();
-    pg(&admin, async |connection| {
-        for name in &names {
-            for statement in [
-                format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
-                format!("CREATE DATABASE {name}"),
-            ] {
-                sqlx::query(sqlx::AssertSqlSafe(statement.as_str()))
-                    .execute(&mut *connection)
-                    .await
-                    .expect("ddl");
-            }
-        }
-    });
-    let urls: Vec<String> = names.iter().map(|name| format!("{base}/{name}")).collect();
+    let urls: Vec<String> = names
+        .iter()
+        .map(|name| PgStore::recreate_database(&admin, name, true).expect("creates a database"))
+        .collect();
     let store_args: Vec<String> = ["--store", "postgres", "--db", &urls[0], "--db", &urls[1]]
         .iter()
         .map(|s| (*s).to_owned())
@@ -205,13 +195,7 @@ fn killed_and_resumed_on_postgres_shards() {
         assert_eq!(outbox, matched);
     }
     assert_eq!(stored as u64, TRADES * 7);
-    pg(&admin, async |connection| {
-        for name in &names {
-            let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-                "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-            )))
-            .execute(&mut *connection)
-            .await;
-        }
-    });
+    for name in &names {
+        let _ = PgStore::recreate_database(&admin, name, false);
+    }
 }

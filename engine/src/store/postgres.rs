@@ -233,7 +233,6 @@ fn redacted(url: &str) -> String {
 }
 
 impl PgStore {
-    /// Connects and applies the migrations (checksums verified by sqlx).
     /// One page of rows after `after_id`, by a query whose placeholders are the last id read
     /// and the page size. The queries are this module's own text: their only parts not
     /// written here are conditions from this module and partition names of its own making.
@@ -331,6 +330,7 @@ impl PgStore {
         }
     }
 
+    /// Connects and applies the migrations (checksums verified by sqlx).
     pub fn open(url: &str) -> Result<Self, StoreError> {
         let name = redacted(url);
         let runtime = io_runtime()?;

@@ -5,7 +5,7 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use sqlx::{Connection, PgConnection};
+use ste_engine::store::PgStore;
 
 /// A `nats-server -js` of the test's own, killed when dropped.
 pub struct NatsServer {
@@ -75,12 +75,6 @@ pub fn admin_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
 }
 
-/// `url` with its database replaced by `database`.
-pub fn url_of(url: &str, database: &str) -> String {
-    let (base, _) = url.rsplit_once('/').expect("a URL with a database");
-    format!("{base}/{database}")
-}
-
 /// Runs `future` on the tests' one runtime, so that a connection outlives a call.
 pub fn block_on<T>(future: impl std::future::Future<Output = T>) -> T {
     static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
@@ -104,47 +98,26 @@ impl TempDatabases {
         let names: Vec<String> = (0..count)
             .map(|index| format!("ste_test_{label}_{}_{index}", std::process::id()))
             .collect();
-        block_on(async {
-            let mut admin = PgConnection::connect(&admin_url())
-                .await
+        for name in &names {
+            PgStore::recreate_database(&admin_url(), name, true)
                 .expect("DATABASE_URL reaches a PostgreSQL server");
-            for name in &names {
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-                )))
-                .execute(&mut admin)
-                .await
-                .expect("drop");
-                sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-                    .execute(&mut admin)
-                    .await
-                    .expect("create");
-            }
-        });
+        }
         Self { names }
     }
 
     pub fn urls(&self) -> Vec<String> {
         self.names
             .iter()
-            .map(|name| url_of(&admin_url(), name))
+            .map(|name| PgStore::url_of_database(&admin_url(), name))
             .collect()
     }
 }
 
 impl Drop for TempDatabases {
     fn drop(&mut self) {
-        block_on(async {
-            if let Ok(mut admin) = PgConnection::connect(&admin_url()).await {
-                for name in &self.names {
-                    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-                        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-                    )))
-                    .execute(&mut admin)
-                    .await;
-                }
-            }
-        });
+        for name in &self.names {
+            let _ = PgStore::recreate_database(&admin_url(), name, false);
+        }
     }
 }
 
