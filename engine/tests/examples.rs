@@ -67,7 +67,7 @@ fn the_example_trade_yields_the_documented_cls() {
     let mut emitted = Vec::new();
     for (line, msg) in STANDARD_TRADE.iter().zip(messages()) {
         let outcome = matcher.process(
-            msg,
+            Box::new(msg),
             line.as_bytes(),
             0,
             "2026-08-04T10:15:02.417Z",

@@ -68,7 +68,7 @@ fn run_lines(lines: &[Vec<u8>], trade_key: &str) -> Observed {
             }
         };
         let outcome = matcher.process(
-            msg,
+            Box::new(msg),
             line,
             0,
             "2026-08-04T10:00:00.000Z",
@@ -216,7 +216,7 @@ fn run_marked(lines: &[(bool, Vec<u8>)], trade_key: &str) -> PartiesOutcome {
             Err(rejection) => rejection.code.as_str().to_owned(),
             Ok(msg) => {
                 let processed = matcher.process(
-                    msg,
+                    Box::new(msg),
                     line,
                     0,
                     "2026-08-04T10:00:00.000Z",

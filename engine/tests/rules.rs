@@ -928,7 +928,7 @@ fn a_trade_is_stored_under_the_date_of_its_first_accepted_message() {
     let today = date!(2026 - 11 - 30);
     let stored_date = |matcher: &mut Matcher, msg: &Msg| {
         let raw = encode_msg(msg);
-        let outcome = matcher.process(msg.clone(), raw.as_bytes(), 0, "", today);
+        let outcome = matcher.process(Box::new(msg.clone()), raw.as_bytes(), 0, "", today);
         assert_eq!(outcome.disposition, Disposition::Accepted, "{}", msg.msg_id);
         outcome.trade_date
     };
@@ -977,7 +977,7 @@ fn a_trade_is_stored_under_the_date_of_its_first_accepted_message() {
     let mut restored = self::matcher();
     let raw = encode_msg(&cancel);
     assert!(restored.restore(
-        cancel.clone(),
+        Box::new(cancel.clone()),
         raw.as_bytes(),
         0,
         Some(date!(2026 - 11 - 02)),
@@ -997,7 +997,7 @@ fn process_on(matcher: &mut Matcher, messages: &[Msg], day: time::Date) -> Vec<D
             let raw = encode_msg(msg);
             matcher
                 .process(
-                    msg.clone(),
+                    Box::new(msg.clone()),
                     raw.as_bytes(),
                     0,
                     "2026-12-24T10:00:00.000Z",
@@ -1129,7 +1129,7 @@ fn as_stranger(msg: &Msg, inv_mgr: &str, custodian: &str, sender: &str) -> Msg {
 fn outcome_of(matcher: &mut Matcher, msg: &Msg) -> ste_engine::matcher::Outcome {
     let raw = encode_msg(msg);
     matcher.process(
-        msg.clone(),
+        Box::new(msg.clone()),
         raw.as_bytes(),
         0,
         "2026-08-04T10:00:00.000Z",
@@ -1516,7 +1516,7 @@ fn what_a_shard_accepted_is_taken_back_whatever_the_rules_are_now() {
     let day = time::macros::date!(2026 - 08 - 04);
     for msg in [&messages[0], &stranger] {
         let raw = encode_msg(msg);
-        assert!(restarted.restore(msg.clone(), raw.as_bytes(), 0, None, day));
+        assert!(restarted.restore(Box::new(msg.clone()), raw.as_bytes(), 0, None, day));
     }
 }
 

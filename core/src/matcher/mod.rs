@@ -108,7 +108,8 @@ pub struct Outcome {
     pub disposition: Disposition,
     /// The trade's new status, when it changed.
     pub trade_status: Option<TradeStatus>,
-    pub cls: Option<Cls>,
+    /// Boxed: one outcome in seven carries one, and every outcome is moved through the queues.
+    pub cls: Option<Box<Cls>>,
     /// Injection time of the trade's first message, for CLS latency.
     pub trade_first_injected_ns: u64,
     pub advice: Option<Advice>,
@@ -154,7 +155,8 @@ struct Held {
     key: HashKey,
     /// What it counts against its sender's quota ([`MatcherMemory::participant_held_bytes`]).
     bytes: u32,
-    msg: Msg,
+    /// Boxed: a trade's slots are copied as it grows, and a pointer copies for less.
+    msg: Box<Msg>,
     /// Named by an accepted CAN or AMD of its trade: no longer live. Kept on the message, so
     /// that it holds once the name itself has been retired from the exact tables.
     named: bool,
@@ -339,7 +341,7 @@ impl Matcher {
     /// message's TradeDate, or `today` for a CAN (which carries none).
     pub fn process(
         &mut self,
-        msg: Msg,
+        msg: Box<Msg>,
         raw: &[u8],
         injected_ns: u64,
         now: &str,
@@ -360,7 +362,7 @@ impl Matcher {
     #[allow(clippy::too_many_arguments)]
     fn process_dated(
         &mut self,
-        msg: Msg,
+        msg: Box<Msg>,
         raw: &[u8],
         injected_ns: u64,
         now: &str,
@@ -465,7 +467,7 @@ impl Matcher {
             .entry(trade_key.clone().into_boxed_str())
             .or_insert_with(|| Trade {
                 // One message, then doubling: a trade that never gets a second message (most
-                // of what a flood of unmatched NOEs holds) keeps one slot of 608 bytes, not four.
+                // of what a flood of unmatched NOEs holds) keeps one slot, not four.
                 messages: Vec::with_capacity(1),
                 owner: None,
                 status: TradeStatus::Pending,
@@ -563,7 +565,7 @@ impl Matcher {
     /// the store kept the message under, where it keeps one.
     pub fn restore(
         &mut self,
-        msg: Msg,
+        msg: Box<Msg>,
         raw: &[u8],
         injected_ns: u64,
         stored_date: Option<Date>,
@@ -733,7 +735,7 @@ impl Matcher {
             .messages
             .iter()
             .filter(|held| self.is_live(held))
-            .map(|held| &held.msg)
+            .map(|held| &*held.msg)
             .collect();
         let mut failed = Vec::new();
         let mut cls = None;
@@ -750,7 +752,7 @@ impl Matcher {
         } else if let Some(group) = Group::complete(&live) {
             failed = group.failed_criteria(&self.refdata, &self.tolerances);
             if failed.is_empty() {
-                cls = Some(group.cls(&self.refdata, now));
+                cls = Some(Box::new(group.cls(&self.refdata, now)));
                 TradeStatus::Matched
             } else {
                 TradeStatus::Mismatched
@@ -863,7 +865,8 @@ fn held_bytes(raw: &[u8], trade_key: &str, opens: bool) -> u32 {
     };
     // Each of a message's ~20 strings is an allocation with a header and rounding.
     let strings = 20 * 16;
-    u32::try_from(raw.len() + std::mem::size_of::<Held>() + strings + trade).unwrap_or(u32::MAX)
+    let held = std::mem::size_of::<Held>() + std::mem::size_of::<Msg>();
+    u32::try_from(raw.len() + held + strings + trade).unwrap_or(u32::MAX)
 }
 
 /// The investment manager of a trade: the one its live NOE names; with no live NOE, the one a

@@ -658,7 +658,7 @@ impl TakeBack {
             Ok(msg) => {
                 before(matcher, &msg);
                 matcher.restore(
-                    msg,
+                    Box::new(msg),
                     &stored.raw,
                     stored.injected_ns,
                     stored.trade_date,

@@ -175,8 +175,10 @@ pub(crate) fn run_matcher(
             }
         }
         let mut processed = Vec::with_capacity(items.len());
+        // One reading of the clock per batch: a CLS's MatchedAt is when the matcher took the
+        // batch whose message completed the trade.
+        let (now, today) = wall.now();
         for item in items {
-            let (now, today) = wall.now();
             let (meta, outcome) = match item.verdict {
                 Ok(msg) => {
                     let meta = MessageMeta::of(&msg);

@@ -88,7 +88,7 @@ pub(crate) fn run_validator(
             // a listener (about the connection, not the message) and an unsigned, unreadable or
             // impersonating one go straight to the exception writer.
             let verdict = match result {
-                Ok(msg) => Ok(msg),
+                Ok(msg) => Ok(Box::new(msg)),
                 Err(Refusal {
                     rejection,
                     identity,
