@@ -348,6 +348,8 @@ pub fn run_cluster(
         store: format!("postgres, cluster at {}", target.url),
         validators: config.settings.shards,
         peak_rss_mb: peak_rss_mb(),
+        // The driver's own memory says nothing of the nodes'.
+        rss_mb_at_answered: Vec::new(),
         conserved: messages_in == accepted + duplicates + exceptions_total,
         expected,
         matches_expected,

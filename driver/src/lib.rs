@@ -49,6 +49,18 @@ pub enum Source {
     File(PathBuf),
 }
 
+impl Source {
+    /// How many messages a generated set holds; a file's count is not known before it is read.
+    fn generated_messages(&self) -> Option<u64> {
+        match self {
+            Source::Generated(generator) => {
+                Some(generator.trades * ste_engine::generator::MESSAGES_PER_TRADE as u64)
+            }
+            Source::File(_) => None,
+        }
+    }
+}
+
 /// Everything a run needs.
 #[derive(Debug, Clone)]
 pub struct RunConfig {
@@ -152,6 +164,11 @@ pub struct Summary {
     pub store: String,
     pub validators: u32,
     pub peak_rss_mb: f64,
+    /// In process, for a generated set: the resident set (VmRSS, MiB) when 10%, 50% and 90% of
+    /// the messages had been answered, and at the end. Memory that stays flat after warm-up
+    /// reads about the same at each mark.
+    #[serde(default)]
+    pub rss_mb_at_answered: Vec<RssMark>,
     /// messages_in = accepted + duplicates + exceptions.
     pub conserved: bool,
     /// What the generator expected, for a generated set.
@@ -186,6 +203,95 @@ impl Summary {
 pub fn peak_rss_mb() -> f64 {
     ste_engine::cluster_samples::proc_status_kib("self", "VmHWM")
         .map_or(0.0, |kib| kib as f64 / 1024.0)
+}
+
+/// The resident set of this process in KiB (VmRSS), where the system reports it.
+fn rss_kib() -> Option<u64> {
+    ste_engine::cluster_samples::proc_status_kib("self", "VmRSS")
+}
+
+/// The resident set when a share of a run's messages had been answered.
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+pub struct RssMark {
+    /// Percent of the run's messages answered; 100 is the end of the run.
+    pub answered_pct: u8,
+    pub rss_mb: f64,
+}
+
+/// Shares of a run's messages at which [`RssMarks`] reads the resident set, in percent.
+const RSS_MARK_PCTS: [u8; 3] = [10, 50, 90];
+
+/// Reads the resident set as a run's answers pass [`RSS_MARK_PCTS`] of its messages, from a
+/// thread of its own that looks every [`RSS_MARK_INTERVAL`].
+struct RssMarks {
+    /// KiB at each mark; 0 until it is passed.
+    read: Arc<[AtomicU64; RSS_MARK_PCTS.len()]>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+const RSS_MARK_INTERVAL: Duration = Duration::from_millis(50);
+
+impl RssMarks {
+    /// Starts the reading for a run of `total` messages (none when the total is not known).
+    fn start(tally: &Arc<Tally>, total: Option<u64>) -> Self {
+        let read: Arc<[AtomicU64; RSS_MARK_PCTS.len()]> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = total.filter(|total| *total > 0).map(|total| {
+            let (tally, read, stop) = (tally.clone(), read.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name("rss-marks".into())
+                .spawn(move || {
+                    let mut next = 0;
+                    loop {
+                        // A last look once the run has ended, for marks passed since the one
+                        // before.
+                        let stopping = stop.load(Ordering::Relaxed);
+                        let answered = tally.acked.load(Ordering::Relaxed);
+                        while next < RSS_MARK_PCTS.len()
+                            && answered * 100 >= total * u64::from(RSS_MARK_PCTS[next])
+                        {
+                            read[next].store(rss_kib().unwrap_or(0), Ordering::Relaxed);
+                            next += 1;
+                        }
+                        if stopping || next == RSS_MARK_PCTS.len() {
+                            break;
+                        }
+                        std::thread::sleep(RSS_MARK_INTERVAL);
+                    }
+                })
+                .expect("a thread for the RSS marks")
+        });
+        Self { read, stop, thread }
+    }
+
+    /// The marks passed, and the resident set now as the end's.
+    fn finish(mut self) -> Vec<RssMark> {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        } else {
+            return Vec::new();
+        }
+        let mib = |kib: u64| kib as f64 / 1024.0;
+        let mut marks: Vec<RssMark> = RSS_MARK_PCTS
+            .iter()
+            .zip(self.read.iter())
+            .map(|(pct, kib)| (*pct, kib.load(Ordering::Relaxed)))
+            .filter(|(_, kib)| *kib > 0)
+            .map(|(answered_pct, kib)| RssMark {
+                answered_pct,
+                rss_mb: mib(kib),
+            })
+            .collect();
+        if let Some(kib) = rss_kib() {
+            marks.push(RssMark {
+                answered_pct: 100,
+                rss_mb: mib(kib),
+            });
+        }
+        marks
+    }
 }
 
 #[derive(Default)]
@@ -389,12 +495,7 @@ impl Progress {
     fn start(tally: &Arc<Tally>, source: &Source, enabled: bool) -> Progress {
         let submitted = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
-        let total_estimate = match source {
-            Source::Generated(generator) => {
-                generator.trades * ste_engine::generator::MESSAGES_PER_TRADE as u64
-            }
-            Source::File(_) => 0,
-        };
+        let total_estimate = source.generated_messages().unwrap_or(0);
         let thread = enabled.then(|| {
             spawn_progress(
                 tally.clone(),
@@ -576,6 +677,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     };
 
     let progress = Progress::start(&tally, &config.source, config.progress);
+    let rss_marks = RssMarks::start(&tally, config.source.generated_messages());
 
     let mut submitter = pipeline.submitter();
     let (injected, expected) = inject_source(
@@ -592,6 +694,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     // stores and counting their rows afterwards is not part of it.
     let elapsed_s = run_seconds(&tally, started);
     let process_cpu_s = scale::own_cpu_s() - cpu_started_s;
+    let rss_mb_at_answered = rss_marks.finish();
     progress.finish();
     let answers = ack_thread
         .join()
@@ -682,6 +785,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         store: config.settings.store.as_str().to_owned(),
         validators: config.settings.validators,
         peak_rss_mb: peak_rss_mb(),
+        rss_mb_at_answered,
         conserved: messages_in == accepted + duplicates + exceptions_total,
         expected: expected.clone(),
         matches_expected,

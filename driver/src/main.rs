@@ -460,6 +460,20 @@ fn print_summary(summary: &Summary) {
         "  elapsed           {:.2} s   throughput {:.0} msg/s   peak RSS {:.0} MiB",
         summary.elapsed_s, summary.throughput_msg_s, summary.peak_rss_mb
     );
+    if !summary.rss_mb_at_answered.is_empty() {
+        let marks: Vec<String> = summary
+            .rss_mb_at_answered
+            .iter()
+            .map(|mark| match mark.answered_pct {
+                100 => format!("end {:.0}", mark.rss_mb),
+                pct => format!("{pct}% {:.0}", mark.rss_mb),
+            })
+            .collect();
+        println!(
+            "  RSS MiB           {}   (when that share of the messages was answered)",
+            marks.join("   ")
+        );
+    }
     if summary.store == StoreKind::Memory.as_str() {
         println!(
             "  memory store      keeps every message, trade and CLS in memory until the run ends: its RSS grows with the run"

@@ -125,6 +125,17 @@ fn a_fault_mix_gives_exactly_the_expected_outcome_on_the_embedded_store() {
             .join(format!("store/shard-{shard}.sqlite"))
             .exists());
     }
+    // The resident set at each share of the answers, and at the end.
+    let marks: Vec<u8> = summary
+        .rss_mb_at_answered
+        .iter()
+        .map(|mark| mark.answered_pct)
+        .collect();
+    assert_eq!(marks, vec![10, 50, 90, 100]);
+    assert!(summary
+        .rss_mb_at_answered
+        .iter()
+        .all(|mark| mark.rss_mb > 1.0 && mark.rss_mb <= summary.peak_rss_mb));
 }
 
 fn driver() -> Command {
