@@ -1254,10 +1254,12 @@ fn sweep_model(first: &Summary, last: &Summary) -> Option<SweepModel> {
 }
 
 /// How often a sweep's levels sample their stations unless `--sample-ms` is given: a level
-/// lasts a second or two, and its stations' populations, read from instants, need about a
-/// thousand samples to come within a few percent of what the response times measured item by
-/// item give (at 10 ms, 5–17% off at small windows; BENCHMARKS.md).
-const SWEEP_SAMPLE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(1);
+/// lasts a second or a few, and at small windows a station holds a message for tens of
+/// microseconds and its population comes and goes in batches, so its mean read from instants
+/// needs many of them. Every 1 ms (about 5,000 samples a level) the path's R from samples was up
+/// to 12% off the R measured item by item at windows of 16 and 64; every 250 µs, at random
+/// spread, within 3% (BENCHMARKS.md), for about 3% of the cores.
+const SWEEP_SAMPLE_INTERVAL: std::time::Duration = std::time::Duration::from_micros(250);
 
 fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Result<()> {
     if args.run_dir.is_some() || args.resume {

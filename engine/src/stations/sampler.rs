@@ -1,10 +1,13 @@
-//! The sampler: reads every station's counters at a fixed interval (DESIGN.md section 6).
+//! The sampler: reads every station's counters about every interval (DESIGN.md section 6), each
+//! wait drawn at random between half and one and a half intervals.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use rand::Rng;
 
 use crate::network::PipelineError;
 use crate::station::{RunClock, Station, StationReading};
@@ -92,8 +95,8 @@ pub fn sample_on_time() -> bool {
 /// How often the sampler hands its buffered rows to the file.
 const SAMPLES_FLUSH_INTERVAL: Duration = Duration::from_millis(500);
 
-/// Writes every station's counters to `samples.csv` every `interval` until `stop`; returns
-/// whether it sampled on time ([`sample_on_time`]).
+/// Writes every station's counters to `samples.csv` about every `interval` (each wait drawn from
+/// 0.5–1.5 intervals) until `stop`; returns whether it sampled on time ([`sample_on_time`]).
 pub(crate) fn run_sampler(
     mut out: BufWriter<File>,
     stations: &[Arc<Station>],
@@ -112,6 +115,7 @@ pub(crate) fn run_sampler(
     let mut next = Instant::now();
     let mut flushed = Instant::now();
     let mut readings = Vec::with_capacity(stations.len());
+    let mut rng = rand::thread_rng();
     loop {
         write_samples(&mut out, stations, &mut readings, clock).map_err(PipelineError::Samples)?;
         // A live dashboard reads the file while the run goes on.
@@ -122,7 +126,9 @@ pub(crate) fn run_sampler(
         if stop.load(Ordering::Relaxed) {
             break;
         }
-        next += interval;
+        // Spread at random around the interval: samples at a fixed period can fall in step
+        // with the stations' own timed wake-ups and read them at the same phase every time.
+        next += interval.mul_f64(rng.gen_range(0.5..1.5));
         let now = Instant::now();
         if next > now {
             std::thread::sleep(next - now);
