@@ -165,8 +165,8 @@ pub struct Summary {
     pub validators: u32,
     pub peak_rss_mb: f64,
     /// In process, for a generated set: the resident set (VmRSS, MiB) when 10%, 50% and 90% of
-    /// the messages had been answered, and at the end. Memory that stays flat after warm-up
-    /// reads about the same at each mark.
+    /// the messages had been answered, and once the pipeline had stopped. Memory that stays
+    /// flat after warm-up reads about the same at the first three.
     #[serde(default)]
     pub rss_mb_at_answered: Vec<RssMark>,
     /// messages_in = accepted + duplicates + exceptions.
@@ -213,7 +213,8 @@ fn rss_kib() -> Option<u64> {
 /// The resident set when a share of a run's messages had been answered.
 #[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct RssMark {
-    /// Percent of the run's messages answered; 100 is the end of the run.
+    /// Percent of the run's messages answered; 100 is the end of the run, read once the
+    /// pipeline has stopped and its stores have closed.
     pub answered_pct: u8,
     pub rss_mb: f64,
 }

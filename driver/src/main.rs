@@ -465,12 +465,12 @@ fn print_summary(summary: &Summary) {
             .rss_mb_at_answered
             .iter()
             .map(|mark| match mark.answered_pct {
-                100 => format!("end {:.0}", mark.rss_mb),
+                100 => format!("stopped {:.0}", mark.rss_mb),
                 pct => format!("{pct}% {:.0}", mark.rss_mb),
             })
             .collect();
         println!(
-            "  RSS MiB           {}   (when that share of the messages was answered)",
+            "  RSS MiB           {}   (when that share of the messages was answered; once the pipeline stopped)",
             marks.join("   ")
         );
     }
