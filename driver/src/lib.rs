@@ -266,12 +266,15 @@ impl RssMarks {
         Self { read, stop, thread }
     }
 
+    /// Stops the thread; whether there was one.
+    fn stop(&mut self) -> bool {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.take().map(|thread| thread.join()).is_some()
+    }
+
     /// The marks passed, and the resident set now as the end's.
     fn finish(mut self) -> Vec<RssMark> {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        } else {
+        if !self.stop() {
             return Vec::new();
         }
         let mib = |kib: u64| kib as f64 / 1024.0;
@@ -292,6 +295,13 @@ impl RssMarks {
             });
         }
         marks
+    }
+}
+
+impl Drop for RssMarks {
+    /// A run that fails half way, whose answers never reach the marks, stops the reading too.
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 
