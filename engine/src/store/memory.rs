@@ -5,25 +5,54 @@ use super::{
     StoredMessage, StoredRejection, UndeliveredCls,
 };
 use crate::matcher::TradeStatus;
+use time::Date;
 
 /// Rows kept in process memory: the store for tests and for measuring the engine without
 /// storage cost. It keeps every row, so its memory grows with the run.
-/// Rows are kept as the committed batches themselves, so that growing the store never copies
-/// what it already holds.
+/// Messages are kept a committed batch to a vector, so that growing the store never copies
+/// what it already holds, and each as only what recovery reads back ([`KeptMessage`]).
 #[derive(Debug, Default)]
 pub struct MemoryStore {
-    pub messages: Vec<Vec<MessageRow>>,
+    pub messages: Vec<Vec<KeptMessage>>,
     pub trades: ahash::AHashMap<String, TradeStatus>,
     pub cls: Vec<ClsRow>,
     pub exceptions: Vec<ExceptionRow>,
     pub delivered_through: i64,
 }
 
+/// An accepted message as the memory store keeps it: its bytes and what recovery cannot read
+/// from them. The rest of a [`MessageRow`] (trade key, sender, MsgId, type, function, related
+/// id: about 160 bytes with the trade key's own allocation, against 40 here) is in the bytes;
+/// the store grows by a message's row at every message, and on a run of a few million messages
+/// the pages it touches for the first time are a fifth of the engine's CPU.
+#[derive(Debug)]
+pub struct KeptMessage {
+    pub raw: Vec<u8>,
+    pub injected_ns: u64,
+    pub trade_date: Date,
+    pub received_on: Date,
+}
+
+impl From<MessageRow> for KeptMessage {
+    fn from(row: MessageRow) -> Self {
+        Self {
+            raw: row.raw,
+            injected_ns: row.injected_ns,
+            trade_date: row.trade_date,
+            received_on: row.received_on,
+        }
+    }
+}
+
 impl Store for MemoryStore {
     fn commit(&mut self, batch: &mut Batch) -> Result<Vec<i64>, StoreError> {
         let batch = std::mem::take(batch);
         if !batch.messages.is_empty() {
-            self.messages.push(batch.messages);
+            // Into a vector of its own size: collecting would reuse the batch's allocation,
+            // sized for the longer rows.
+            let mut kept = Vec::with_capacity(batch.messages.len());
+            kept.extend(batch.messages.into_iter().map(KeptMessage::from));
+            self.messages.push(kept);
         }
         for row in batch.trades {
             self.trades.insert(row.trade_key, row.status);
