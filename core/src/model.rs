@@ -414,13 +414,25 @@ impl Msg {
     }
 }
 
+/// Whether `key` is `msg`'s trade key ([`Msg::trade_key`]), compared in place.
+pub fn is_trade_key_of(key: &str, msg: &Msg) -> bool {
+    key.strip_prefix(msg.broker.as_str())
+        .and_then(|rest| rest.strip_prefix('/'))
+        .is_some_and(|trade_ref| trade_ref == msg.trade_ref.as_str())
+}
+
 /// The grouping and routing key of a trade: `Broker + "/" + TradeRef`.
 pub fn trade_key(broker: &str, trade_ref: &str) -> String {
     let mut key = String::with_capacity(broker.len() + 1 + trade_ref.len());
-    key.push_str(broker);
-    key.push('/');
-    key.push_str(trade_ref);
+    push_trade_key(&mut key, broker, trade_ref);
     key
+}
+
+/// Appends the trade key of `broker` and `trade_ref` to `out` ([`trade_key`] into a buffer).
+pub fn push_trade_key(out: &mut String, broker: &str, trade_ref: &str) {
+    out.push_str(broker);
+    out.push('/');
+    out.push_str(trade_ref);
 }
 
 /// One allocation's settlement line in a CLS.

@@ -25,11 +25,10 @@ pub(super) struct Group<'a> {
 }
 
 impl<'a> Group<'a> {
-    /// A trade is complete when its live messages are 1 NOE and n ALC, n NPR and n SET, where n
-    /// is the AllocCount of at least one ALC.
-    pub(super) fn complete(live: &'a [&'a Msg]) -> Option<Self> {
-        // Counted first, without a vector: six messages of every seven leave a trade
-        // incomplete, and are answered without building the groups.
+    /// Whether the live messages are as many of each type as a complete trade's: 1 NOE and as
+    /// many NPR and SET as ALC. Counted without a vector: six messages of every seven leave a
+    /// trade incomplete, and are answered without building the groups.
+    pub(super) fn counts_complete<'m>(live: impl IntoIterator<Item = &'m Msg>) -> bool {
         let mut counts = [0_usize; 4];
         for msg in live {
             let slot = match msg.msg_type {
@@ -41,7 +40,13 @@ impl<'a> Group<'a> {
             counts[slot] += 1;
         }
         let [noes, alcs, nprs, sets] = counts;
-        if noes != 1 || alcs == 0 || nprs != alcs || sets != alcs {
+        noes == 1 && alcs > 0 && nprs == alcs && sets == alcs
+    }
+
+    /// A trade is complete when its live messages are 1 NOE and n ALC, n NPR and n SET, where n
+    /// is the AllocCount of at least one ALC.
+    pub(super) fn complete(live: &'a [&'a Msg]) -> Option<Self> {
+        if !Self::counts_complete(live.iter().copied()) {
             return None;
         }
         let of = |msg_type: MsgType| -> Vec<&'a Msg> {
@@ -126,22 +131,27 @@ impl<'a> Group<'a> {
             all_equal(self.alcs.iter(), |m| m.alloc_count) && Some(allocated) == self.noe.qty,
         );
 
-        let find = |messages: &[&'a Msg], account: Option<&str>| -> Vec<&'a Msg> {
-            messages
+        // The one message of `messages` for `account`, if exactly one is: counted in place,
+        // without a vector for each account and type.
+        let only = |messages: &[&'a Msg], account: Option<&str>| -> Option<&'a Msg> {
+            let mut found = messages
                 .iter()
                 .copied()
-                .filter(|m| m.account.as_deref() == account)
-                .collect()
+                .filter(|m| m.account.as_deref() == account);
+            let first = found.next()?;
+            found.next().is_none().then_some(first)
         };
         let mut accounts_hold = true;
         let mut per_account: Vec<(&Msg, &Msg, &Msg)> = Vec::with_capacity(self.alcs.len());
         for alc in &self.alcs {
             let account = alc.account.as_deref();
-            let alcs = find(&self.alcs, account);
-            let nprs = find(&self.nprs, account);
-            let sets = find(&self.sets, account);
-            if alcs.len() == 1 && nprs.len() == 1 && sets.len() == 1 {
-                per_account.push((alc, nprs[0], sets[0]));
+            let one = (
+                only(&self.alcs, account),
+                only(&self.nprs, account),
+                only(&self.sets, account),
+            );
+            if let (Some(_), Some(npr), Some(set)) = one {
+                per_account.push((alc, npr, set));
             } else {
                 accounts_hold = false;
             }

@@ -18,7 +18,7 @@ use std::hash::Hash;
 use ahash::AHashMap;
 use time::Date;
 
-use crate::model::{Cls, Function, Msg, MsgType};
+use crate::model::{is_trade_key_of, Cls, Function, Msg, MsgType};
 use crate::profile::Tolerances;
 use crate::reason::{Criterion, ReasonCode, Rejection};
 use crate::refdata::RefData;
@@ -347,9 +347,28 @@ impl Matcher {
         now: &str,
         today: Date,
     ) -> Outcome {
+        let trade_key = msg.trade_key();
+        self.process_keyed(msg, &trade_key, raw, injected_ns, now, today)
+    }
+
+    /// [`Matcher::process`], given the message's trade key (`Broker/TradeRef`, as
+    /// [`Msg::trade_key`] makes it), for a caller that has made it already.
+    pub fn process_keyed(
+        &mut self,
+        msg: Box<Msg>,
+        trade_key: &str,
+        raw: &[u8],
+        injected_ns: u64,
+        now: &str,
+        today: Date,
+    ) -> Outcome {
+        assert!(
+            is_trade_key_of(trade_key, &msg),
+            "{trade_key} is not the message's trade key"
+        );
         let date = msg.trade_date.unwrap_or(today);
         let accepted_before = self.accepted;
-        let outcome = self.process_dated(msg, raw, injected_ns, now, date, today, false);
+        let outcome = self.process_dated(msg, trade_key, raw, injected_ns, now, date, today, false);
         outcome.assert_consistent();
         // A message is counted once, and only when it is accepted.
         assert_eq!(
@@ -363,6 +382,7 @@ impl Matcher {
     fn process_dated(
         &mut self,
         msg: Box<Msg>,
+        trade_key: &str,
         raw: &[u8],
         injected_ns: u64,
         now: &str,
@@ -374,9 +394,8 @@ impl Matcher {
         if let Some(seen) = self.answer_seen(key, raw, &msg.sender, &msg.msg_id) {
             return Outcome::only(seen);
         }
-        let trade_key = msg.trade_key();
         let is_named = self.named.contains(&key);
-        if let Some(Closed { date, aged }) = self.closed.get(&hash_key(&[&trade_key])) {
+        if let Some(Closed { date, aged }) = self.closed.get(&hash_key(&[trade_key])) {
             if !is_named {
                 return self.reject(
                     key,
@@ -399,7 +418,7 @@ impl Matcher {
         // Taking back what a shard accepted, the checks that a stored message may predate (who
         // is a party, the bounds, AMDs in another sender's slot) are not made again: what was
         // accepted stays accepted, and the trade ends as it was.
-        if let Some(trade) = self.open.get(trade_key.as_str()).filter(|_| !restoring) {
+        if let Some(trade) = self.open.get(trade_key).filter(|_| !restoring) {
             if let Some(owner) = trade.owner.as_deref() {
                 if !self.is_party(&msg, owner) {
                     // Who the trade's parties are is not told to a stranger.
@@ -448,8 +467,8 @@ impl Matcher {
                 }
             }
         }
-        let opens = !self.open.contains_key(trade_key.as_str());
-        let bytes = held_bytes(raw, &trade_key, opens);
+        let opens = !self.open.contains_key(trade_key);
+        let bytes = held_bytes(raw, trade_key, opens);
         if !restoring && self.held_by(&msg.sender) + u64::from(bytes) > self.participant_held_max {
             let rejection = Rejection::new(
                 ReasonCode::Limit,
@@ -462,10 +481,10 @@ impl Matcher {
         }
         self.remember(key, raw, &msg);
         self.hold(&msg.sender, bytes);
-        let trade = self
-            .open
-            .entry(trade_key.clone().into_boxed_str())
-            .or_insert_with(|| Trade {
+        // The key is copied only when the trade opens: `entry` would take a copy every time.
+        let trade = match self.open.get_mut(trade_key) {
+            Some(trade) => trade,
+            None => self.open.entry(trade_key.into()).or_insert_with(|| Trade {
                 // One message, then doubling: a trade that never gets a second message (most
                 // of what a flood of unmatched NOEs holds) keeps one slot, not four.
                 messages: Vec::with_capacity(1),
@@ -476,7 +495,8 @@ impl Matcher {
                 last_failed: Vec::new(),
                 advices: 0,
                 last_active: received_on,
-            });
+            }),
+        };
         trade.first_injected_ns = trade.first_injected_ns.min(injected_ns);
         trade.last_active = trade.last_active.max(received_on);
         if msg.function != Function::New {
@@ -494,7 +514,7 @@ impl Matcher {
             msg,
             named: is_named,
         });
-        let released = self.release_strangers(&trade_key, names_owner);
+        let released = self.release_strangers(trade_key, names_owner);
         Outcome {
             released,
             ..self.evaluate(trade_key, now)
@@ -573,7 +593,17 @@ impl Matcher {
     ) -> bool {
         let date = stored_date.or(msg.trade_date).unwrap_or(Date::MIN);
         // What was accepted stays accepted, whatever the bounds and rules are now.
-        let outcome = self.process_dated(msg, raw, injected_ns, "", date, received_on, true);
+        let trade_key = msg.trade_key();
+        let outcome = self.process_dated(
+            msg,
+            &trade_key,
+            raw,
+            injected_ns,
+            "",
+            date,
+            received_on,
+            true,
+        );
         outcome.disposition == Disposition::Accepted
     }
 
@@ -727,19 +757,31 @@ impl Matcher {
         held.msg.function != Function::Can && !held.named && !self.named.contains(&held.key)
     }
 
-    fn evaluate(&mut self, trade_key: String, now: &str) -> Outcome {
-        let Some(trade) = self.open.get(trade_key.as_str()) else {
+    fn evaluate(&mut self, trade_key: &str, now: &str) -> Outcome {
+        let Some(trade) = self.open.get(trade_key) else {
             return Outcome::only(Disposition::Accepted);
         };
-        let live: Vec<&Msg> = trade
+        let live = trade
             .messages
             .iter()
             .filter(|held| self.is_live(held))
-            .map(|held| &*held.msg)
-            .collect();
+            .map(|held| &*held.msg);
         let mut failed = Vec::new();
         let mut cls = None;
-        let status = if live.is_empty() {
+        // The live messages are collected only where their counts are a complete trade's.
+        let complete = || {
+            if !Group::counts_complete(live.clone()) {
+                return None;
+            }
+            let live: Vec<&Msg> = live.clone().collect();
+            let group = Group::complete(&live)?;
+            let failed = group.failed_criteria(&self.refdata, &self.tolerances);
+            let cls = failed
+                .is_empty()
+                .then(|| Box::new(group.cls(&self.refdata, now)));
+            Some((failed, cls))
+        };
+        let status = if live.clone().next().is_none() {
             if trade
                 .messages
                 .iter()
@@ -749,10 +791,10 @@ impl Matcher {
             } else {
                 TradeStatus::Pending
             }
-        } else if let Some(group) = Group::complete(&live) {
-            failed = group.failed_criteria(&self.refdata, &self.tolerances);
-            if failed.is_empty() {
-                cls = Some(Box::new(group.cls(&self.refdata, now)));
+        } else if let Some((failed_criteria, matched)) = complete() {
+            failed = failed_criteria;
+            cls = matched;
+            if cls.is_some() {
                 TradeStatus::Matched
             } else {
                 TradeStatus::Mismatched
@@ -767,19 +809,19 @@ impl Matcher {
             && failed != trade.last_failed
             && trade.advices < ADVICES_PER_TRADE_MAX;
         let advice = advise.then(|| Advice {
-            trade_key: trade_key.clone(),
+            trade_key: trade_key.to_owned(),
             failed: failed.clone(),
         });
         if status == TradeStatus::Matched {
-            if let Some(trade) = self.open.remove(trade_key.as_str()) {
+            if let Some(trade) = self.open.remove(trade_key) {
                 for held in &trade.messages {
                     self.let_go(&held.msg.sender, held.bytes);
                 }
             }
             self.closed
-                .insert(hash_key(&[&trade_key]), Closed { date, aged: false });
+                .insert(hash_key(&[trade_key]), Closed { date, aged: false });
             self.closed_total += 1;
-        } else if let Some(trade) = self.open.get_mut(trade_key.as_str()) {
+        } else if let Some(trade) = self.open.get_mut(trade_key) {
             trade.status = status;
             trade.last_failed = failed;
             trade.advices += u16::from(advise);

@@ -30,15 +30,18 @@ pub(crate) enum RecallFrom {
     Runs(RetiredRuns),
 }
 
-/// An item's Sender and MsgId, and its trade key if it was parsed: what a bounded matcher looks
-/// up for it.
-fn identity_of(item: &Validated) -> (&str, &str, Option<String>) {
+/// An item's Sender and MsgId, and its trade key if it was parsed (made in `key`, a buffer the
+/// caller keeps): what a bounded matcher looks up for it.
+fn identity_of<'a>(
+    item: &'a Validated,
+    key: &'a mut String,
+) -> (&'a str, &'a str, Option<&'a str>) {
     match &item.verdict {
-        Ok(msg) => (
-            msg.sender.as_str(),
-            msg.msg_id.as_str(),
-            Some(msg.trade_key()),
-        ),
+        Ok(msg) => {
+            key.clear();
+            crate::model::push_trade_key(key, &msg.broker, &msg.trade_ref);
+            (msg.sender.as_str(), msg.msg_id.as_str(), Some(key.as_str()))
+        }
         Err(refused) => (
             refused.identity.sender.as_str(),
             refused.identity.msg_id.as_str(),
@@ -102,6 +105,8 @@ pub(crate) fn run_matcher(
     let (mut reads, mut keys_read) = (0_u64, 0_u64);
     // Keys to look up in the runs of retired facts, what they held, what a generation retires.
     let (mut keys, mut found, mut retired) = (Vec::new(), Vec::new(), Vec::new());
+    // A message's trade key, made in place for each lookup.
+    let mut key_buffer = String::new();
     let mut wall = MatchedAtClock {
         last_ms: -1,
         text: String::new(),
@@ -142,8 +147,8 @@ pub(crate) fn run_matcher(
             Some(RecallFrom::Store(store)) => {
                 let mut query = RecallQuery::default();
                 for item in &items {
-                    let (sender, msg_id, trade_key) = identity_of(item);
-                    matcher.to_recall(sender, msg_id, trade_key.as_deref(), &mut query);
+                    let (sender, msg_id, trade_key) = identity_of(item, &mut key_buffer);
+                    matcher.to_recall(sender, msg_id, trade_key, &mut query);
                 }
                 if !query.is_empty() {
                     reads += 1;
@@ -161,8 +166,8 @@ pub(crate) fn run_matcher(
             }
             Some(RecallFrom::Runs(runs)) => {
                 for item in &items {
-                    let (sender, msg_id, trade_key) = identity_of(item);
-                    matcher.to_recall_keys(sender, msg_id, trade_key.as_deref(), &mut keys);
+                    let (sender, msg_id, trade_key) = identity_of(item, &mut key_buffer);
+                    matcher.to_recall_keys(sender, msg_id, trade_key, &mut keys);
                 }
                 if !keys.is_empty() {
                     reads += 1;
@@ -182,7 +187,14 @@ pub(crate) fn run_matcher(
             let (meta, outcome) = match item.verdict {
                 Ok(msg) => {
                     let meta = MessageMeta::of(&msg);
-                    let outcome = matcher.process(msg, &item.bytes, item.injected_ns, now, today);
+                    let outcome = matcher.process_keyed(
+                        msg,
+                        meta.trade_key(),
+                        &item.bytes,
+                        item.injected_ns,
+                        now,
+                        today,
+                    );
                     (meta, outcome)
                 }
                 Err(refused) => {

@@ -154,13 +154,21 @@ pub(crate) fn run_writer(
                 }
             };
             let meta = item.meta;
-            let trade_key = meta.trade_key;
+            let mut trade_key = meta.trade_key;
             let trade_date = item.outcome.trade_date;
+            if let Some(status) = item.outcome.trade_status {
+                set_trade_status(&mut batch, &mut trade_rows, &trade_key, trade_date, status);
+            }
+            // The message's row takes the trade key, unless a CLS row is still to take it.
+            let mut row_key = || match item.outcome.cls {
+                Some(_) => trade_key.clone(),
+                None => std::mem::take(&mut trade_key),
+            };
             let result = match item.outcome.disposition {
                 Disposition::Accepted => {
                     batch.messages.push(MessageRow {
                         trade_date,
-                        trade_key: trade_key.clone(),
+                        trade_key: row_key(),
                         sender: meta.sender,
                         msg_id: meta.msg_id,
                         msg_type: meta.msg_type,
@@ -177,7 +185,7 @@ pub(crate) fn run_writer(
                     let code = rejection.code;
                     batch.exceptions.push(ExceptionRow {
                         received_on: today,
-                        trade_key: Some(trade_key.clone()),
+                        trade_key: Some(row_key()),
                         sender: Some(meta.sender.to_string()),
                         msg_id: Some(meta.msg_id.to_string()),
                         code,
@@ -192,9 +200,6 @@ pub(crate) fn run_writer(
                 origin: item.origin,
                 result,
             });
-            if let Some(status) = item.outcome.trade_status {
-                set_trade_status(&mut batch, &mut trade_rows, &trade_key, trade_date, status);
-            }
             if let Some(cls) = item.outcome.cls {
                 let body = encode_cls(&cls);
                 batch.cls.push(ClsRow {
