@@ -822,7 +822,7 @@ impl Service {
                     request.version,
                     Envelope {
                         bytes: request.message,
-                        sender: request.participant,
+                        sender: request.participant.map(ste_engine::model::Text::from),
                         signature: request.signature,
                         correlation: 0,
                         origin: 0,

@@ -345,7 +345,7 @@ impl Reader<'_> {
                     }
                     let envelope = Envelope {
                         bytes: xml,
-                        sender: Some(sender),
+                        sender: Some(sender.into()),
                         signature: Some(signature),
                         correlation: 0,
                         origin: 0,

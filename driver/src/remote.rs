@@ -580,7 +580,7 @@ impl Sender<'_> {
         // signature: the engine rejects it with E_SIG, as in process.
         let frame = Frame::Message {
             seq,
-            sender: envelope.sender.unwrap_or_default(),
+            sender: envelope.sender.unwrap_or_default().into_string(),
             signature: envelope.signature.unwrap_or([0; 32]),
             xml: envelope.bytes,
         };

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use crate::lease::DeliveryBook;
 use crate::matcher::Advice;
+use crate::model::Text;
 use crate::queue::{QueueError, Tx};
 use crate::reason::{ReasonCode, Rejection};
 use crate::refdata::RefData;
@@ -23,8 +24,8 @@ use crate::store::StoreError;
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Envelope {
     pub bytes: Vec<u8>,
-    /// The participant whose key signed the bytes.
-    pub sender: Option<String>,
+    /// The participant whose key signed the bytes (inline: a BIC fits, so no allocation).
+    pub sender: Option<Text>,
     pub signature: Option<[u8; SIGNATURE_LEN]>,
     /// Chosen by the sender of the envelope; returned in its ACK or NAK.
     pub correlation: u64,
@@ -425,7 +426,7 @@ pub fn sign_line(
     let signature = sender
         .and_then(|sender| refdata.participant_mac(sender))
         .map(|(_, mac)| sign::sign_keyed(mac, &bytes));
-    let sender = sender.map(str::to_owned);
+    let sender = sender.map(Text::from);
     envelope(bytes, sender, signature, correlation, injected_ns)
 }
 
@@ -437,13 +438,13 @@ pub fn signed_line(
     correlation: u64,
     injected_ns: u64,
 ) -> Envelope {
-    let sender = sign::claimed_sender(&bytes).map(str::to_owned);
+    let sender = sign::claimed_sender(&bytes).map(Text::from);
     envelope(bytes, sender, signature, correlation, injected_ns)
 }
 
 fn envelope(
     bytes: Vec<u8>,
-    sender: Option<String>,
+    sender: Option<Text>,
     signature: Option<[u8; SIGNATURE_LEN]>,
     correlation: u64,
     injected_ns: u64,

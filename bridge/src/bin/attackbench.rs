@@ -138,7 +138,7 @@ fn framed_run(
             let envelope = sign_line(refdata, line.clone(), seq as u64, 0);
             Frame::Message {
                 seq: seq as u64,
-                sender: envelope.sender.unwrap_or_default(),
+                sender: envelope.sender.unwrap_or_default().into_string(),
                 signature: envelope.signature.unwrap_or([0; 32]),
                 xml: envelope.bytes,
             }

@@ -1008,7 +1008,7 @@ async fn handle(
 fn refused_envelope(raw: &[u8], participant: &str, rejection: Rejection) -> Envelope {
     Envelope {
         bytes: raw.to_vec(),
-        sender: Some(participant.to_owned()),
+        sender: Some(participant.into()),
         signature: None,
         correlation: 0,
         origin: 0,
@@ -1070,7 +1070,7 @@ fn envelope_of(
     (
         Envelope {
             bytes: xml,
-            sender: Some(participant.to_owned()),
+            sender: Some(participant.into()),
             signature: Some(signature),
             correlation: 0,
             origin: 0,

@@ -168,7 +168,7 @@ pub fn message(refdata: &RefData, seq: u64, line: Vec<u8>) -> Frame {
     let envelope = sign_line(refdata, line, seq, 0);
     Frame::Message {
         seq,
-        sender: envelope.sender.expect("a sender"),
+        sender: envelope.sender.expect("a sender").into_string(),
         signature: envelope.signature.expect("signed"),
         xml: envelope.bytes,
     }

@@ -93,7 +93,7 @@ impl RejectedItem {
     pub(crate) fn of(envelope: crate::network::Envelope, rejection: Rejection) -> Self {
         Self {
             rejection,
-            sender: envelope.sender,
+            sender: envelope.sender.map(crate::model::Text::into_string),
             bytes: envelope.bytes,
             correlation: envelope.correlation,
             origin: envelope.origin,
@@ -152,6 +152,10 @@ pub(crate) struct MessageMeta {
 }
 
 impl MessageMeta {
+    fn trade_key(&self) -> &str {
+        &self.trade_key
+    }
+
     fn of(msg: &Msg) -> Self {
         Self {
             trade_key: msg.trade_key(),
