@@ -1,6 +1,7 @@
 //! The embedded default: one SQLite file per shard.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use sqlx::{ConnectOptions, Connection, QueryBuilder, Sqlite, SqliteConnection};
@@ -36,6 +37,25 @@ pub struct SqliteStore {
     name: String,
     runtime: tokio::runtime::Runtime,
     connection: SqliteConnection,
+    texts: SharedTexts,
+}
+
+/// The few texts that rows repeat (message types, functions, trade statuses), each made once
+/// and bound by reference count. sqlx binds a borrowed text as a new `String` in a new `Arc`,
+/// two allocations a value, and an `Arc<str>` as itself. Keyed by `'static` texts only, so it
+/// holds no more entries than the program has such names.
+#[derive(Default)]
+struct SharedTexts(Vec<(&'static str, Arc<str>)>);
+
+impl SharedTexts {
+    fn get(&mut self, text: &'static str) -> Arc<str> {
+        if let Some((_, shared)) = self.0.iter().find(|(known, _)| *known == text) {
+            return Arc::clone(shared);
+        }
+        let shared: Arc<str> = Arc::from(text);
+        self.0.push((text, Arc::clone(&shared)));
+        shared
+    }
 }
 
 impl SqliteStore {
@@ -66,6 +86,7 @@ impl SqliteStore {
             name,
             runtime,
             connection,
+            texts: SharedTexts::default(),
         })
     }
 
@@ -86,6 +107,7 @@ impl SqliteStore {
 
 async fn write_batch(
     connection: &mut SqliteConnection,
+    texts: &mut SharedTexts,
     batch: &mut Batch,
 ) -> Result<Vec<i64>, sqlx::Error> {
     let mut transaction = connection.begin().await?;
@@ -100,12 +122,14 @@ async fn write_batch(
         query.push_values(
             messages.by_ref().take(SQLITE_ROWS_PER_STATEMENT),
             |mut row, message| {
+                // Texts as `Arc<str>`, which sqlx binds as they are (see `SharedTexts`).
+                let shared = |text: &str| Arc::<str>::from(text);
                 row.push_bind(message.trade_key)
-                    .push_bind(message.sender.into_string())
-                    .push_bind(message.msg_id.into_string())
-                    .push_bind(message.msg_type)
-                    .push_bind(message.function)
-                    .push_bind(message.related_id.map(crate::model::Text::into_string))
+                    .push_bind(shared(&message.sender))
+                    .push_bind(shared(&message.msg_id))
+                    .push_bind(texts.get(message.msg_type))
+                    .push_bind(texts.get(message.function))
+                    .push_bind(message.related_id.as_deref().map(shared))
                     .push_bind(message.injected_ns as i64)
                     .push_bind(message.raw)
                     .push_bind(message.received_on.to_julian_day())
@@ -114,15 +138,19 @@ async fn write_batch(
         );
         query.build().execute(&mut *transaction).await?;
     }
-    for chunk in batch.trades.chunks(SQLITE_ROWS_PER_STATEMENT) {
+    let mut trades = std::mem::take(&mut batch.trades).into_iter();
+    while trades.len() > 0 {
         let mut query = QueryBuilder::<Sqlite>::new(
             "INSERT INTO trade_status (trade_key, status, trade_date) ",
         );
-        query.push_values(chunk, |mut row, trade| {
-            row.push_bind(trade.trade_key.as_str())
-                .push_bind(trade.status.as_str())
-                .push_bind(trade.trade_date.to_julian_day());
-        });
+        query.push_values(
+            trades.by_ref().take(SQLITE_ROWS_PER_STATEMENT),
+            |mut row, trade| {
+                row.push_bind(trade.trade_key)
+                    .push_bind(texts.get(trade.status.as_str()))
+                    .push_bind(trade.trade_date.to_julian_day());
+            },
+        );
         query.build().execute(&mut *transaction).await?;
     }
     let mut outbox_ids: ahash::AHashMap<String, i64> = ahash::AHashMap::new();
@@ -257,9 +285,9 @@ impl Store for SqliteStore {
     }
 
     fn commit(&mut self, batch: &mut Batch) -> Result<Vec<i64>, StoreError> {
-        let result = self
-            .runtime
-            .block_on(write_batch(&mut self.connection, batch));
+        let result =
+            self.runtime
+                .block_on(write_batch(&mut self.connection, &mut self.texts, batch));
         result.map_err(|source| self.database_error(source))
     }
 
