@@ -15,20 +15,14 @@ pub fn evaluate_trade(
     Group::complete(live).map(|group| group.failed_criteria(refdata, tolerances))
 }
 
-/// The live messages of a complete trade, by type.
-pub(super) struct Group<'a> {
-    noe: &'a Msg,
-    alcs: Vec<&'a Msg>,
-    nprs: Vec<&'a Msg>,
-    sets: Vec<&'a Msg>,
-    all: &'a [&'a Msg],
-}
+/// A trade's live messages counted by type (NOE, ALC, NPR, SET), without a vector: six
+/// messages of every seven leave a trade incomplete, and are answered without building the
+/// groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct TypeCounts([usize; 4]);
 
-impl<'a> Group<'a> {
-    /// Whether the live messages are as many of each type as a complete trade's: 1 NOE and as
-    /// many NPR and SET as ALC. Counted without a vector: six messages of every seven leave a
-    /// trade incomplete, and are answered without building the groups.
-    pub(super) fn counts_complete<'m>(live: impl IntoIterator<Item = &'m Msg>) -> bool {
+impl TypeCounts {
+    pub(super) fn of<'m>(live: impl IntoIterator<Item = &'m Msg>) -> Self {
         let mut counts = [0_usize; 4];
         for msg in live {
             let slot = match msg.msg_type {
@@ -39,14 +33,35 @@ impl<'a> Group<'a> {
             };
             counts[slot] += 1;
         }
-        let [noes, alcs, nprs, sets] = counts;
-        noes == 1 && alcs > 0 && nprs == alcs && sets == alcs
+        Self(counts)
     }
 
+    /// No live message.
+    pub(super) fn is_empty(self) -> bool {
+        self.0 == [0; 4]
+    }
+
+    /// As many of each type as a complete trade's: 1 NOE and as many NPR and SET as ALC.
+    pub(super) fn complete(self) -> bool {
+        let [noes, alcs, nprs, sets] = self.0;
+        noes == 1 && alcs > 0 && nprs == alcs && sets == alcs
+    }
+}
+
+/// The live messages of a complete trade, by type.
+pub(super) struct Group<'a> {
+    noe: &'a Msg,
+    alcs: Vec<&'a Msg>,
+    nprs: Vec<&'a Msg>,
+    sets: Vec<&'a Msg>,
+    all: &'a [&'a Msg],
+}
+
+impl<'a> Group<'a> {
     /// A trade is complete when its live messages are 1 NOE and n ALC, n NPR and n SET, where n
     /// is the AllocCount of at least one ALC.
     pub(super) fn complete(live: &'a [&'a Msg]) -> Option<Self> {
-        if !Self::counts_complete(live.iter().copied()) {
+        if !TypeCounts::of(live.iter().copied()).complete() {
             return None;
         }
         let of = |msg_type: MsgType| -> Vec<&'a Msg> {

@@ -24,7 +24,7 @@ use crate::reason::{Criterion, ReasonCode, Rejection};
 use crate::refdata::RefData;
 
 pub use criteria::evaluate_trade;
-use criteria::Group;
+use criteria::{Group, TypeCounts};
 use keys::{hash_key, Verdict};
 pub use keys::{message_key, HashKey};
 pub use memory::{
@@ -766,41 +766,33 @@ impl Matcher {
             .iter()
             .filter(|held| self.is_live(held))
             .map(|held| &*held.msg);
-        let mut failed = Vec::new();
-        let mut cls = None;
-        // The live messages are collected only where their counts are a complete trade's.
-        let complete = || {
-            if !Group::counts_complete(live.clone()) {
-                return None;
-            }
-            let live: Vec<&Msg> = live.clone().collect();
-            let group = Group::complete(&live)?;
-            let failed = group.failed_criteria(&self.refdata, &self.tolerances);
-            let cls = failed
-                .is_empty()
-                .then(|| Box::new(group.cls(&self.refdata, now)));
-            Some((failed, cls))
-        };
-        let status = if live.clone().next().is_none() {
-            if trade
-                .messages
-                .iter()
-                .any(|h| h.msg.function == Function::Can)
-            {
-                TradeStatus::Cancelled
-            } else {
-                TradeStatus::Pending
-            }
-        } else if let Some((failed_criteria, matched)) = complete() {
-            failed = failed_criteria;
-            cls = matched;
-            if cls.is_some() {
-                TradeStatus::Matched
-            } else {
-                TradeStatus::Mismatched
-            }
+        // One pass counts the live messages by type; they are collected, and the criteria
+        // judged, only where the counts are a complete trade's.
+        let counts = TypeCounts::of(live.clone());
+        let judged = if counts.complete() {
+            let live: Vec<&Msg> = live.collect();
+            Group::complete(&live).map(|group| {
+                let failed = group.failed_criteria(&self.refdata, &self.tolerances);
+                let cls = failed
+                    .is_empty()
+                    .then(|| Box::new(group.cls(&self.refdata, now)));
+                (failed, cls)
+            })
         } else {
-            TradeStatus::Pending
+            None
+        };
+        let (status, failed, cls) = match judged {
+            Some((failed, Some(cls))) => (TradeStatus::Matched, failed, Some(cls)),
+            Some((failed, None)) => (TradeStatus::Mismatched, failed, None),
+            None if counts.is_empty()
+                && trade
+                    .messages
+                    .iter()
+                    .any(|h| h.msg.function == Function::Can) =>
+            {
+                (TradeStatus::Cancelled, Vec::new(), None)
+            }
+            None => (TradeStatus::Pending, Vec::new(), None),
         };
         let first_injected_ns = trade.first_injected_ns;
         let date = trade.date;

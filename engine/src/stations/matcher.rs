@@ -189,7 +189,7 @@ pub(crate) fn run_matcher(
                     let meta = MessageMeta::of(&msg);
                     let outcome = matcher.process_keyed(
                         msg,
-                        meta.trade_key(),
+                        &meta.trade_key,
                         &item.bytes,
                         item.injected_ns,
                         now,

@@ -152,10 +152,6 @@ pub(crate) struct MessageMeta {
 }
 
 impl MessageMeta {
-    fn trade_key(&self) -> &str {
-        &self.trade_key
-    }
-
     fn of(msg: &Msg) -> Self {
         Self {
             trade_key: msg.trade_key(),
