@@ -420,11 +420,17 @@ fn a_sweep_of_closed_loop_windows_draws_a_littles_law_series() {
 #[test]
 fn a_real_run_obeys_the_operational_laws_and_littles_law_matches_direct_measurement() {
     let dir = tempfile::tempdir().expect("temporary folder");
-    let config = config(
+    let mut config = config(
         Source::Generated(GeneratorConfig::clean(10_000)),
         StoreKind::Memory,
         dir.path(),
     );
+    // A writer's population is a saw-tooth (batches gather for the linger, then commit
+    // together) and an optimised run lasts under a second: at one sample every 5 ms, its mean
+    // from about 160 samples strayed up to 16% from the truth. A sample every millisecond
+    // gives the estimate five times the samples, so that it is the law that is tested here
+    // and not the luck of the draw.
+    config.settings.sample_interval = Duration::from_millis(1);
     let summary = ste_driver::run(&config, refdata()).expect("runs");
     // The sampler asks for real-time priority; a process that may set it (CAP_SYS_NICE in its
     // effective capabilities, which root has, outside a control group without real-time time)
@@ -482,7 +488,7 @@ fn a_real_run_obeys_the_operational_laws_and_littles_law_matches_direct_measurem
         if s.name.starts_with("store.") {
             let gap = (s.R_ms - s.R_direct_ms).abs() / s.R_direct_ms;
             assert!(
-                gap <= 0.10,
+                gap <= 0.05,
                 "{}: R {} ms from samples, {} ms measured",
                 s.name,
                 s.R_ms,
