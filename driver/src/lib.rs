@@ -795,7 +795,13 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         stored_validation_exceptions: report.exception_rows.exceptions,
         store: config.settings.store.as_str().to_owned(),
         validators: config.settings.validators,
-        peak_rss_mb: peak_rss_mb(),
+        // The kernel raises VmHWM only when it is about to lower the resident set, and not on
+        // every path that lowers it, so it may read below a mark taken before: the peak is at
+        // least every mark.
+        peak_rss_mb: rss_mb_at_answered
+            .iter()
+            .map(|mark| mark.rss_mb)
+            .fold(peak_rss_mb(), f64::max),
         rss_mb_at_answered,
         conserved: messages_in == accepted + duplicates + exceptions_total,
         expected: expected.clone(),

@@ -132,10 +132,15 @@ fn a_fault_mix_gives_exactly_the_expected_outcome_on_the_embedded_store() {
         .map(|mark| mark.answered_pct)
         .collect();
     assert_eq!(marks, vec![10, 50, 90, 100]);
-    assert!(summary
-        .rss_mb_at_answered
-        .iter()
-        .all(|mark| mark.rss_mb > 1.0 && mark.rss_mb <= summary.peak_rss_mb));
+    assert!(
+        summary
+            .rss_mb_at_answered
+            .iter()
+            .all(|mark| mark.rss_mb > 1.0 && mark.rss_mb <= summary.peak_rss_mb),
+        "{:?}, peak {} MiB",
+        summary.rss_mb_at_answered,
+        summary.peak_rss_mb
+    );
 }
 
 fn driver() -> Command {
