@@ -438,12 +438,12 @@ pub fn push_trade_key(out: &mut String, broker: &str, trade_ref: &str) {
 /// One allocation's settlement line in a CLS.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settlement {
-    pub account: String,
+    pub account: Text,
     pub qty: u64,
     pub net: Decimal,
-    pub custodian: String,
-    pub safekeeping_account: String,
-    pub pset: String,
+    pub custodian: Text,
+    pub safekeeping_account: Text,
+    pub pset: Text,
     pub payment_type: PaymentType,
 }
 
@@ -451,18 +451,18 @@ pub struct Settlement {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cls {
     pub cls_id: String,
-    pub trade_ref: String,
-    pub broker: String,
-    pub inv_mgr: String,
-    pub isin: String,
+    pub trade_ref: Text,
+    pub broker: Text,
+    pub inv_mgr: Text,
+    pub isin: Text,
     pub side: Side,
     pub trade_date: Date,
     pub settle_date: Date,
-    pub ccy: String,
+    pub ccy: Text,
     pub ccy_minor_units: u8,
     pub price: Decimal,
     pub qty: u64,
-    pub matched_at: String,
+    pub matched_at: Text,
     pub settlements: Vec<Settlement>,
 }
 

@@ -12,7 +12,8 @@ pub fn evaluate_trade(
     refdata: &RefData,
     tolerances: &Tolerances,
 ) -> Option<Vec<Criterion>> {
-    Group::complete(live).map(|group| group.failed_criteria(refdata, tolerances))
+    let mut live = live.to_vec();
+    Group::complete(&mut live).map(|group| group.failed_criteria(refdata, tolerances))
 }
 
 /// A trade's live messages counted by type (NOE, ALC, NPR, SET), without a vector: six
@@ -48,31 +49,36 @@ impl TypeCounts {
     }
 }
 
-/// The live messages of a complete trade, by type.
+/// The live messages of a complete trade, by type: slices of the live messages, sorted by type.
 pub(super) struct Group<'a> {
     noe: &'a Msg,
-    alcs: Vec<&'a Msg>,
-    nprs: Vec<&'a Msg>,
-    sets: Vec<&'a Msg>,
+    alcs: &'a [&'a Msg],
+    nprs: &'a [&'a Msg],
+    sets: &'a [&'a Msg],
     all: &'a [&'a Msg],
 }
 
 impl<'a> Group<'a> {
     /// A trade is complete when its live messages are 1 NOE and n ALC, n NPR and n SET, where n
-    /// is the AllocCount of at least one ALC.
-    pub(super) fn complete(live: &'a [&'a Msg]) -> Option<Self> {
-        if !TypeCounts::of(live.iter().copied()).complete() {
+    /// is the AllocCount of at least one ALC. Sorts `live` by type (NOE, ALC, NPR, SET; stable,
+    /// so each type's messages keep their order), so that the groups are slices of it and not
+    /// vectors of their own.
+    pub(super) fn complete(live: &'a mut [&'a Msg]) -> Option<Self> {
+        let counts = TypeCounts::of(live.iter().copied());
+        if !counts.complete() {
             return None;
         }
-        let of = |msg_type: MsgType| -> Vec<&'a Msg> {
-            live.iter()
-                .copied()
-                .filter(|m| m.msg_type == msg_type)
-                .collect()
-        };
+        live.sort_by_key(|m| m.msg_type);
+        let live: &'a [&'a Msg] = live;
+        let [_, alcs, nprs, _] = counts.0;
+        let (noe, rest) = live.split_first()?;
+        let (alcs, rest) = rest.split_at(alcs);
+        let (nprs, sets) = rest.split_at(nprs);
+        debug_assert!(noe.msg_type == MsgType::Noe);
+        debug_assert!(alcs.iter().all(|m| m.msg_type == MsgType::Alc));
+        debug_assert!(nprs.iter().all(|m| m.msg_type == MsgType::Npr));
+        debug_assert!(sets.iter().all(|m| m.msg_type == MsgType::Set));
         // The counts hold; what is left is an ALC that allocates to as many accounts.
-        let noe = live.iter().copied().find(|m| m.msg_type == MsgType::Noe)?;
-        let alcs = of(MsgType::Alc);
         if !alcs
             .iter()
             .any(|alc| alc.alloc_count == Some(alcs.len() as u32))
@@ -82,8 +88,8 @@ impl<'a> Group<'a> {
         Some(Self {
             noe,
             alcs,
-            nprs: of(MsgType::Npr),
-            sets: of(MsgType::Set),
+            nprs,
+            sets,
             all: live,
         })
     }
@@ -158,12 +164,12 @@ impl<'a> Group<'a> {
         };
         let mut accounts_hold = true;
         let mut per_account: Vec<(&Msg, &Msg, &Msg)> = Vec::with_capacity(self.alcs.len());
-        for alc in &self.alcs {
+        for alc in self.alcs {
             let account = alc.account.as_deref();
             let one = (
-                only(&self.alcs, account),
-                only(&self.nprs, account),
-                only(&self.sets, account),
+                only(self.alcs, account),
+                only(self.nprs, account),
+                only(self.sets, account),
             );
             if let (Some(_), Some(npr), Some(set)) = one {
                 per_account.push((alc, npr, set));
@@ -231,18 +237,16 @@ impl<'a> Group<'a> {
                 let npr = self.nprs.iter().find(|m| m.account.as_deref() == account);
                 let set = self.sets.iter().find(|m| m.account.as_deref() == account);
                 Settlement {
-                    account: alc.account.as_deref().unwrap_or_default().to_owned(),
+                    account: alc.account.clone().unwrap_or_default(),
                     qty: alc.qty.unwrap_or_default(),
                     net: npr.and_then(|m| m.net).unwrap_or_default(),
                     custodian: set
-                        .and_then(|m| m.custodian.as_deref())
-                        .unwrap_or_default()
-                        .to_owned(),
+                        .and_then(|m| m.custodian.clone())
+                        .unwrap_or_default(),
                     safekeeping_account: set
-                        .and_then(|m| m.safekeeping_account.as_deref())
-                        .unwrap_or_default()
-                        .to_owned(),
-                    pset: alc.pset.as_deref().unwrap_or_default().to_owned(),
+                        .and_then(|m| m.safekeeping_account.clone())
+                        .unwrap_or_default(),
+                    pset: alc.pset.clone().unwrap_or_default(),
                     payment_type: alc.payment_type.unwrap_or(crate::model::PaymentType::Dvp),
                 }
             })
@@ -250,18 +254,18 @@ impl<'a> Group<'a> {
         settlements.sort_by(|a, b| a.account.cmp(&b.account));
         Cls {
             cls_id: cls_id(&noe.broker, &noe.trade_ref),
-            trade_ref: noe.trade_ref.to_string(),
-            broker: noe.broker.to_string(),
-            inv_mgr: noe.inv_mgr.as_deref().unwrap_or_default().to_owned(),
-            isin: noe.isin.as_deref().unwrap_or_default().to_owned(),
+            trade_ref: noe.trade_ref.clone(),
+            broker: noe.broker.clone(),
+            inv_mgr: noe.inv_mgr.clone().unwrap_or_default(),
+            isin: noe.isin.clone().unwrap_or_default(),
             side: noe.side.unwrap_or(Side::Buy),
             trade_date: noe.trade_date.unwrap_or(time::Date::MIN),
             settle_date: noe.settle_date.unwrap_or(time::Date::MIN),
-            ccy: noe.ccy.as_deref().unwrap_or_default().to_owned(),
+            ccy: noe.ccy.clone().unwrap_or_default(),
             ccy_minor_units: self.minor_units(refdata),
             price: noe.price.unwrap_or(Decimal(0)),
             qty: noe.qty.unwrap_or_default(),
-            matched_at: now.to_owned(),
+            matched_at: now.into(),
             settlements,
         }
     }

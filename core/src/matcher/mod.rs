@@ -18,7 +18,7 @@ use std::hash::Hash;
 use ahash::AHashMap;
 use time::Date;
 
-use crate::model::{is_trade_key_of, Cls, Function, Msg, MsgType};
+use crate::model::{is_trade_key_of, Cls, Function, Msg, MsgType, Text};
 use crate::profile::Tolerances;
 use crate::reason::{Criterion, ReasonCode, Rejection};
 use crate::refdata::RefData;
@@ -167,7 +167,7 @@ struct Trade {
     /// The trade's investment manager ([`owner_of`]), worked out again whenever a NOE, or a CAN
     /// or AMD of one, is accepted — only those change it: a trade whose NOE was cancelled still
     /// belongs to its parties.
-    owner: Option<Box<str>>,
+    owner: Option<Text>,
     status: TradeStatus,
     /// Fixed by the trade's first accepted message: the partition its rows are stored in.
     date: Date,
@@ -241,7 +241,7 @@ pub struct Matcher {
     /// Bounded: the filter over retired entries; `None` remembers everything exactly.
     window: Option<Window>,
     /// Bytes each participant's messages hold in open trades ([`Held::bytes`]).
-    held_by: AHashMap<Box<str>, u64>,
+    held_by: AHashMap<Text, u64>,
     /// The most each participant's may hold ([`MatcherMemory::participant_held_bytes`]).
     participant_held_max: u64,
     accepted: u64,
@@ -547,7 +547,7 @@ impl Matcher {
         let Some(trade) = self.open.get(trade_key) else {
             return Vec::new();
         };
-        let Some(owner) = owner_of(trade, |held| self.is_live(held)).map(Box::<str>::from) else {
+        let Some(owner) = owner_of(trade, |held| self.is_live(held)).map(Text::from) else {
             return Vec::new();
         };
         let strangers: Vec<usize> = trade
@@ -770,8 +770,8 @@ impl Matcher {
         // judged, only where the counts are a complete trade's.
         let counts = TypeCounts::of(live.clone());
         let judged = if counts.complete() {
-            let live: Vec<&Msg> = live.collect();
-            Group::complete(&live).map(|group| {
+            let mut live: Vec<&Msg> = live.collect();
+            Group::complete(&mut live).map(|group| {
                 let failed = group.failed_criteria(&self.refdata, &self.tolerances);
                 let cls = failed
                     .is_empty()
