@@ -240,9 +240,7 @@ impl<'a> Group<'a> {
                     account: alc.account.clone().unwrap_or_default(),
                     qty: alc.qty.unwrap_or_default(),
                     net: npr.and_then(|m| m.net).unwrap_or_default(),
-                    custodian: set
-                        .and_then(|m| m.custodian.clone())
-                        .unwrap_or_default(),
+                    custodian: set.and_then(|m| m.custodian.clone()).unwrap_or_default(),
                     safekeeping_account: set
                         .and_then(|m| m.safekeeping_account.clone())
                         .unwrap_or_default(),
