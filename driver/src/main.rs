@@ -26,8 +26,7 @@ mod node_sweep;
 // The pipeline allocates many small strings per message across threads; mimalloc's per-thread
 // heaps make that markedly cheaper than the system allocator. Transparent huge pages are off
 // (feature no_thp): re-faulting 2 MiB pages that the allocator had returned cost a quarter of
-// the CPU time in kernel page clearing. With the workspace's `override` feature mimalloc also
-// serves C's malloc, which the embedded store's SQLite calls on every statement.
+// the CPU time in kernel page clearing.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
