@@ -3,6 +3,7 @@
 //! thread through a socket pair, and the tunnel carries the bytes over rustls: a TLS session
 //! cannot be split between two threads, a socket can.
 
+use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::os::unix::net::UnixStream;
@@ -107,11 +108,21 @@ impl FrameWriter {
 /// The receiving half.
 pub struct FrameReader {
     input: BufReader<Stream>,
+    /// Pushes and heartbeats that arrived while the logon answers were awaited, in order.
+    early: VecDeque<Frame>,
 }
+
+/// How many bytes of pushes a client keeps while it waits for its logon answers: a
+/// participant's CLS may be pushed as soon as that participant's logon is accepted, before
+/// the answers to the connection's other logons.
+pub const EARLY_PUSH_BYTES_MAX: usize = 16 << 20;
 
 impl FrameReader {
     /// The next frame; `Ok(None)` when the engine has closed the connection.
     pub fn next_frame(&mut self) -> std::io::Result<Option<Frame>> {
+        if let Some(frame) = self.early.pop_front() {
+            return Ok(Some(frame));
+        }
         Frame::read_from(&mut self.input)
     }
 
@@ -194,6 +205,7 @@ fn log_on(stream: Stream, logons: &[Logon<'_>]) -> Result<(FrameWriter, FrameRea
     stream.set_read_timeout(Some(Duration::from_secs(30)))?;
     let mut reader = FrameReader {
         input: BufReader::with_capacity(64 * 1024, stream.try_clone()?),
+        early: VecDeque::new(),
     };
     let mut writer = FrameWriter {
         output: BufWriter::with_capacity(64 * 1024, stream.try_clone()?),
@@ -212,12 +224,28 @@ fn log_on(stream: Stream, logons: &[Logon<'_>]) -> Result<(FrameWriter, FrameRea
         })?;
     }
     writer.flush()?;
-    for _ in logons {
-        match reader.next_frame()? {
-            Some(Frame::LogonOk { .. }) => {}
+    // The answers come in the order of the logons; a participant's pushes may follow its own
+    // answer before the others' and are kept for the reader.
+    let (mut answered, mut early_bytes) = (0, 0);
+    while answered < logons.len() {
+        match Frame::read_from(&mut reader.input)? {
+            Some(Frame::LogonOk { .. }) => answered += 1,
             Some(Frame::Error { code, detail }) => {
                 return Err(ClientError::Refused { code, detail })
             }
+            // A push before the first answer would be for nobody this connection is yet.
+            Some(Frame::Push { class, xml }) if answered > 0 => {
+                early_bytes += xml.len();
+                let push = Frame::Push { class, xml };
+                if early_bytes > EARLY_PUSH_BYTES_MAX {
+                    return Err(ClientError::Unexpected(
+                        Box::new(push),
+                        "a logon answer within the pushes a client keeps",
+                    ));
+                }
+                reader.early.push_back(push);
+            }
+            Some(Frame::Heartbeat) => {}
             Some(other) => return Err(ClientError::Unexpected(Box::new(other), "a logon answer")),
             None => return Err(ClientError::Closed),
         }
@@ -225,4 +253,102 @@ fn log_on(stream: Stream, logons: &[Logon<'_>]) -> Result<(FrameWriter, FrameRea
     // From here on the reader waits as long as the run lasts.
     stream.set_read_timeout(None)?;
     Ok((writer, reader))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::net::TcpListener;
+
+    use super::*;
+    use crate::frame::{PushClass, NONCE_LEN};
+
+    /// Plays the engine's side of a logon for two participants, sending `between` after the
+    /// first answer; returns the client's result and the frames the client read after it.
+    fn log_on_against(between: Vec<Frame>) -> Result<Vec<Frame>, ClientError> {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a port");
+        let address = listener.local_addr().expect("its address");
+        let engine = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().expect("the client");
+            let mut input = BufReader::new(stream.try_clone().expect("a handle"));
+            // The client may have hung up already: what it did is what the test asserts.
+            let mut send = |frame: &Frame| {
+                let _ = stream.write_all(&frame.encode());
+            };
+            send(&Frame::Challenge {
+                nonce: [7; NONCE_LEN],
+            });
+            for participant in ["AAAAGB22XXX", "BBBBGB22XXX"] {
+                assert!(matches!(
+                    Frame::read_from(&mut input),
+                    Ok(Some(Frame::Logon { .. }))
+                ));
+                send(&Frame::LogonOk {
+                    participant: participant.into(),
+                });
+                if participant.starts_with('A') {
+                    between.iter().for_each(&mut send);
+                }
+            }
+            send(&Frame::Bye);
+        });
+        let key = ste_engine::sign::keyed(b"a key");
+        let logons = ["AAAAGB22XXX", "BBBBGB22XXX"].map(|participant| Logon {
+            participant,
+            key: &key,
+            subscribe: true,
+        });
+        let connected = connect(address, &logons);
+        let result = connected.map(|(_writer, mut reader)| {
+            let mut read = Vec::new();
+            while let Ok(Some(frame)) = reader.next_frame() {
+                read.push(frame);
+            }
+            read
+        });
+        engine.join().expect("the engine's side ran");
+        result
+    }
+
+    #[test]
+    fn a_push_between_two_logon_answers_is_kept_for_the_reader_in_order() {
+        let push = |text: &str| Frame::Push {
+            class: PushClass::Cls,
+            xml: text.as_bytes().to_vec(),
+        };
+        let read = log_on_against(vec![
+            push("<Cls>1</Cls>"),
+            Frame::Heartbeat,
+            push("<Cls>2</Cls>"),
+        ])
+        .expect("the logons are accepted");
+        assert_eq!(
+            read,
+            vec![push("<Cls>1</Cls>"), push("<Cls>2</Cls>"), Frame::Bye]
+        );
+    }
+
+    #[test]
+    fn an_answer_other_than_a_push_between_logon_answers_is_still_refused() {
+        let error = log_on_against(vec![Frame::Ack {
+            seq: 1,
+            duplicate: false,
+        }])
+        .expect_err("an ACK before the logons are answered");
+        assert!(
+            matches!(&error, ClientError::Unexpected(frame, _) if matches!(**frame, Frame::Ack { .. })),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn pushes_kept_during_logon_are_bounded_in_bytes() {
+        let big = Frame::Push {
+            class: PushClass::Cls,
+            xml: vec![b'x'; 900 * 1024],
+        };
+        let count = EARLY_PUSH_BYTES_MAX / (900 * 1024) + 1;
+        let error = log_on_against(vec![big; count]).expect_err("more pushes than a client keeps");
+        assert!(matches!(error, ClientError::Unexpected(..)), "{error}");
+    }
 }

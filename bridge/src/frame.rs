@@ -18,7 +18,9 @@
 //!
 //! A connection may log on as several participants (a service bureau does); it may only send
 //! messages as one of them. ACKs and NAKs come after the commit that holds the message, in any
-//! order; the sequence number pairs them with the messages.
+//! order; the sequence number pairs them with the messages. Logons are answered in their order;
+//! a subscribed participant's pushes start right after its own answer, so they may come before
+//! the answers to the connection's later logons (the client keeps them for its reader).
 
 use ste_engine::reason::ReasonCode;
 use ste_engine::sign::SIGNATURE_LEN;

@@ -264,6 +264,15 @@ impl Reader<'_> {
                             format!("a connection logs on as at most {IDENTITIES_PER_CONNECTION_MAX} participants"),
                         ));
                     }
+                    // The answer is queued before the subscription exists, and the writer
+                    // takes control frames first: no push of this participant can go out
+                    // before its logon answer.
+                    let _ = self
+                        .control
+                        .send(Frame::LogonOk {
+                            participant: participant.clone(),
+                        })
+                        .await;
                     // A repeated logon is answered again and changes nothing.
                     if subscribe && !again {
                         self.gateway.subscribe(
@@ -275,12 +284,6 @@ impl Reader<'_> {
                             },
                         );
                     }
-                    let _ = self
-                        .control
-                        .send(Frame::LogonOk {
-                            participant: participant.clone(),
-                        })
-                        .await;
                     self.identities.insert(participant);
                 }
                 Frame::Message {
