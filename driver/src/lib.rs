@@ -84,6 +84,9 @@ pub struct RunConfig {
     /// For an `--input` set: the signatures its lines were signed with beforehand
     /// ([`signatures_beside`]), sent as they are instead of signing each line as it is sent.
     pub signatures: Option<PathBuf>,
+    /// For an `--input` set: the outcome it must produce ([`expected_beside`]), checked as a
+    /// generated run's is; `None`: the replay reports its outcome without a check.
+    pub expected: Option<RunOutcome>,
     /// How long the limit probe runs after the run, on the run's first messages
     /// ([`probe`]); `None`: no probe.
     pub limit_probe: Option<Duration>,
@@ -403,6 +406,25 @@ pub const SIGNATURE_RECORD_BYTES: usize = 1 + SIGNATURE_LEN;
 /// beside it: a replay with those keys sends them as they are ([`RunConfig::signatures`]).
 pub fn signatures_beside(set: &Path) -> PathBuf {
     PathBuf::from(format!("{}.signatures", set.display()))
+}
+
+/// Where `driver generate --out FILE` puts the outcome FILE must produce on empty shards, as
+/// JSON: a replay with the keys beside the set checks its outcome against it
+/// ([`RunConfig::expected`]).
+pub fn expected_beside(set: &Path) -> PathBuf {
+    PathBuf::from(format!("{}.expected.json", set.display()))
+}
+
+/// Reads an outcome written by `driver generate` ([`expected_beside`]).
+pub fn read_expected(path: &Path) -> anyhow::Result<RunOutcome> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{} is not an outcome written by driver generate",
+            path.display()
+        )
+    })
 }
 
 /// Writes a generated message set and returns what it must produce. With `signatures`, each
@@ -1017,7 +1039,7 @@ fn inject_source(
                     inject(submitter, refdata, lines, &pacing, submitted)
                 }
             };
-            (count, None)
+            (count, config.expected.clone())
         }
     })
 }

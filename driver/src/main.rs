@@ -244,7 +244,8 @@ struct RunArgs {
     generation: GenerationArgs,
     /// Replay this message-set file instead of generating. With the keys beside it (no
     /// --keys), the signatures `driver generate` made beside it (FILE.signatures) are sent as
-    /// they are, instead of signing each line as it is sent.
+    /// they are, instead of signing each line as it is sent, and the run fails unless its
+    /// outcome is the one written beside it (FILE.expected.json), as a generated run does.
     #[arg(long)]
     input: Option<PathBuf>,
     #[command(flatten)]
@@ -639,7 +640,7 @@ fn run_cli() -> anyhow::Result<()> {
                 &out,
                 Some(&signatures_path),
             )?;
-            let expected_path = PathBuf::from(format!("{}.expected.json", out.display()));
+            let expected_path = ste_driver::expected_beside(&out);
             std::fs::write(&expected_path, serde_json::to_string_pretty(&expected)?)
                 .with_context(|| format!("writing {}", expected_path.display()))?;
             let keys_path = keys_beside(&out);
@@ -1552,6 +1553,17 @@ fn run_config(args: RunArgs) -> anyhow::Result<RunConfig> {
             .filter(|_| args.keys.is_none())
             .map(ste_driver::signatures_beside)
             .filter(|path| path.exists()),
+        // And its outcome is checked, unless the run goes on from shards that hold part of it.
+        expected: match args.input.as_deref() {
+            Some(set) if args.keys.is_none() && !args.resume => {
+                let path = ste_driver::expected_beside(set);
+                match path.exists() {
+                    true => Some(ste_driver::read_expected(&path)?),
+                    false => None,
+                }
+            }
+            _ => None,
+        },
         limit_probe: (args.probe_s > 0.0).then(|| Duration::from_secs_f64(args.probe_s.min(600.0))),
     };
     Ok(config)

@@ -29,6 +29,7 @@ fn config(source: Source, store: StoreKind, run_dir: &Path) -> RunConfig {
         progress: false,
         resume: false,
         signatures: None,
+        expected: None,
         limit_probe: None,
     }
 }
@@ -261,11 +262,35 @@ fn a_generated_file_replays_to_its_expected_outcome() {
         .expect("a signed line");
     signatures[signed * 33 + 5] ^= 0x40;
     std::fs::write(&signatures_path, &signatures).expect("rewrites");
-    let tampered = replay(&dir.path().join("run-tampered"), &["--probe-s", "0"]);
+    // The replay checks its outcome against set.xml.expected.json: it reports and fails.
+    let output = driver()
+        .args([
+            "--input",
+            set.to_str().expect("utf-8 path"),
+            "--store",
+            "memory",
+        ])
+        .args(["--json", "--quiet", "--probe-s", "0", "--run-dir"])
+        .arg(dir.path().join("run-tampered"))
+        .output()
+        .expect("driver runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success(),
+        "a tampered set replayed as expected"
+    );
+    assert!(
+        stderr.contains("the outcome differs from what the generator expected"),
+        "{stderr}"
+    );
+    let tampered: serde_json::Value =
+        serde_json::from_slice(&output.stdout).expect("the summary still printed");
     let sig = |summary: &serde_json::Value| summary["exceptions"]["E_SIG"].as_u64().unwrap_or(0);
     assert_eq!(sig(&tampered), sig(&summary) + 1);
     assert_eq!(tampered["messages_in"], summary["messages_in"]);
     assert!(tampered["limit_probe"].is_null());
+    assert_eq!(tampered["matches_expected"], false);
+    assert_eq!(summary["matches_expected"], true);
 }
 
 #[test]
