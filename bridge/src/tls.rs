@@ -61,12 +61,13 @@ impl std::fmt::Debug for Tls {
     }
 }
 
-/// The acceptor every listener uses: TLS 1.2 and 1.3 with rustls' safe defaults (ring).
+/// The acceptor every listener uses: TLS 1.2 and 1.3 with rustls' safe defaults (aws-lc-rs,
+/// X25519MLKEM768 offered first).
 pub fn acceptor(files: &TlsFiles) -> Result<Tls, TlsError> {
     let chain = certificates(&files.cert)?;
     let key =
         PrivateKeyDer::from_pem_file(&files.key).map_err(|error| pem_error(&files.key, error))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|error| TlsError::Config(error.to_string()))?;
@@ -109,7 +110,7 @@ pub fn connector(files: &ClientTls) -> Result<tokio_rustls::TlsConnector, TlsErr
             .map_err(|error| pem_error(&files.ca, error))?;
     }
     let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
+        rustls::crypto::aws_lc_rs::default_provider(),
     ))
     .with_safe_default_protocol_versions()
     .map_err(|error| TlsError::Config(error.to_string()))?

@@ -333,3 +333,48 @@ fn a_node_off_loopback_needs_tls_or_an_explicit_plaintext() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("loopback"), "{stderr}");
 }
+
+#[test]
+fn the_listener_and_its_own_clients_agree_on_a_post_quantum_hybrid_key_exchange() {
+    // Traffic recorded today must not be readable by whoever breaks X25519 later: two STE
+    // ends offer X25519MLKEM768 first, and a client that lacks it (zeep, simplefix) still
+    // gets X25519, as the test above shows.
+    let pki = Pki::new();
+    let acceptor = ste_bridge::tls::acceptor(&ste_bridge::tls::TlsFiles {
+        cert: pki.server_cert.clone(),
+        key: pki.server_key.clone(),
+        client_ca: Some(pki.ca.clone()),
+    })
+    .expect("the listener's TLS");
+    let connector = ste_bridge::tls::connector(&pki.client(true)).expect("the client's TLS");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .expect("a runtime");
+    let (server_group, client_group) = runtime.block_on(async {
+        let (near, far) = tokio::io::duplex(64 * 1024);
+        let name = rustls::pki_types::ServerName::try_from("localhost").expect("a name");
+        let (server, client) = tokio::join!(acceptor.0.accept(far), connector.connect(name, near));
+        let group = |group: Option<&'static dyn rustls::crypto::SupportedKxGroup>| {
+            group.map(|group| group.name())
+        };
+        (
+            group(
+                server
+                    .expect("the server's handshake")
+                    .get_ref()
+                    .1
+                    .negotiated_key_exchange_group(),
+            ),
+            group(
+                client
+                    .expect("the client's handshake")
+                    .get_ref()
+                    .1
+                    .negotiated_key_exchange_group(),
+            ),
+        )
+    });
+    assert_eq!(server_group, Some(rustls::NamedGroup::X25519MLKEM768));
+    assert_eq!(client_group, server_group);
+}
