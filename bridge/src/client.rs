@@ -108,13 +108,13 @@ impl FrameWriter {
 /// The receiving half.
 pub struct FrameReader {
     input: BufReader<Stream>,
-    /// Pushes and heartbeats that arrived while the logon answers were awaited, in order.
+    /// Pushes that arrived while the logon answers were awaited, in order.
     early: VecDeque<Frame>,
 }
 
-/// How many bytes of pushes a client keeps while it waits for its logon answers: a
-/// participant's CLS may be pushed as soon as that participant's logon is accepted, before
-/// the answers to the connection's other logons.
+/// How many bytes of pushes (their XML and the frames holding it) a client keeps while it
+/// waits for its logon answers: a participant's CLS may be pushed as soon as that
+/// participant's logon is accepted, before the answers to the connection's other logons.
 pub const EARLY_PUSH_BYTES_MAX: usize = 16 << 20;
 
 impl FrameReader {
@@ -235,7 +235,7 @@ fn log_on(stream: Stream, logons: &[Logon<'_>]) -> Result<(FrameWriter, FrameRea
             }
             // A push before the first answer would be for nobody this connection is yet.
             Some(Frame::Push { class, xml }) if answered > 0 => {
-                early_bytes += xml.len();
+                early_bytes += std::mem::size_of::<Frame>() + xml.len();
                 let push = Frame::Push { class, xml };
                 if early_bytes > EARLY_PUSH_BYTES_MAX {
                     return Err(ClientError::Unexpected(

@@ -244,8 +244,9 @@ struct RunArgs {
     generation: GenerationArgs,
     /// Replay this message-set file instead of generating. With the keys beside it (no
     /// --keys), the signatures `driver generate` made beside it (FILE.signatures) are sent as
-    /// they are, instead of signing each line as it is sent, and the run fails unless its
-    /// outcome is the one written beside it (FILE.expected.json), as a generated run does.
+    /// they are, instead of signing each line as it is sent, and (unless --resume) the run
+    /// fails unless its outcome is the one written beside it (FILE.expected.json), as a
+    /// generated run does.
     #[arg(long)]
     input: Option<PathBuf>,
     #[command(flatten)]
@@ -1557,10 +1558,9 @@ fn run_config(args: RunArgs) -> anyhow::Result<RunConfig> {
         expected: match args.input.as_deref() {
             Some(set) if args.keys.is_none() && !args.resume => {
                 let path = ste_driver::expected_beside(set);
-                match path.exists() {
-                    true => Some(ste_driver::read_expected(&path)?),
-                    false => None,
-                }
+                path.exists()
+                    .then(|| ste_driver::read_expected(&path))
+                    .transpose()?
             }
             _ => None,
         },
