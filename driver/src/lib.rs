@@ -1097,5 +1097,14 @@ mod tests {
             ste_engine::pipeline::SAMPLES_HEADER,
             ste_monitor::SAMPLES_HEADER
         );
+        assert_eq!(
+            ste_engine::pipeline::STATION_TIME_HEADER,
+            ste_monitor::STATION_TIME_HEADER
+        );
+        let samples = std::path::Path::new("runs/r/samples.csv");
+        assert_eq!(
+            ste_engine::pipeline::station_time_path(samples),
+            ste_monitor::station_time_path(samples)
+        );
     }
 }

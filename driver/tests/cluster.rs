@@ -730,6 +730,22 @@ fn a_shard_database_stopped_for_ten_seconds_holds_only_its_own_shard_back() {
     // read in its middle, 3 s from either end, which leaves that room.
     let samples = std::fs::read_to_string(cluster.dir.path().join("run/samples.csv"))
         .expect("the driver collected the nodes' samples");
+    // Beside them, row for row, the nodes' station-time counters; a JetStream stream has none.
+    let rows = ste_monitor::read_samples(&cluster.dir.path().join("run/samples.csv"))
+        .expect("the samples and their station times read together");
+    assert_eq!(rows.len() + 1, samples.lines().count());
+    for row in &rows {
+        assert_eq!(
+            row.station_ms.is_some(),
+            !row.station.starts_with("jetstream/"),
+            "{row:?}"
+        );
+    }
+    assert!(ste_monitor::analyze(&rows).iter().any(|station| station
+        .station
+        .ends_with("/store.0")
+        && station.W_exact
+        && station.W > 0.0));
     let others: Vec<String> = [0, 1, 3].map(|shard| format!("store.{shard}")).into();
     let before = common::commit_rate(&samples, &others, 1_000.0, stopped_ms - 500.0);
     let during = common::commit_rate(&samples, &others, stopped_ms + 3_000.0, back_ms - 3_000.0);

@@ -423,13 +423,19 @@ fn a_sweep_of_closed_loop_windows_draws_a_littles_law_series() {
         .expect("JSON");
         assert_eq!(summary["cls"], 300);
         assert_eq!(summary["window"], point["window"]);
-        // Little's law per level: the stations' W / C from samples, along the path, against
-        // the response times measured directly.
+        // Little's law per level: the stations' W / C from their station-time counters read
+        // at the samples, along the path, against the response times measured directly, each
+        // message's own. Both cover every message of a level, whatever instants the sampler
+        // read at.
         let (r, r_direct) = (
             point["R_ms"].as_f64().expect("R"),
             point["R_direct_ms"].as_f64().expect("R direct"),
         );
         assert!(r > 0.0 && r_direct > 0.0);
+        assert!(
+            (r - r_direct).abs() <= 0.05 * r_direct,
+            "R {r} ms from samples, {r_direct} ms measured: {point}"
+        );
     }
     // With a window of one, the stations hold one message at most: their mean population
     // stays at or below one (a sample may catch a message between two stations' counters, but

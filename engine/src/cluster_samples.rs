@@ -10,8 +10,6 @@
 //! `n1/match.2#1`.
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -21,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::queue::jetstream::{wall_ns, JetStream};
 use crate::station::{RunClock, Station};
-use crate::stations::sampler::{write_row, SAMPLES_HEADER};
+use crate::stations::sampler::SampleFiles;
 
 /// The plain subject (after `ste.`) a node publishes its samples on.
 pub fn samples_topic(node_id: &str) -> String {
@@ -44,6 +42,10 @@ pub struct StationCount {
     pub arrivals: u64,
     pub completions: u64,
     pub busy_ns: u64,
+    /// The accumulated station time ∫ n dt, in item-nanoseconds (absent from a node that does
+    /// not report it).
+    #[serde(default)]
+    pub station_ns: Option<u64>,
 }
 
 /// What a node publishes at each sampling instant.
@@ -114,6 +116,7 @@ impl StationBoard {
                     arrivals: reading.arrivals,
                     completions: reading.completions,
                     busy_ns: reading.busy_ns,
+                    station_ns: Some(reading.station_ns),
                 }
             })
             .collect();
@@ -268,8 +271,7 @@ impl SampleCollector {
         interval: Duration,
         clock: RunClock,
     ) -> std::io::Result<Self> {
-        let mut out = BufWriter::new(File::create(path)?);
-        writeln!(out, "{SAMPLES_HEADER}")?;
+        let mut out = SampleFiles::create(path)?;
         let mut listener = jetstream
             .listen("samples.>")
             .map_err(std::io::Error::other)?;
@@ -293,13 +295,13 @@ impl SampleCollector {
                         for queue in &queues {
                             // A queue whose state cannot be read now is read at the next tick.
                             if let Ok(state) = jetstream.queue_state(queue) {
-                                write_row(
-                                    &mut out,
+                                out.write_row(
                                     t_ms,
                                     &format!("jetstream/{queue}"),
                                     state.stored_ever,
                                     state.stored_ever.saturating_sub(state.batches),
                                     0,
+                                    None,
                                 )?;
                             }
                         }
@@ -350,13 +352,13 @@ impl SampleCollector {
                             0 => name,
                             count => format!("{name}#{count}"),
                         };
-                        write_row(
-                            &mut out,
+                        out.write_row(
                             t_ms,
                             &name,
                             station.arrivals,
                             station.completions,
                             station.busy_ns,
+                            station.station_ns,
                         )?;
                     }
                 }

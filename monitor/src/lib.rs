@@ -1,10 +1,17 @@
 //! Operational analysis (Buzen & Denning, 1978) of the stations sampled during a run.
 //!
-//! Each station keeps cumulative counters — arrivals A(t), completions C(t), busy time B(t) —
-//! and its length n(t) = A(t) − C(t). Over a station's observation window T (first to last
-//! sample), with the left-rectangle rule W = Σ_j n_j · (t_{j+1} − t_j):
+//! Each station keeps cumulative counters — arrivals A(t), completions C(t), busy time B(t),
+//! station time W(t) = ∫ n dt — and its length n(t) = A(t) − C(t). Over a station's
+//! observation window T (first to last sample):
 //! λ = A/T, X = C/T, U = B/T, S = B/C, N = W/T, R = W/C; Little's law N = X·R and the
 //! utilisation law U = X·S hold by construction of these estimators and are reported as checks.
+//!
+//! W is the difference of the station-time counter between the window's ends where the samples
+//! file has it beside it ([`station_time_path`]), exact whatever the instants the sampler read
+//! at; otherwise (a file with the six columns of `samples.csv` alone, a JetStream stream) the
+//! left-rectangle rule W = Σ_j n_j · (t_{j+1} − t_j) estimates it from the lengths read at the
+//! samples' instants, which is unbiased only if those instants are independent of what the
+//! stations do.
 
 pub mod chart;
 pub mod mva;
@@ -25,10 +32,23 @@ pub struct Sample {
     pub arrivals: u64,
     pub completions: u64,
     pub busy_ms: f64,
+    /// The station's accumulated station time ∫ n dt at `t_ms`, in item-milliseconds, from the
+    /// station-time file beside the samples (`None`: not known).
+    pub station_ms: Option<f64>,
 }
 
 /// The header every samples file starts with.
 pub const SAMPLES_HEADER: &str = "t_ms,station,queue_len,arrivals,completions,busy_ms";
+
+/// The header of the station-time file beside a samples file: row for row the same instants
+/// and stations, with each station's station time in item-milliseconds, empty where unknown.
+pub const STATION_TIME_HEADER: &str = "t_ms,station,station_ms";
+
+/// Where the station times of the samples file `samples` are: `samples.csv` →
+/// `samples.station_time.csv`.
+pub fn station_time_path(samples: &Path) -> std::path::PathBuf {
+    samples.with_extension("station_time.csv")
+}
 
 /// Why a samples file could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +57,10 @@ pub enum SamplesError {
     Io(#[from] std::io::Error),
     #[error("the samples file does not start with the header {SAMPLES_HEADER:?}")]
     Header,
+    #[error("the station-time file does not start with the header {STATION_TIME_HEADER:?}")]
+    StationTimeHeader,
+    #[error("station-time line {line}: {detail}")]
+    StationTimeRow { line: usize, detail: String },
     #[error("line {line}: {detail}")]
     Row { line: usize, detail: String },
 }
@@ -57,17 +81,67 @@ fn parse_row(line_number: usize, line: &str) -> Result<Sample, SamplesError> {
         arrivals: columns[3].parse().map_err(|_| error("bad arrivals"))?,
         completions: columns[4].parse().map_err(|_| error("bad completions"))?,
         busy_ms: columns[5].parse().map_err(|_| error("bad busy_ms"))?,
+        station_ms: None,
     })
 }
 
-/// Reads a samples file. A last line without its newline is one the sampler is still writing
-/// (the file of a run in progress) and is left out.
-pub fn read_samples(path: &Path) -> Result<Vec<Sample>, SamplesError> {
-    let text = std::fs::read_to_string(path)?;
-    let complete = match text.rfind('\n') {
+/// The complete lines of a file written as it is read: a last line without its newline is one
+/// still being written.
+fn complete_lines(text: &str) -> &str {
+    match text.rfind('\n') {
         Some(end) => &text[..=end],
         None => "",
-    };
+    }
+}
+
+/// Adds to `samples` the station times of the file beside them, row for row; where that file is
+/// behind (a run in progress writes both), the samples it does not cover yet are left out.
+fn join_station_times(samples: &mut Vec<Sample>, path: &Path) -> Result<(), SamplesError> {
+    let text = std::fs::read_to_string(path)?;
+    let mut lines = complete_lines(&text).lines().enumerate();
+    match lines.next() {
+        Some((_, header)) if header.trim() == STATION_TIME_HEADER => {}
+        None => {
+            samples.clear();
+            return Ok(());
+        }
+        Some(_) => return Err(SamplesError::StationTimeHeader),
+    }
+    let mut joined = 0;
+    for ((index, line), sample) in lines.zip(samples.iter_mut()) {
+        let error = |detail: &str| SamplesError::StationTimeRow {
+            line: index + 1,
+            detail: detail.to_owned(),
+        };
+        let mut columns = line.trim().split(',');
+        let (Some(t_ms), Some(station), Some(station_ms), None) = (
+            columns.next(),
+            columns.next(),
+            columns.next(),
+            columns.next(),
+        ) else {
+            return Err(error("expected 3 columns"));
+        };
+        let t_ms: f64 = t_ms.parse().map_err(|_| error("bad t_ms"))?;
+        if t_ms != sample.t_ms || station != sample.station {
+            return Err(error("not the instant and station of the samples' row"));
+        }
+        sample.station_ms = match station_ms {
+            "" => None,
+            value => Some(value.parse().map_err(|_| error("bad station_ms"))?),
+        };
+        joined += 1;
+    }
+    samples.truncate(joined);
+    Ok(())
+}
+
+/// Reads a samples file, with the station times beside it where they are
+/// ([`station_time_path`]). A last line without its newline is one the sampler is still
+/// writing (the file of a run in progress) and is left out.
+pub fn read_samples(path: &Path) -> Result<Vec<Sample>, SamplesError> {
+    let text = std::fs::read_to_string(path)?;
+    let complete = complete_lines(&text);
     let mut samples = Vec::new();
     for (index, line) in complete.lines().enumerate() {
         if index == 0 {
@@ -84,6 +158,10 @@ pub fn read_samples(path: &Path) -> Result<Vec<Sample>, SamplesError> {
     if complete.is_empty() && !text.is_empty() && !SAMPLES_HEADER.starts_with(text.trim()) {
         return Err(SamplesError::Header);
     }
+    let station_times = station_time_path(path);
+    if station_times.exists() {
+        join_station_times(&mut samples, &station_times)?;
+    }
     Ok(samples)
 }
 
@@ -96,8 +174,11 @@ pub struct StationMetrics {
     pub A: u64,
     pub C: u64,
     pub B_s: f64,
-    /// Accumulated station time Σ n·Δt, in item-seconds.
+    /// Accumulated station time ∫ n dt over the window, in item-seconds: from the station-time
+    /// counter where the samples have it, else Σ n·Δt over the samples.
     pub W: f64,
+    /// Whether W is the counter's (exact) rather than estimated from the sampled lengths.
+    pub W_exact: bool,
     pub lambda: f64,
     pub X: f64,
     pub U: f64,
@@ -144,6 +225,7 @@ fn station_metrics(name: &str, rows: &[&Sample]) -> StationMetrics {
             C: 0,
             B_s: 0.0,
             W: 0.0,
+            W_exact: false,
             lambda: 0.0,
             X: 0.0,
             U: 0.0,
@@ -156,10 +238,15 @@ fn station_metrics(name: &str, rows: &[&Sample]) -> StationMetrics {
     let arrivals = last.arrivals.saturating_sub(first.arrivals);
     let completions = last.completions.saturating_sub(first.completions);
     let busy_s = (last.busy_ms - first.busy_ms).max(0.0) / 1000.0;
-    let w: f64 = rows
-        .windows(2)
-        .map(|pair| pair[0].queue_len as f64 * (pair[1].t_ms - pair[0].t_ms) / 1000.0)
-        .sum();
+    let (w, w_exact) = match (first.station_ms, last.station_ms) {
+        (Some(from), Some(to)) => ((to - from).max(0.0) / 1000.0, true),
+        _ => (
+            rows.windows(2)
+                .map(|pair| pair[0].queue_len as f64 * (pair[1].t_ms - pair[0].t_ms) / 1000.0)
+                .sum(),
+            false,
+        ),
+    };
     let c = completions as f64;
     StationMetrics {
         station: name.to_owned(),
@@ -168,6 +255,7 @@ fn station_metrics(name: &str, rows: &[&Sample]) -> StationMetrics {
         C: completions,
         B_s: busy_s,
         W: w,
+        W_exact: w_exact,
         lambda: ratio(arrivals as f64, t_s),
         X: ratio(c, t_s),
         U: ratio(busy_s, t_s),
@@ -232,6 +320,7 @@ mod tests {
             arrivals,
             completions,
             busy_ms,
+            station_ms: None,
         }
     }
 
@@ -271,6 +360,7 @@ mod tests {
                 arrivals: completions,
                 completions,
                 busy_ms: 0.0,
+                station_ms: None,
             });
             completions += if second < 10 { 1000 } else { 500 };
         }
@@ -294,5 +384,64 @@ mod tests {
         assert_eq!(samples.len(), 2);
         std::fs::write(&path, "bad header\n").expect("writes");
         assert!(matches!(read_samples(&path), Err(SamplesError::Header)));
+    }
+
+    #[test]
+    fn the_station_time_counter_gives_w_whatever_the_instants_read() {
+        let dir = tempfile::tempdir().expect("temporary folder");
+        let path = dir.path().join("samples.csv");
+        // Each instant read an empty station, but its counter says it held 1.5 items on
+        // average over the 2 s: the lengths at the instants miss it; the counter does not.
+        std::fs::write(
+            &path,
+            format!(
+                "{SAMPLES_HEADER}\n0.000,a,0,0,0,0.000\n1000.000,a,0,3,3,900.000\n\
+                 2000.000,a,0,6,6,1800.000\n"
+            ),
+        )
+        .expect("writes");
+        let station_times = station_time_path(&path);
+        assert_eq!(station_times, dir.path().join("samples.station_time.csv"));
+        let without = &analyze(&read_samples(&path).expect("reads"))[0];
+        assert_eq!((without.W, without.W_exact), (0.0, false));
+        std::fs::write(
+            &station_times,
+            format!(
+                "{STATION_TIME_HEADER}\n0.000,a,500.000000\n1000.000,a,1700.000000\n\
+                 2000.000,a,3500.0000"
+            ),
+        )
+        .expect("writes");
+        // The station-time file's last line is still being written: its sample waits for it.
+        let samples = read_samples(&path).expect("reads");
+        assert_eq!(samples.len(), 2);
+        assert_eq!(samples[1].station_ms, Some(1700.0));
+        std::fs::write(
+            &station_times,
+            format!(
+                "{STATION_TIME_HEADER}\n0.000,a,500.000000\n1000.000,a,1700.000000\n\
+                 2000.000,a,3500.000000\n"
+            ),
+        )
+        .expect("writes");
+        let with = &analyze(&read_samples(&path).expect("reads"))[0];
+        assert!(with.W_exact);
+        assert!((with.W - 3.0).abs() < 1e-9, "{}", with.W);
+        assert!((with.N - 1.5).abs() < 1e-9 && (with.R_s - 0.5).abs() < 1e-9);
+        // A station time that is not its sample's row is refused, not joined.
+        std::fs::write(
+            &station_times,
+            format!("{STATION_TIME_HEADER}\n0.000,b,500.000000\n"),
+        )
+        .expect("writes");
+        assert!(matches!(
+            read_samples(&path),
+            Err(SamplesError::StationTimeRow { line: 2, .. })
+        ));
+        std::fs::write(&station_times, "t_ms,station\n").expect("writes");
+        assert!(matches!(
+            read_samples(&path),
+            Err(SamplesError::StationTimeHeader)
+        ));
     }
 }

@@ -266,6 +266,21 @@ pub fn prometheus(samples: &[Sample]) -> String {
             let _ = writeln!(out, "{name}{{station=\"{station}\"}} {}", value(sample));
         }
     }
+    // Only where it is known: a rate over the counter is the station's mean population.
+    let name = "ste_station_time_seconds_total";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Message-seconds spent at the station, waiting or in service.\n# TYPE {name} counter"
+    );
+    for (station, sample) in &newest {
+        if let Some(station_ms) = sample.station_ms {
+            let _ = writeln!(
+                out,
+                "{name}{{station=\"{station}\"}} {}",
+                station_ms / 1000.0
+            );
+        }
+    }
     if let Some(t) = newest.values().map(|s| s.t_ms).reduce(f64::max) {
         let _ = writeln!(
             out,
@@ -386,6 +401,7 @@ mod grafana {
             arrivals: 1,
             completions: 1,
             busy_ms: 1.0,
+            station_ms: Some(2.0),
         }]);
         let names: Vec<&str> = exposed
             .lines()

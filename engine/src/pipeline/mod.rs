@@ -13,8 +13,6 @@
 //! trade keep their order from injection to the matcher. Nothing leaves the engine before the
 //! transaction that holds it has committed.
 
-use std::fs::File;
-use std::io::BufWriter;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -30,7 +28,7 @@ use crate::refdata::RefData;
 use crate::station::{RunClock, Station};
 use crate::stations::exceptions::run_exception_writer;
 use crate::stations::matcher::{run_matcher, Recall, RecallFrom};
-use crate::stations::sampler::run_sampler;
+use crate::stations::sampler::{run_sampler, SampleFiles};
 use crate::stations::validator::{run_validator, Routes};
 use crate::stations::writer::{run_writer, WriterContext};
 use crate::stations::{RejectedItem, ToStore, Validated, WriterReport};
@@ -41,7 +39,7 @@ pub use crate::network::{
     PipelineError, RetryPolicy, Submitter, EXCEPTION_RAW_PREFIX_BYTES, INBOUND_BATCH_MESSAGES,
 };
 pub(crate) use crate::network::{join, spawn, Joined};
-pub use crate::stations::sampler::SAMPLES_HEADER;
+pub use crate::stations::sampler::{station_time_path, SAMPLES_HEADER, STATION_TIME_HEADER};
 
 /// Default of [`PipelineConfig::unchecked_exception_days`].
 pub const UNCHECKED_EXCEPTION_DAYS_DEFAULT: u32 = 30;
@@ -421,13 +419,13 @@ impl Pipeline {
 
         let sampler = match &config.samples_path {
             Some(path) => {
-                let file = File::create(path).map_err(PipelineError::Samples)?;
+                let files = SampleFiles::create(path).map_err(PipelineError::Samples)?;
                 let stop = Arc::new(AtomicBool::new(false));
                 let flag = stop.clone();
                 let sampled = stations.clone();
                 let interval = config.sample_interval;
                 let handle = spawn("sampler".to_owned(), move || {
-                    run_sampler(BufWriter::new(file), &sampled, &flag, interval, clock)
+                    run_sampler(files, &sampled, &flag, interval, clock)
                 });
                 Some((stop, handle))
             }

@@ -3,6 +3,7 @@
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,22 +16,68 @@ use crate::station::{RunClock, Station, StationReading};
 /// The header of `samples.csv`.
 pub const SAMPLES_HEADER: &str = "t_ms,station,queue_len,arrivals,completions,busy_ms";
 
-/// One row of `samples.csv`: a station's cumulative counters at `t_ms`; its length is
-/// arrivals less completions.
-pub(crate) fn write_row(
-    out: &mut impl Write,
-    t_ms: f64,
-    station: &str,
-    arrivals: u64,
-    completions: u64,
-    busy_ns: u64,
-) -> std::io::Result<()> {
-    writeln!(
-        out,
-        "{t_ms:.3},{station},{},{arrivals},{completions},{:.3}",
-        arrivals.saturating_sub(completions),
-        busy_ns as f64 / 1e6
-    )
+/// The header of the station-time file beside it ([`station_time_path`]): row for row the
+/// same instants and stations as `samples.csv`, with each station's accumulated station time
+/// ∫ n dt in item-milliseconds (empty where it is not known: a JetStream stream's).
+pub const STATION_TIME_HEADER: &str = "t_ms,station,station_ms";
+
+/// Where the station times of the samples file `samples` go: beside it, `samples.csv` →
+/// `samples.station_time.csv`. `samples.csv` keeps the columns DESIGN.md section 6 names.
+pub fn station_time_path(samples: &Path) -> PathBuf {
+    samples.with_extension("station_time.csv")
+}
+
+/// The two files a sampler writes, row for row.
+pub struct SampleFiles {
+    samples: BufWriter<File>,
+    station_time: BufWriter<File>,
+}
+
+impl SampleFiles {
+    /// Creates `samples` and its station-time file, and writes their headers.
+    pub fn create(samples: &Path) -> std::io::Result<Self> {
+        let mut files = Self {
+            samples: BufWriter::new(File::create(samples)?),
+            station_time: BufWriter::new(File::create(station_time_path(samples))?),
+        };
+        writeln!(files.samples, "{SAMPLES_HEADER}")?;
+        writeln!(files.station_time, "{STATION_TIME_HEADER}")?;
+        Ok(files)
+    }
+
+    /// One row of each: a station's cumulative counters at `t_ms`; its length is arrivals
+    /// less completions.
+    pub fn write_row(
+        &mut self,
+        t_ms: f64,
+        station: &str,
+        arrivals: u64,
+        completions: u64,
+        busy_ns: u64,
+        station_ns: Option<u64>,
+    ) -> std::io::Result<()> {
+        writeln!(
+            self.samples,
+            "{t_ms:.3},{station},{},{arrivals},{completions},{:.3}",
+            arrivals.saturating_sub(completions),
+            busy_ns as f64 / 1e6
+        )?;
+        match station_ns {
+            Some(ns) => writeln!(
+                self.station_time,
+                "{t_ms:.3},{station},{:.6}",
+                ns as f64 / 1e6
+            ),
+            None => writeln!(self.station_time, "{t_ms:.3},{station},"),
+        }
+    }
+
+    /// Hands what is buffered to both files, station times last, so that a reader never finds
+    /// a station time whose sample is not yet written.
+    pub fn flush(&mut self) -> std::io::Result<()> {
+        self.samples.flush()?;
+        self.station_time.flush()
+    }
 }
 
 /// Reads every station's counters, then writes them: the readings are taken together, within a
@@ -39,7 +86,7 @@ pub(crate) fn write_row(
 /// message stays at a station at small windows, in which it could be read at two stations or
 /// at none.
 fn write_samples(
-    out: &mut impl Write,
+    out: &mut SampleFiles,
     stations: &[Arc<Station>],
     readings: &mut Vec<StationReading>,
     clock: RunClock,
@@ -48,13 +95,13 @@ fn write_samples(
     readings.clear();
     readings.extend(stations.iter().map(|station| station.read()));
     for (station, reading) in stations.iter().zip(readings.iter()) {
-        write_row(
-            out,
+        out.write_row(
             t_ms,
             station.name(),
             reading.arrivals,
             reading.completions,
             reading.busy_ns,
+            Some(reading.station_ns),
         )?;
     }
     Ok(())
@@ -98,7 +145,7 @@ const SAMPLES_FLUSH_INTERVAL: Duration = Duration::from_millis(500);
 /// Writes every station's counters to `samples.csv` about every `interval` (each wait drawn from
 /// 0.5–1.5 intervals) until `stop`; returns whether it sampled on time ([`sample_on_time`]).
 pub(crate) fn run_sampler(
-    mut out: BufWriter<File>,
+    mut out: SampleFiles,
     stations: &[Arc<Station>],
     stop: &AtomicBool,
     interval: Duration,
@@ -111,7 +158,6 @@ pub(crate) fn run_sampler(
              cores its samples read early stations emptier and late ones fuller than they are"
         );
     }
-    writeln!(out, "{SAMPLES_HEADER}").map_err(PipelineError::Samples)?;
     let mut next = Instant::now();
     let mut flushed = Instant::now();
     let mut readings = Vec::with_capacity(stations.len());
