@@ -4,34 +4,41 @@
 //! are not independent of what the stations do: ARCHITECTURE.md, "Sampling"). The monitor
 //! reads nothing else.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 /// The cumulative counters of one station.
+///
+/// Station time is kept as W(t) = ∫ A dt − ∫ C dt = t·(A − C) − Σ a + Σ c, with Σ a the sum of
+/// the arrivals' instants and Σ c that of the completions' (one per item, in nanoseconds since
+/// the station was made, wrapping: the difference is exact while W stays below 2⁶⁴ item-ns,
+/// 584 item-years). Each side's count and sum of instants change together under that side's
+/// lock, so a queue's producers and its consumer never wait for each other, and a reading sees
+/// each pair whole.
 #[derive(Debug)]
 pub struct Station {
     name: String,
-    /// Counters change together under one lock, a few times per batch, so that a reading is
-    /// one instant of the station: its station time needs its population and when that last
-    /// changed as one.
-    counters: Mutex<Counters>,
+    epoch: Instant,
+    arrived: Mutex<Side>,
+    completed: Mutex<Completed>,
 }
 
-#[derive(Debug)]
-struct Counters {
-    arrivals: u64,
-    completions: u64,
+/// One side's items and the sum of the instants they passed it.
+#[derive(Debug, Default, Clone, Copy)]
+struct Side {
+    items: u64,
+    instants_ns: u64,
+}
+
+#[derive(Debug, Default)]
+struct Completed {
+    side: Side,
     busy_ns: u64,
     /// Sum over completed items of (completion time − arrival time), for the directly measured R.
     response_ns: u64,
-    /// Station time up to `changed`: ∫ n(t) dt in item-nanoseconds, kept exactly by adding
-    /// n · (now − changed) at each arrival and completion.
-    station_ns: u64,
-    /// When the population last changed, on the station's own monotonic clock.
-    changed: Instant,
 }
 
-/// A reading of a station's counters, all taken at one instant.
+/// A reading of a station's counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StationReading {
     pub arrivals: u64,
@@ -49,16 +56,24 @@ impl StationReading {
     }
 }
 
-impl Counters {
-    /// Adds the station time since the last change, at `now`.
-    fn accrue(&mut self, now: Instant) {
-        let population = self.arrivals.saturating_sub(self.completions);
-        let elapsed = now.saturating_duration_since(self.changed).as_nanos() as u64;
-        self.station_ns = self
-            .station_ns
-            .saturating_add(population.saturating_mul(elapsed));
-        self.changed = self.changed.max(now);
+impl Side {
+    fn pass(&mut self, count: u64, at_ns: u64) {
+        self.items += count;
+        self.instants_ns = self.instants_ns.wrapping_add(count.wrapping_mul(at_ns));
     }
+
+    /// ∫ (items) dt from the epoch to `now_ns`.
+    fn integral(&self, now_ns: u64) -> u64 {
+        self.items
+            .wrapping_mul(now_ns)
+            .wrapping_sub(self.instants_ns)
+    }
+}
+
+fn whole<T>(lock: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every update is complete before its lock is released: a panic elsewhere while one was
+    // held leaves the counters consistent.
+    lock.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Station {
@@ -66,14 +81,9 @@ impl Station {
     pub fn new(name: impl Into<String>) -> Arc<Self> {
         Arc::new(Self {
             name: name.into(),
-            counters: Mutex::new(Counters {
-                arrivals: 0,
-                completions: 0,
-                busy_ns: 0,
-                response_ns: 0,
-                station_ns: 0,
-                changed: Instant::now(),
-            }),
+            epoch: Instant::now(),
+            arrived: Mutex::default(),
+            completed: Mutex::default(),
         })
     }
 
@@ -82,44 +92,42 @@ impl Station {
         &self.name
     }
 
-    fn counters(&self) -> std::sync::MutexGuard<'_, Counters> {
-        // The counters are plain sums, each update complete before the lock is released: a
-        // panic elsewhere while it was held leaves them consistent.
-        self.counters.lock().unwrap_or_else(PoisonError::into_inner)
+    fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
     }
 
     /// Counts `count` arrivals; call before the items are enqueued.
     pub fn arrive(&self, count: u64) {
-        let mut counters = self.counters();
-        counters.accrue(Instant::now());
-        counters.arrivals += count;
+        let now = self.now_ns();
+        whole(&self.arrived).pass(count, now);
     }
 
     /// Counts `count` completions that took `busy_ns` of service together, and whose
     /// time in the station adds up to `response_ns`.
     pub fn complete(&self, count: u64, busy_ns: u64, response_ns: u64) {
-        let mut counters = self.counters();
-        counters.accrue(Instant::now());
-        counters.busy_ns += busy_ns;
-        counters.response_ns = counters.response_ns.wrapping_add(response_ns);
-        counters.completions += count;
-        debug_assert!(
-            counters.completions <= counters.arrivals,
-            "{}: more completions than arrivals",
-            self.name
-        );
+        let now = self.now_ns();
+        let mut completed = whole(&self.completed);
+        completed.side.pass(count, now);
+        completed.busy_ns += busy_ns;
+        completed.response_ns = completed.response_ns.wrapping_add(response_ns);
     }
 
-    /// Reads the counters, and the station time up to now, at one instant.
+    /// Reads the counters. Completions are read first, so that n = A − C never goes negative,
+    /// and the instant last: the station time then counts up to the reading every item that
+    /// arrived, and leaves out at most what completed in the nanoseconds between.
     pub fn read(&self) -> StationReading {
-        let mut counters = self.counters();
-        counters.accrue(Instant::now());
+        let (completed, busy_ns, response_ns) = {
+            let completed = whole(&self.completed);
+            (completed.side, completed.busy_ns, completed.response_ns)
+        };
+        let arrived = *whole(&self.arrived);
+        let now = self.now_ns();
         StationReading {
-            arrivals: counters.arrivals,
-            completions: counters.completions,
-            busy_ns: counters.busy_ns,
-            response_ns: counters.response_ns,
-            station_ns: counters.station_ns,
+            arrivals: arrived.items,
+            completions: completed.items,
+            busy_ns,
+            response_ns,
+            station_ns: arrived.integral(now).wrapping_sub(completed.integral(now)),
         }
     }
 }
