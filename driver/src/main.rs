@@ -1255,13 +1255,13 @@ fn sweep_model(first: &Summary, last: &Summary) -> Option<SweepModel> {
     Some(SweepModel { stations })
 }
 
-/// How often a sweep's levels sample their stations unless `--sample-ms` is given: a level
-/// lasts a second or a few, and at small windows a station holds a message for tens of
-/// microseconds and its population comes and goes in batches, so its mean read from instants
-/// needs many of them. Every 1 ms (about 5,000 samples a level) the path's R from samples was up
-/// to 12% off the R measured item by item at windows of 16 and 64; every 250 µs, at random
-/// spread, within 3% (BENCHMARKS.md), for about 3% of the cores.
-const SWEEP_SAMPLE_INTERVAL: std::time::Duration = std::time::Duration::from_micros(250);
+/// How often a sweep's levels sample their stations unless `--sample-ms` is given. N and R come
+/// from the stations' station-time counters, exact whatever the instants they are read at, so
+/// the interval sets only the resolution of the queue-length charts (a level lasts a second or
+/// a few: a thousand samples or more) and what the sampler takes from the cores it measures:
+/// every 250 µs, as when the lengths at the instants were the estimate, about 3% of them at a
+/// window of 16 (BENCHMARKS.md).
+const SWEEP_SAMPLE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(1);
 
 fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Result<()> {
     if args.run_dir.is_some() || args.resume {
@@ -1325,7 +1325,8 @@ fn sweep(args: RunArgs, levels: &[Level], out: Option<PathBuf>) -> anyhow::Resul
         check_summary(&summary)?;
         let population: f64 = summary.stations.iter().map(|s| s.N).sum();
         // A message's time along its path: each station's response time weighted by its visits
-        // per message, from the samples (W / C over the sampler's window) and item by item.
+        // per message, from the samples (W / C over the sampler's window, W from the stations'
+        // station-time counters) and item by item.
         // N / X would divide the sampler's population by a throughput over the driver's
         // elapsed time, a window 0.4–3.8% shorter in a run of a second or two.
         let messages = summary.outcome.messages_in.max(1) as f64;
