@@ -1,7 +1,7 @@
 //! Instrumentation: one type that every station (a queue with its server) uses to count
 //! arrivals A(t), completions C(t), busy time B(t) and station time W(t) = ∫ n dt, the last
 //! kept exactly rather than estimated from queue lengths read at instants (a sampler's instants
-//! are not independent of what the stations do: ARCHITECTURE.md, "Sampling"). The monitor
+//! are not independent of what the stations do: ARCHITECTURE.md, "Station time"). The monitor
 //! reads nothing else.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -113,8 +113,9 @@ impl Station {
     }
 
     /// Reads the counters. Completions are read first, so that n = A − C never goes negative,
-    /// and the instant last: the station time then counts up to the reading every item that
-    /// arrived, and leaves out at most what completed in the nanoseconds between.
+    /// and the instant last, so that every item counted has its instant before it: the station
+    /// time then holds each item that arrived up to the reading, and one that completed in the
+    /// nanoseconds between the two reads as still there until the instant.
     pub fn read(&self) -> StationReading {
         let (completed, busy_ns, response_ns) = {
             let completed = whole(&self.completed);

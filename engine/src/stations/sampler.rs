@@ -72,8 +72,9 @@ impl SampleFiles {
         }
     }
 
-    /// Hands what is buffered to both files, station times last, so that a reader never finds
-    /// a station time whose sample is not yet written.
+    /// Hands what is buffered to both files. Either may be ahead of the other between two
+    /// flushes (a buffer also empties itself when full): a reader joins them row for row up to
+    /// the shorter.
     pub fn flush(&mut self) -> std::io::Result<()> {
         self.samples.flush()?;
         self.station_time.flush()
