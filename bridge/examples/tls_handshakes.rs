@@ -6,13 +6,16 @@
 //!
 //! `cargo run --release -p ste-bridge --example tls_handshakes [-- HANDSHAKES]`
 
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Instant;
 
 use rcgen::{CertificateParams, KeyPair};
 use rustls::crypto::{aws_lc_rs, CryptoProvider};
 use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 fn main() -> anyhow::Result<()> {
     let handshakes: u32 = std::env::args()
@@ -89,8 +92,8 @@ fn main() -> anyhow::Result<()> {
                     read?;
                     anyhow::Ok(())
                 })?;
-                sent_by_client += near_count.load(std::sync::atomic::Ordering::Relaxed);
-                sent_by_server += far_count.load(std::sync::atomic::Ordering::Relaxed);
+                sent_by_client += near_count.load(Ordering::Relaxed);
+                sent_by_server += far_count.load(Ordering::Relaxed);
             }
             if round > 0 {
                 result
@@ -116,12 +119,12 @@ fn main() -> anyhow::Result<()> {
 /// A stream that counts the bytes written through it.
 struct Counted<S> {
     inner: S,
-    written: Arc<std::sync::atomic::AtomicU64>,
+    written: Arc<AtomicU64>,
 }
 
 impl<S> Counted<S> {
-    fn new(inner: S) -> (Counted<S>, Arc<std::sync::atomic::AtomicU64>) {
-        let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    fn new(inner: S) -> (Counted<S>, Arc<AtomicU64>) {
+        let written = Arc::new(AtomicU64::new(0));
         (
             Counted {
                 inner,
@@ -132,41 +135,34 @@ impl<S> Counted<S> {
     }
 }
 
-impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Counted<S> {
+impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
     fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
     }
 }
 
-impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Counted<S> {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
     fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
         buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        let poll = std::pin::Pin::new(&mut self.inner).poll_write(cx, buf);
-        if let std::task::Poll::Ready(Ok(n)) = &poll {
-            self.written
-                .fetch_add(*n as u64, std::sync::atomic::Ordering::Relaxed);
+    ) -> Poll<std::io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = &poll {
+            self.written.fetch_add(*n as u64, Ordering::Relaxed);
         }
         poll
     }
 
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
     }
 
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
