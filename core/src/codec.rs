@@ -158,7 +158,34 @@ impl Field {
     fn index(self) -> usize {
         self as usize
     }
+
+    /// The set of `fields` as a mask: bit `i` for the field at `ALL[i]`.
+    pub const fn mask(fields: &[Field]) -> u32 {
+        let mut mask = 0;
+        let mut at = 0;
+        while at < fields.len() {
+            mask |= 1 << fields[at] as u32;
+            at += 1;
+        }
+        mask
+    }
+
+    /// The first field of a mask's set, in canonical order.
+    pub fn first_of(mask: u32) -> Option<Field> {
+        Self::ALL.get(mask.trailing_zeros() as usize).copied()
+    }
 }
+
+// A field's index is its place in canonical order: what `RawFields` and `Field::mask` rely on
+// for "the first, in canonical order", checked when the crate is compiled.
+const _: () = {
+    let mut at = 0;
+    while at < FIELD_COUNT {
+        assert!(Field::ALL[at] as usize == at);
+        at += 1;
+    }
+    assert!(FIELD_COUNT <= u32::BITS as usize);
+};
 
 /// The text of each child element of one `Msg`, unescaped, before any typing.
 #[derive(Debug, Default)]
@@ -184,6 +211,13 @@ impl<'a> RawFields<'a> {
                 self.values[field.index()] = None;
             }
         }
+    }
+
+    /// The fields that are present, as a [`Field::mask`].
+    pub fn present_mask(&self) -> u32 {
+        self.values.iter().enumerate().fold(0, |mask, (at, value)| {
+            mask | u32::from(value.is_some()) << at
+        })
     }
 
     /// The fields that are present, in canonical order.
@@ -320,18 +354,31 @@ fn parse_canonical(text: &str) -> Option<RawFields<'_>> {
         .strip_prefix(NAMESPACE)?
         .strip_prefix("\">")?;
     let mut fields = RawFields::default();
+    // The canonical layout writes fields in `Field::ALL`'s order: the one after the last field
+    // read is tried first, by one comparison, before the name is looked for among them all.
+    let mut expected = 0;
     loop {
         if rest == "</Msg>" {
             return Some(fields);
         }
         rest = rest.strip_prefix('<')?;
-        let name_end = memchr::memchr(b'>', rest.as_bytes())?;
-        let name = &rest[..name_end];
-        let field = Field::from_name(name.as_bytes())?;
+        let (field, name) = match Field::ALL.get(expected).map(|field| (*field, field.name())) {
+            Some((field, name))
+                if rest.as_bytes().get(name.len()) == Some(&b'>') && rest.starts_with(name) =>
+            {
+                (field, &rest[..name.len()])
+            }
+            _ => {
+                let name_end = memchr::memchr(b'>', rest.as_bytes())?;
+                let name = &rest[..name_end];
+                (Field::from_name(name.as_bytes())?, name)
+            }
+        };
         if fields.get(field).is_some() {
             return None;
         }
-        rest = &rest[name_end + 1..];
+        expected = field.index() + 1;
+        rest = &rest[name.len() + 1..];
         let value_end = rest
             .bytes()
             .position(|b| !(0x20..0x7f).contains(&b) || b == b'&' || b == b'>' || b == b'<')?;

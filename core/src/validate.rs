@@ -111,6 +111,25 @@ pub fn type_fields(msg_type: MsgType) -> &'static [Field] {
     }
 }
 
+const COMMON_MASK: u32 = Field::mask(COMMON);
+const CAN_MASK: u32 = Field::mask(&CAN_FIELDS);
+
+/// [`type_fields`] as a [`Field::mask`].
+fn type_mask(msg_type: MsgType) -> u32 {
+    const MASKS: [u32; 4] = [
+        Field::mask(NOE_FIELDS),
+        Field::mask(ALC_FIELDS),
+        Field::mask(NPR_FIELDS),
+        Field::mask(SET_FIELDS),
+    ];
+    MASKS[match msg_type {
+        MsgType::Noe => 0,
+        MsgType::Alc => 1,
+        MsgType::Npr => 2,
+        MsgType::Set => 3,
+    }]
+}
+
 fn field_error(detail: impl Into<String>) -> Rejection {
     Rejection::new(ReasonCode::Field, detail)
 }
@@ -259,16 +278,21 @@ pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
     let function = Function::parse(function_text)
         .ok_or_else(|| field_error(format!("unknown Function {function_text:?}")))?;
 
-    for field in COMMON {
-        require(*field)?;
-    }
+    // Which fields are there, once; what must be there and what may not, as masks of them.
+    let present = fields.present_mask();
+    let require_all = |required: &[Field], mask: u32| -> Result<(), Rejection> {
+        if mask & !present == 0 {
+            return Ok(());
+        }
+        required
+            .iter()
+            .try_for_each(|field| require(*field).map(drop))
+    };
+    require_all(COMMON, COMMON_MASK)?;
     match function {
         Function::Can => {
             require(Field::RelatedId)?;
-            if let Some((field, _)) = fields
-                .present()
-                .find(|(field, _)| !CAN_FIELDS.contains(field))
-            {
+            if let Some(field) = Field::first_of(present & !CAN_MASK) {
                 return Err(field_error(format!(
                     "field {} is not allowed in a CAN",
                     field.name()
@@ -281,13 +305,10 @@ pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
             } else if fields.get(Field::RelatedId).is_some() {
                 return Err(field_error("RelatedId is only allowed in a CAN or AMD"));
             }
-            let allowed = type_fields(msg_type);
-            for field in allowed {
-                require(*field)?;
-            }
-            if let Some((field, _)) = fields.present().find(|(field, _)| {
-                !COMMON.contains(field) && *field != Field::RelatedId && !allowed.contains(field)
-            }) {
+            let (allowed, allowed_mask) = (type_fields(msg_type), type_mask(msg_type));
+            require_all(allowed, allowed_mask)?;
+            let stray = present & !(COMMON_MASK | Field::mask(&[Field::RelatedId]) | allowed_mask);
+            if let Some(field) = Field::first_of(stray) {
                 return Err(field_error(format!(
                     "field {} does not belong in a {}",
                     field.name(),
