@@ -669,6 +669,71 @@ fn a_prefixed_namespace_is_the_same_message() {
     assert_eq!(msg, messages[0]);
 }
 
+/// Signs `text` as its claimed sender would, and validates it: the whole rejection.
+fn rejection_of(text: &str) -> Option<Rejection> {
+    let refdata = refdata();
+    let envelope = sign_line(&refdata, text.as_bytes().to_vec(), 0, 0);
+    validate(
+        &refdata,
+        &envelope.bytes,
+        envelope.sender.as_deref(),
+        envelope.signature.as_ref().map(|s| s.as_slice()),
+    )
+    .err()
+}
+
+#[test]
+fn the_first_missing_or_stray_field_in_canonical_order_is_the_one_named() {
+    let messages = london_trade(600, 400);
+    let noe = line_of(&messages, 0);
+    assert_eq!(rejection_of(&noe), None);
+    let field = |detail: &str| Some(Rejection::new(ReasonCode::Field, detail));
+    // Two fields missing, removed in either order: the earlier in canonical order is named.
+    for (first, second) in [("Qty", "Isin"), ("Isin", "Qty")] {
+        let without = remove_element(&remove_element(&noe, first), second);
+        assert_eq!(
+            rejection_of(&without),
+            field("missing mandatory field Isin")
+        );
+    }
+    let without = remove_element(&remove_element(&noe, "Broker"), "SentAt");
+    assert_eq!(
+        rejection_of(&without),
+        field("missing mandatory field SentAt")
+    );
+    // Two fields that a NOE does not carry, the later one first in the text.
+    let stray = noe.replace("</Msg>", "<Gross>1</Gross><Account>A1</Account></Msg>");
+    assert_eq!(
+        rejection_of(&stray),
+        field("field Account does not belong in a NOE")
+    );
+    let related = noe.replace("<TradeRef>", "<RelatedId>R1</RelatedId><TradeRef>");
+    assert_eq!(
+        rejection_of(&related),
+        field("RelatedId is only allowed in a CAN or AMD")
+    );
+    // A CAN carries its header and trade key only.
+    let msg = &messages[0];
+    let can = |extra: &str| {
+        format!(
+            "<Msg xmlns=\"urn:ste:trade:1\"><MsgId>{id}-X</MsgId><Type>NOE</Type>\
+             <Function>CAN</Function><Sender>{sender}</Sender><SentAt>{sent_at}</SentAt>\
+             <RelatedId>{id}</RelatedId><TradeRef>{trade_ref}</TradeRef><Broker>{broker}</Broker>\
+             {extra}</Msg>",
+            id = msg.msg_id,
+            sender = msg.sender,
+            sent_at = msg.sent_at,
+            trade_ref = msg.trade_ref,
+            broker = msg.broker,
+        )
+    };
+    assert_eq!(rejection_of(&can("")), None);
+    assert_eq!(
+        rejection_of(&can("<Isin>GB0002634946</Isin><Side>BUY</Side>")),
+        field("field Side is not allowed in a CAN")
+    );
+}
+
 fn remove_element(text: &str, name: &str) -> String {
     let open = format!("<{name}>");
     let close = format!("</{name}>");
