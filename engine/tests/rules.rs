@@ -364,7 +364,7 @@ fn an_incomplete_trade_is_not_evaluated() {
 // Validation: every reason code from E_SIZE to E_DATE, passing and failing.
 
 /// Signs `text` as its claimed sender would, and validates it.
-fn validate_text(text: &str) -> Result<Msg, ReasonCode> {
+fn validate_signed(text: &str) -> Result<Msg, Rejection> {
     let refdata = refdata();
     let envelope = sign_line(&refdata, text.as_bytes().to_vec(), 0, 0);
     validate(
@@ -373,7 +373,11 @@ fn validate_text(text: &str) -> Result<Msg, ReasonCode> {
         envelope.sender.as_deref(),
         envelope.signature.as_ref().map(|s| s.as_slice()),
     )
-    .map_err(|rejection| rejection.code)
+}
+
+/// [`validate_signed`]'s reason code.
+fn validate_text(text: &str) -> Result<Msg, ReasonCode> {
+    validate_signed(text).map_err(|rejection| rejection.code)
 }
 
 fn line_of(messages: &[Msg], index: usize) -> String {
@@ -669,17 +673,9 @@ fn a_prefixed_namespace_is_the_same_message() {
     assert_eq!(msg, messages[0]);
 }
 
-/// Signs `text` as its claimed sender would, and validates it: the whole rejection.
+/// [`validate_signed`]'s whole rejection, if any.
 fn rejection_of(text: &str) -> Option<Rejection> {
-    let refdata = refdata();
-    let envelope = sign_line(&refdata, text.as_bytes().to_vec(), 0, 0);
-    validate(
-        &refdata,
-        &envelope.bytes,
-        envelope.sender.as_deref(),
-        envelope.signature.as_ref().map(|s| s.as_slice()),
-    )
-    .err()
+    validate_signed(text).err()
 }
 
 #[test]
