@@ -457,6 +457,55 @@ fn two_writers_creating_the_same_partition_at_once_both_commit() {
 }
 
 #[test]
+fn counting_a_shards_rows_never_deadlocks_with_a_writer_making_partitions() {
+    let databases = TempDatabases::create("count_locks", 1);
+    let url = databases.urls()[0].clone();
+    let mut store = PgStore::open(&url).expect("opens");
+    // Another session of the shard's database, as a writer whose batch opens new months: it
+    // makes a partition of `trades`, which locks `trades` until it commits.
+    let mut writer = block_on(PgConnection::connect(&url)).expect("connects");
+    block_on(
+        sqlx::raw_sql("BEGIN; SELECT ste_create_partition('trades', '2031-01-01');")
+            .execute(&mut writer),
+    )
+    .expect("the writer makes a partition of trades");
+    // The count waits for `trades`.
+    let counter = std::thread::spawn(move || store.row_counts());
+    let mut watcher = block_on(PgConnection::connect(&url)).expect("connects");
+    let mut waiting = || {
+        query_i64(
+            &mut watcher,
+            "SELECT COUNT(*) FROM pg_locks WHERE NOT granted \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while waiting() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the count never waited for the writer"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // Then the writer makes a partition of `messages`. A count that still held `messages`
+    // while it waited for `trades` made a cycle here, and PostgreSQL failed one of the two.
+    block_on(
+        sqlx::raw_sql("SELECT ste_create_partition('messages', '2031-02-01'); COMMIT;")
+            .execute(&mut writer),
+    )
+    .expect("the writer makes a partition of messages and commits");
+    let counts = counter
+        .join()
+        .expect("the count finishes")
+        .expect("the count succeeds");
+    assert_eq!(
+        counts.messages + counts.trades + counts.cls + counts.exceptions,
+        0
+    );
+    assert!(partition_months(&mut watcher, "messages").contains(&"2031-02".to_owned()));
+}
+
+#[test]
 fn exceptions_of_unchecked_input_go_after_their_days_and_remembered_ones_stay() {
     use ste_engine::reason::ReasonCode;
     use ste_engine::store::{Batch, ExceptionRow, PgStore, Store};

@@ -39,7 +39,8 @@ pub const PGPASS_FILE: &str = "pgpass";
 /// A stored message as read back: id, raw bytes, injection time, trade date.
 type PgStoredRow = (i64, Vec<u8>, i64, Date, Option<Date>);
 
-/// The tables partitioned by month.
+/// The tables partitioned by month, in the order a session that locks more than one of them
+/// at once (making or dropping partitions) locks them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum PartitionedTable {
     Messages,
@@ -700,6 +701,9 @@ async fn purge_partitions(
     if expired.is_empty() {
         return Ok((report, expired));
     }
+    // Dropping a partition locks its parent first: parents in the order of `PartitionedTable`,
+    // as a writer making partitions takes them.
+    expired.sort_by_key(|&(table, month)| (table as u8, month));
     let names: Vec<String> = expired
         .iter()
         .map(|&(table, month)| table.partition(month))
@@ -730,7 +734,8 @@ impl Store for PgStore {
             .into_iter()
             .filter(|partition| !self.partitions.contains(partition))
             .collect();
-        new_partitions.sort_by_key(|&(table, month)| (month, table as u8));
+        // In the one order every session of a shard takes its tables' locks in.
+        new_partitions.sort_by_key(|&(table, month)| (table as u8, month));
         let create = create_partitions_sql(&new_partitions);
         let mut result = self.runtime.block_on(write_pg_batch(
             &mut self.connection,
@@ -979,21 +984,30 @@ impl Store for PgStore {
     }
 
     fn row_counts(&mut self) -> Result<RowCounts, StoreError> {
+        // A statement, and so a transaction, a table: a count holds one table's locks at a
+        // time. Counted in one statement, the tables were locked one after another and held
+        // together, and another writer of the database making a new month's partitions (which
+        // locks each table it adds one to) could wait for one of them while holding the table
+        // the count waited for: PostgreSQL broke the cycle by failing one of the two.
         let result = self.runtime.block_on(async {
-            let counts: (i64, i64, i64, i64) = sqlx::query_as(
-                "SELECT (SELECT COUNT(*) FROM messages), (SELECT COUNT(*) FROM trades), \
-                 (SELECT COUNT(*) FROM cls_outbox), (SELECT COUNT(*) FROM exceptions)",
-            )
-            .fetch_one(&mut self.connection)
-            .await?;
+            let mut counts = [0_i64; PartitionedTable::ALL.len()];
+            for (count, table) in counts.iter_mut().zip(PartitionedTable::ALL) {
+                *count = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                    "SELECT COUNT(*) FROM {}",
+                    table.name()
+                )))
+                .fetch_one(&mut self.connection)
+                .await?;
+            }
             Ok::<_, sqlx::Error>(counts)
         });
-        let counts = result.map_err(|source| database_error(&self.name, source))?;
+        let [messages, trades, cls, exceptions] =
+            result.map_err(|source| database_error(&self.name, source))?;
         Ok(RowCounts {
-            messages: counts.0 as u64,
-            trades: counts.1 as u64,
-            cls: counts.2 as u64,
-            exceptions: counts.3 as u64,
+            messages: messages as u64,
+            trades: trades as u64,
+            cls: cls as u64,
+            exceptions: exceptions as u64,
         })
     }
 }
