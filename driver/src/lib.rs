@@ -41,7 +41,7 @@ pub const MESSAGE_SET_CLOSE: &str = "</MessageSet>";
 const LINE_READ_MAX_BYTES: usize = MESSAGE_SIZE_MAX_BYTES + 1;
 /// Buffer a replay reads its message set and signatures through: a read call for every 8 KiB
 /// (the default) was one for every 14 messages.
-const SET_READ_BUFFER_BYTES: usize = 256 * 1024;
+pub const SET_READ_BUFFER_BYTES: usize = 256 * 1024;
 
 pub use ste_engine::options::StoreKind;
 
@@ -369,6 +369,17 @@ impl<R: BufRead> MessageSetReader<R> {
             started: false,
             done: false,
         }
+    }
+}
+
+impl MessageSetReader<BufReader<File>> {
+    /// Opens a message-set file, read [`SET_READ_BUFFER_BYTES`] at a time.
+    pub fn open(path: &Path) -> anyhow::Result<Self> {
+        let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        Ok(Self::new(BufReader::with_capacity(
+            SET_READ_BUFFER_BYTES,
+            file,
+        )))
     }
 }
 
@@ -1028,9 +1039,7 @@ fn inject_source(
             (count, Some(generator.expected().clone()))
         }
         Source::File(path) => {
-            let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-            let lines =
-                MessageSetReader::new(BufReader::with_capacity(SET_READ_BUFFER_BYTES, file));
+            let lines = MessageSetReader::open(path)?;
             let count = match &config.signatures {
                 Some(signatures) => {
                     let signatures = File::open(signatures)
@@ -1082,8 +1091,7 @@ fn resubmit_unanswered(
             }
         }
         Source::File(path) => {
-            let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-            for (index, line) in MessageSetReader::new(BufReader::new(file)).enumerate() {
+            for (index, line) in MessageSetReader::open(path)?.enumerate() {
                 again(index as u64, line.context("reading the message set")?)?;
             }
         }

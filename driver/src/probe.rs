@@ -3,7 +3,6 @@
 //! every core. A run's throughput is quoted as a fraction of it, measured in the same run, so
 //! that figures from a noisy shared machine compare with one another.
 
-use std::io::BufReader;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -57,8 +56,7 @@ pub fn generated_sample(refdata: &RefData, config: &GeneratorConfig) -> Vec<Enve
 /// The first [`PROBE_MESSAGES_MAX`] messages of a message-set file, signed as the driver signs
 /// them.
 pub fn file_sample(refdata: &RefData, path: &Path) -> anyhow::Result<Vec<Envelope>> {
-    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    MessageSetReader::new(BufReader::new(file))
+    MessageSetReader::open(path)?
         .take(PROBE_MESSAGES_MAX)
         .map(|line| {
             let line = line.context("reading the message set")?;

@@ -6,8 +6,6 @@
 //! every CLS is pushed to the driver once.
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::BufReader;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -338,13 +336,10 @@ pub fn run_remote(config: &RemoteConfig, refdata: Arc<RefData>) -> anyhow::Resul
                 .and_then(|()| sender.finish())
                 .map(|count| (count, Some(generator.expected().clone())))
         }
-        Source::File(path) => {
-            let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-            MessageSetReader::new(BufReader::new(file))
-                .try_for_each(|line| sender.send(line.context("reading the message set")?))
-                .and_then(|()| sender.finish())
-                .map(|count| (count, None))
-        }
+        Source::File(path) => MessageSetReader::open(path)?
+            .try_for_each(|line| sender.send(line.context("reading the message set")?))
+            .and_then(|()| sender.finish())
+            .map(|count| (count, None)),
     };
     let (messages_in, expected) = match sent {
         Ok(sent) => sent,
