@@ -123,6 +123,11 @@ impl Station {
         };
         let arrived = *whole(&self.arrived);
         let now = self.now_ns();
+        debug_assert!(
+            completed.items <= arrived.items,
+            "{}: more completions than arrivals",
+            self.name
+        );
         StationReading {
             arrivals: arrived.items,
             completions: completed.items,
