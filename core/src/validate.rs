@@ -116,18 +116,12 @@ const CAN_MASK: u32 = Field::mask(&CAN_FIELDS);
 
 /// [`type_fields`] as a [`Field::mask`].
 fn type_mask(msg_type: MsgType) -> u32 {
-    const MASKS: [u32; 4] = [
-        Field::mask(NOE_FIELDS),
-        Field::mask(ALC_FIELDS),
-        Field::mask(NPR_FIELDS),
-        Field::mask(SET_FIELDS),
-    ];
-    MASKS[match msg_type {
-        MsgType::Noe => 0,
-        MsgType::Alc => 1,
-        MsgType::Npr => 2,
-        MsgType::Set => 3,
-    }]
+    match msg_type {
+        MsgType::Noe => const { Field::mask(NOE_FIELDS) },
+        MsgType::Alc => const { Field::mask(ALC_FIELDS) },
+        MsgType::Npr => const { Field::mask(NPR_FIELDS) },
+        MsgType::Set => const { Field::mask(SET_FIELDS) },
+    }
 }
 
 fn field_error(detail: impl Into<String>) -> Rejection {
@@ -307,7 +301,8 @@ pub fn typed_fields(fields: &RawFields<'_>) -> Result<Msg, Rejection> {
             }
             let (allowed, allowed_mask) = (type_fields(msg_type), type_mask(msg_type));
             require_all(allowed, allowed_mask)?;
-            let stray = present & !(COMMON_MASK | Field::mask(&[Field::RelatedId]) | allowed_mask);
+            let stray = present
+                & !(COMMON_MASK | const { Field::mask(&[Field::RelatedId]) } | allowed_mask);
             if let Some(field) = Field::first_of(stray) {
                 return Err(field_error(format!(
                     "field {} does not belong in a {}",
