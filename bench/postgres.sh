@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # End-to-end throughput on N local PostgreSQL instances, next to what PostgreSQL itself ingests
 # here: after each driver run, the stored messages are copied out and loaded back with psql
-# \copy into an empty table of the same shape (partitioned by month like `messages`, with the
-# same keys and indexes), one stream per instance in parallel, and that load is timed.
+# \copy into an empty table of the same shape (partitioned by month like `messages`, with every
+# key and index of `messages`, copied from it), one stream per instance in parallel, and that
+# load is timed.
 #
 #   bench/postgres.sh TRADES INSTANCES...      e.g.  bench/postgres.sh 250000 1 2 4
 #   STE_BENCH_REPLAY=1 bench/postgres.sh ...    replay a set written once by `driver generate`,
@@ -93,11 +94,9 @@ for instances in "$@"; do
   IFS=, read -r -a url_list <<< "$owner_urls"
   copy_file() { local port=${1##*:}; echo "$cluster_dir/messages-${port%%/*}.copy"; }
   for url in "${url_list[@]}"; do
-    psql "$url" -qc "\\copy (SELECT trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw FROM messages) TO '$(copy_file "$url")' WITH (FORMAT binary)"
+    psql "$url" -qc "\\copy (SELECT trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on FROM messages) TO '$(copy_file "$url")' WITH (FORMAT binary)"
     psql "$url" -q -v ON_ERROR_STOP=1 <<'SQL'
-CREATE TABLE copy_messages (LIKE messages INCLUDING DEFAULTS INCLUDING CONSTRAINTS) PARTITION BY RANGE (trade_date);
-ALTER TABLE copy_messages ADD UNIQUE (sender, msg_id, trade_date);
-CREATE INDEX ON copy_messages (id);
+CREATE TABLE copy_messages (LIKE messages INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES) PARTITION BY RANGE (trade_date);
 SELECT format('CREATE TABLE %I PARTITION OF copy_messages FOR VALUES FROM (%L) TO (%L)',
               'copy_' || c.relname, m.lo, m.lo + interval '1 month')
 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid,
@@ -114,7 +113,7 @@ SQL
   started=$(date +%s.%N)
   pids=()
   for url in "${url_list[@]}"; do
-    psql "$url" -qc "\\copy copy_messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw) FROM '$(copy_file "$url")' WITH (FORMAT binary)" &
+    psql "$url" -qc "\\copy copy_messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on) FROM '$(copy_file "$url")' WITH (FORMAT binary)" &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid"; done

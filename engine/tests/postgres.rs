@@ -210,6 +210,55 @@ fn a_replayed_batch_changes_nothing() {
 }
 
 #[test]
+fn a_batch_larger_than_one_copy_chunk_is_stored_byte_for_byte() {
+    let databases = TempDatabases::create("chunks", 1);
+    let url = &databases.urls()[0];
+    let mut store = PgStore::open(url).expect("opens and migrates");
+    // 700 rows of 1 KiB each: the COPY goes out in several chunks of 256 KiB, and a row
+    // straddles each boundary unless the encoder cuts between rows.
+    let row = |n: usize| {
+        let cancels = n.is_multiple_of(3);
+        MessageRow {
+            trade_date: time::macros::date!(2026 - 01 - 30),
+            trade_key: format!("B/T{n}"),
+            sender: "B".into(),
+            msg_id: format!("B-{n}").into(),
+            msg_type: "NOE",
+            function: if cancels { "CAN" } else { "NEW" },
+            related_id: cancels.then(|| format!("B-{}", n + 1).into()),
+            injected_ns: n as u64,
+            raw: (0..1024).map(|i| ((n * 31 + i * 7) % 251) as u8).collect(),
+            received_on: time::macros::date!(2026 - 11 - 30),
+        }
+    };
+    let mut big = Batch {
+        messages: (0..700).map(row).collect(),
+        ..Batch::default()
+    };
+    store.commit(&mut big).expect("commits the large batch");
+    // The next batch reuses the encoder's buffer: nothing of the last one may leak into it.
+    let mut small = Batch {
+        messages: vec![row(700)],
+        ..Batch::default()
+    };
+    store.commit(&mut small).expect("commits the small batch");
+    let mut connection = block_on(PgConnection::connect(url)).expect("connects");
+    let stored: Vec<(String, Option<String>, i64, Vec<u8>)> = block_on(
+        sqlx::query_as("SELECT msg_id, related_id, injected_ns, raw FROM messages ORDER BY id")
+            .fetch_all(&mut connection),
+    )
+    .expect("reads the rows back");
+    assert_eq!(stored.len(), 701);
+    for (n, (msg_id, related_id, injected_ns, raw)) in stored.into_iter().enumerate() {
+        let expected = row(n);
+        assert_eq!(msg_id, expected.msg_id.as_str());
+        assert_eq!(related_id.as_deref(), expected.related_id.as_deref());
+        assert_eq!(injected_ns as u64, expected.injected_ns);
+        assert_eq!(raw, expected.raw, "row {n}'s bytes");
+    }
+}
+
+#[test]
 fn a_shard_refuses_the_commits_of_an_owner_with_an_older_lease_token() {
     let databases = TempDatabases::create("fence", 1);
     let url = &databases.urls()[0];

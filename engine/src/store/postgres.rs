@@ -2,6 +2,7 @@
 
 use sqlx::postgres::PgConnection;
 use sqlx::Connection;
+use ste_core::validate::MESSAGE_SIZE_MAX_BYTES;
 use time::Date;
 
 use super::{
@@ -31,6 +32,10 @@ pub struct PgStore {
     fencing_token: Option<i64>,
     runtime: tokio::runtime::Runtime,
     connection: PgConnection,
+    /// The binary COPY's rows on their way out, [`COPY_CHUNK_BYTES`] at a time: one buffer for
+    /// the store's life, which stays in cache, where a buffer the size of the batch was new
+    /// memory every commit (megabytes of fresh pages, faulted in and zeroed by the kernel).
+    copy_buffer: Vec<u8>,
 }
 
 /// The name of the password file of the database roles in a cluster's secrets folder.
@@ -182,8 +187,17 @@ const PG_COPY_HEADER: &[u8] = b"PGCOPY\n\xff\r\n\0\0\0\0\0\0\0\0\0";
 /// The Julian day number of 2000-01-01, PostgreSQL's epoch for dates.
 const PG_EPOCH_JULIAN_DAY: i32 = 2_451_545;
 
-/// Encodes message rows in PostgreSQL's binary COPY format.
-fn binary_copy_rows(rows: &[MessageRow]) -> Vec<u8> {
+/// How much of a binary COPY is encoded before it is sent: big enough that a send is a few TLS
+/// records and one write, small enough to stay in the cache with the client's own buffer.
+const COPY_CHUNK_BYTES: usize = 256 * 1024;
+
+/// The most one row can add to a chunk: the raw message (at most
+/// [`MESSAGE_SIZE_MAX_BYTES`]), the columns cut from it (the trade key joins two of its
+/// fields), and the field count, lengths, dates and timestamp, far below the rest.
+const COPY_ROW_MAX_BYTES: usize = 3 * MESSAGE_SIZE_MAX_BYTES;
+
+/// Appends one message row to a binary COPY: the columns of [`COPY_MESSAGES`], in order.
+fn encode_copy_row(out: &mut Vec<u8>, row: &MessageRow) {
     fn field(out: &mut Vec<u8>, value: Option<&[u8]>) {
         match value {
             Some(bytes) => {
@@ -193,30 +207,47 @@ fn binary_copy_rows(rows: &[MessageRow]) -> Vec<u8> {
             None => out.extend_from_slice(&(-1_i32).to_be_bytes()),
         }
     }
-    let size: usize = rows
-        .iter()
-        .map(|r| 128 + r.raw.len() + r.trade_key.len())
-        .sum();
-    let mut out = Vec::with_capacity(PG_COPY_HEADER.len() + size + 2);
-    out.extend_from_slice(PG_COPY_HEADER);
+    out.extend_from_slice(&10_i16.to_be_bytes());
+    // A date is the number of days since 2000-01-01.
+    let days = row.trade_date.to_julian_day() - PG_EPOCH_JULIAN_DAY;
+    field(out, Some(&days.to_be_bytes()));
+    field(out, Some(row.trade_key.as_bytes()));
+    field(out, Some(row.sender.as_bytes()));
+    field(out, Some(row.msg_id.as_bytes()));
+    field(out, Some(row.msg_type.as_bytes()));
+    field(out, Some(row.function.as_bytes()));
+    field(out, row.related_id.as_deref().map(str::as_bytes));
+    field(out, Some(&(row.injected_ns as i64).to_be_bytes()));
+    field(out, Some(&row.raw));
+    let received = row.received_on.to_julian_day() - PG_EPOCH_JULIAN_DAY;
+    field(out, Some(&received.to_be_bytes()));
+}
+
+/// The COPY that loads a batch's message rows, in the column order of [`encode_copy_row`].
+const COPY_MESSAGES: &str = "COPY messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on) \
+     FROM STDIN WITH (FORMAT binary)";
+
+/// Sends message rows through an open binary COPY, [`COPY_CHUNK_BYTES`] at a time, encoded in
+/// `buffer` (emptied first; its capacity is kept for the next batch).
+async fn send_copy_rows(
+    copy: &mut sqlx::postgres::PgCopyIn<&mut PgConnection>,
+    rows: &[MessageRow],
+    buffer: &mut Vec<u8>,
+) -> Result<(), sqlx::Error> {
+    buffer.clear();
+    buffer.extend_from_slice(PG_COPY_HEADER);
     for row in rows {
-        out.extend_from_slice(&10_i16.to_be_bytes());
-        // A date is the number of days since 2000-01-01.
-        let days = row.trade_date.to_julian_day() - PG_EPOCH_JULIAN_DAY;
-        field(&mut out, Some(&days.to_be_bytes()));
-        field(&mut out, Some(row.trade_key.as_bytes()));
-        field(&mut out, Some(row.sender.as_bytes()));
-        field(&mut out, Some(row.msg_id.as_bytes()));
-        field(&mut out, Some(row.msg_type.as_bytes()));
-        field(&mut out, Some(row.function.as_bytes()));
-        field(&mut out, row.related_id.as_deref().map(str::as_bytes));
-        field(&mut out, Some(&(row.injected_ns as i64).to_be_bytes()));
-        field(&mut out, Some(&row.raw));
-        let received = row.received_on.to_julian_day() - PG_EPOCH_JULIAN_DAY;
-        field(&mut out, Some(&received.to_be_bytes()));
+        encode_copy_row(buffer, row);
+        if buffer.len() >= COPY_CHUNK_BYTES {
+            debug_assert!(buffer.len() < COPY_CHUNK_BYTES + COPY_ROW_MAX_BYTES);
+            copy.send(buffer.as_slice()).await?;
+            buffer.clear();
+        }
     }
-    out.extend_from_slice(&(-1_i16).to_be_bytes());
-    out
+    buffer.extend_from_slice(&(-1_i16).to_be_bytes());
+    copy.send(buffer.as_slice()).await?;
+    buffer.clear();
+    Ok(())
 }
 
 /// The URL without its password, for messages.
@@ -357,6 +388,7 @@ impl PgStore {
             fencing_token: None,
             runtime,
             connection,
+            copy_buffer: Vec::with_capacity(COPY_CHUNK_BYTES + 4096),
         })
     }
 
@@ -541,6 +573,7 @@ async fn write_pg_batch(
     batch: &Batch,
     create_partitions: &str,
     fencing_token: Option<i64>,
+    copy_buffer: &mut Vec<u8>,
 ) -> Result<Vec<i64>, sqlx::Error> {
     let mut transaction = connection.begin().await?;
     if let Some(token) = fencing_token {
@@ -559,13 +592,8 @@ async fn write_pg_batch(
         // The bulk of every batch goes in through binary COPY, PostgreSQL's fastest load path.
         // COPY cannot skip existing rows; the (sender, msg_id) key refuses a batch that was
         // already committed, which is what a retry after a lost reply needs to learn.
-        let mut copy = transaction
-            .copy_in_raw(
-                "COPY messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on) \
-                 FROM STDIN WITH (FORMAT binary)",
-            )
-            .await?;
-        copy.send(binary_copy_rows(&batch.messages)).await?;
+        let mut copy = transaction.copy_in_raw(COPY_MESSAGES).await?;
+        send_copy_rows(&mut copy, &batch.messages, copy_buffer).await?;
         copy.finish().await?;
     }
     if !batch.trades.is_empty() {
@@ -742,6 +770,7 @@ impl Store for PgStore {
             batch,
             &create,
             self.fencing_token,
+            &mut self.copy_buffer,
         ));
         if !create.is_empty() && matches!(&result, Err(error) if catalog_race(error)) {
             // Another writer of this database created the same partition at the same moment
@@ -751,6 +780,7 @@ impl Store for PgStore {
                 batch,
                 &create,
                 self.fencing_token,
+                &mut self.copy_buffer,
             ));
         }
         let error = match result {
