@@ -10,6 +10,8 @@
 #                                               sent with the signatures made beside it, so
 #                                               that the engine's CPU holds no generating or
 #                                               signing
+#   STE_BENCH_COPIES=N bench/postgres.sh ...   time the COPY N times (default 3), and compare
+#                                               the engine with the fastest
 #   STE_BENCH_WARM=N bench/postgres.sh ...      first store N trades, untimed, and time the run
 #                                               that follows (`--resume`): the shards then hold
 #                                               their month partitions, as the COPY's table does
@@ -18,11 +20,12 @@
 #                                               creates every month's partitions of every shard
 #
 # The load back is a binary COPY (psql \copy ... WITH (FORMAT binary)), the format the engine's
-# writers use. Prints one line per instance count: engine msg/s, COPY rows/s, their ratio, and
-# where the CPU went: the engine process's and the PostgreSQL servers' CPU microseconds per
-# message during the run, the servers' per row during the COPY (every backend's CPU, read from
-# /proc: the postmasters' own and reaped children's, and their live children's). The driver's
-# summaries are kept under runs/bench-postgres-*.
+# writers use. Prints one line per instance count: engine msg/s, COPY rows/s (the fastest load),
+# their ratio, and where the CPU went: the engine process's and the PostgreSQL servers' CPU
+# microseconds per message during the run, the servers' per row during the fastest COPY (every
+# backend's CPU, read from /proc: the postmasters' own and reaped children's, and their live
+# children's), and every load's rate. The driver's summaries are kept under
+# runs/bench-postgres-*.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,7 +69,7 @@ print(total / tick)
 PY
 }
 
-printf '%-9s %-9s %-12s %-14s %-14s %-12s %s\n' trades instances messages "engine_msg/s" "copy_rows/s" "engine/copy" "cpu_us/msg(engine,pg_run,pg_copy)"
+printf '%-9s %-9s %-12s %-14s %-14s %-12s %-34s %s\n' trades instances messages "engine_msg/s" "copy_rows/s" "engine/copy" "cpu_us/msg(engine,pg_run,pg_copy)" "every_copy_rows/s"
 for instances in "$@"; do
   deploy/local-cluster.sh down --dir "$cluster_dir" >/dev/null 2>&1 || true
   rm -rf "$cluster_dir"
@@ -109,19 +112,32 @@ SQL
   for url in "${url_list[@]}"; do
     copied=$((copied + $(psql "$url" -Atc "SELECT count(*) FROM messages")))
   done
-  pg_before=$(pg_cpu_s)
-  started=$(date +%s.%N)
-  pids=()
-  for url in "${url_list[@]}"; do
-    psql "$url" -qc "\\copy copy_messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on) FROM '$(copy_file "$url")' WITH (FORMAT binary)" &
-    pids+=($!)
+  # The load is timed STE_BENCH_COPIES times (3 by default), the table emptied between, and
+  # the fastest is the one compared: on this shared host one load of the same rows has taken
+  # 6 and 10 µs of the servers' CPU a row minutes apart, and the engine is held to the faster.
+  copy_rate=0
+  copy_rates=()
+  for _ in $(seq "${STE_BENCH_COPIES:-3}"); do
+    for url in "${url_list[@]}"; do psql "$url" -qc "TRUNCATE copy_messages"; done
+    pg_before=$(pg_cpu_s)
+    started=$(date +%s.%N)
+    pids=()
+    for url in "${url_list[@]}"; do
+      psql "$url" -qc "\\copy copy_messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on) FROM '$(copy_file "$url")' WITH (FORMAT binary)" &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    finished=$(date +%s.%N)
+    this_cpu=$(python3 -c "print($(pg_cpu_s) - $pg_before)")
+    this_rate=$(python3 -c "print(round($copied / ($finished - $started)))")
+    copy_rates+=("$this_rate")
+    if [ "$this_rate" -gt "$copy_rate" ]; then
+      copy_rate=$this_rate
+      pg_copy=$this_cpu
+    fi
   done
-  for pid in "${pids[@]}"; do wait "$pid"; done
-  finished=$(date +%s.%N)
-  pg_copy=$(python3 -c "print($(pg_cpu_s) - $pg_before)")
-  copy_rate=$(python3 -c "print(round($copied / ($finished - $started)))")
   ratio=$(python3 -c "print(f'{$engine_rate / $copy_rate:.2f}')")
   cpu=$(python3 -c "m=$messages; print(f'{1e6*$engine_cpu/m:.1f},{1e6*$pg_run/m:.1f},{1e6*$pg_copy/$copied:.1f}')")
-  printf '%-9s %-9s %-12s %-14s %-14s %-12s %s\n' "$trades" "$instances" "$messages" "$engine_rate" "$copy_rate" "$ratio" "$cpu"
+  printf '%-9s %-9s %-12s %-14s %-14s %-12s %-34s %s\n' "$trades" "$instances" "$messages" "$engine_rate" "$copy_rate" "$ratio" "$cpu" "$(IFS=/; echo "${copy_rates[*]}")"
 done
 deploy/local-cluster.sh down --dir "$cluster_dir" >/dev/null 2>&1 || true
