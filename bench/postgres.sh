@@ -10,6 +10,8 @@
 #                                               sent with the signatures made beside it, so
 #                                               that the engine's CPU holds no generating or
 #                                               signing
+#   STE_BENCH_ARGS="--batch-max 16384" bench/postgres.sh ...
+#                                               more options for the timed run of the driver
 #   STE_BENCH_COPIES=N bench/postgres.sh ...   time the COPY N times (default 3), and compare
 #                                               the engine with the fastest
 #   STE_BENCH_WARM=N bench/postgres.sh ...      first store N trades, untimed, and time the run
@@ -86,8 +88,9 @@ for instances in "$@"; do
     resume=(--resume)
   fi
   pg_before=$(pg_cpu_s)
+  read -r -a extra_args <<< "${STE_BENCH_ARGS:-}"
   STE_DATABASE_URLS=$urls ./target/release/driver "${source_args[@]}" --store postgres \
-    "${resume[@]}" --run-dir "$run_dir" --json --quiet --probe-s 0 > "$run_dir.json"
+    "${resume[@]}" "${extra_args[@]}" --run-dir "$run_dir" --json --quiet --probe-s 0 > "$run_dir.json"
   pg_run=$(python3 -c "print($(pg_cpu_s) - $pg_before)")
   engine_cpu=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['process_cpu_s'])" "$run_dir.json")
   engine_rate=$(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['throughput_msg_s']))" "$run_dir.json")
