@@ -34,6 +34,8 @@ cd "$(dirname "$0")/.."
 trades=${1:?usage: bench/postgres.sh TRADES INSTANCES...}
 shift
 [ $# -gt 0 ] || { echo "usage: bench/postgres.sh TRADES INSTANCES..." >&2; exit 2; }
+copies=${STE_BENCH_COPIES:-3}
+[[ "$copies" =~ ^[1-9][0-9]*$ ]] || { echo "STE_BENCH_COPIES must be a whole number of at least 1" >&2; exit 2; }
 cluster_dir=${STE_BENCH_CLUSTER_DIR:-/tmp/ste-bench-cluster}
 first_port=${STE_BENCH_PORT:-56432}
 cargo build --release --bin driver >/dev/null 2>&1
@@ -120,7 +122,7 @@ SQL
   # 6 and 10 µs of the servers' CPU a row minutes apart, and the engine is held to the faster.
   copy_rate=0
   copy_rates=()
-  for _ in $(seq "${STE_BENCH_COPIES:-3}"); do
+  for _ in $(seq "$copies"); do
     for url in "${url_list[@]}"; do psql "$url" -qc "TRUNCATE copy_messages"; done
     pg_before=$(pg_cpu_s)
     started=$(date +%s.%N)

@@ -41,7 +41,7 @@ pub const MESSAGE_SET_CLOSE: &str = "</MessageSet>";
 const LINE_READ_MAX_BYTES: usize = MESSAGE_SIZE_MAX_BYTES + 1;
 /// Buffer a replay reads its message set and signatures through: a read call for every 8 KiB
 /// (the default) was one for every 14 messages.
-pub const SET_READ_BUFFER_BYTES: usize = 256 * 1024;
+const SET_READ_BUFFER_BYTES: usize = 256 * 1024;
 
 pub use ste_engine::options::StoreKind;
 

@@ -388,7 +388,8 @@ impl PgStore {
             fencing_token: None,
             runtime,
             connection,
-            copy_buffer: Vec::with_capacity(COPY_CHUNK_BYTES + 4096),
+            // As large as a chunk can get, once: it never grows after.
+            copy_buffer: Vec::with_capacity(COPY_CHUNK_BYTES + COPY_ROW_MAX_BYTES),
         })
     }
 
