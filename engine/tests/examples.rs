@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use ste_engine::codec::{encode_cls, encode_msg, parse_fields};
-use ste_engine::matcher::{evaluate_trade, Matcher, TradeStatus};
+use ste_engine::matcher::{evaluate_trade, Content, Matcher, TradeStatus};
 use ste_engine::model::Msg;
 use ste_engine::profile::Tolerances;
 use ste_engine::refdata::RefData;
@@ -68,7 +68,7 @@ fn the_example_trade_yields_the_documented_cls() {
     for (line, msg) in STANDARD_TRADE.iter().zip(messages()) {
         let outcome = matcher.process(
             Box::new(msg),
-            line.as_bytes(),
+            Content::of(line.as_bytes()),
             0,
             "2026-08-04T10:15:02.417Z",
             time::macros::date!(2026 - 08 - 04),

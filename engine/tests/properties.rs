@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use ste_engine::generator::{
     Fault, FinalState, Generator, GeneratorConfig, TradeCase, INVALID_CODES,
 };
-use ste_engine::matcher::{Disposition, Matcher, TradeStatus};
+use ste_engine::matcher::{Content, Disposition, Matcher, TradeStatus};
 use ste_engine::pipeline::sign_line;
 use ste_engine::profile::Tolerances;
 use ste_engine::refdata::RefData;
@@ -69,7 +69,7 @@ fn run_lines(lines: &[Vec<u8>], trade_key: &str) -> Observed {
         };
         let outcome = matcher.process(
             Box::new(msg),
-            line,
+            Content::of(line),
             0,
             "2026-08-04T10:00:00.000Z",
             time::macros::date!(2026 - 08 - 04),
@@ -217,7 +217,7 @@ fn run_marked(lines: &[(bool, Vec<u8>)], trade_key: &str) -> PartiesOutcome {
             Ok(msg) => {
                 let processed = matcher.process(
                     Box::new(msg),
-                    line,
+                    Content::of(line),
                     0,
                     "2026-08-04T10:00:00.000Z",
                     time::macros::date!(2026 - 08 - 04),

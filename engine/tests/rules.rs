@@ -5,7 +5,7 @@ use std::sync::{Arc, OnceLock};
 
 use ste_engine::codec::encode_msg;
 use ste_engine::generator::{Generator, GeneratorConfig};
-use ste_engine::matcher::{evaluate_trade, Disposition, Matcher, TradeStatus};
+use ste_engine::matcher::{evaluate_trade, Content, Disposition, Matcher, TradeStatus};
 use ste_engine::model::{Decimal, Function, Msg, MsgType, PaymentType, Side};
 use ste_engine::pipeline::sign_line;
 use ste_engine::profile::Tolerances;
@@ -847,7 +847,7 @@ fn a_msgid_rejected_after_its_signature_checked_is_never_accepted() {
     let first = matcher.refuse(
         &messages[0].sender,
         &messages[0].msg_id,
-        raw.as_bytes(),
+        Content::of(raw.as_bytes()),
         rejection.clone(),
     );
     assert_eq!(code(&first), Some(ReasonCode::Date));
@@ -869,7 +869,7 @@ fn a_msgid_rejected_after_its_signature_checked_is_never_accepted() {
     let refused = matcher.refuse(
         &messages[1].sender,
         &messages[1].msg_id,
-        other.as_bytes(),
+        Content::of(other.as_bytes()),
         rejection.clone(),
     );
     assert_eq!(code(&refused), Some(ReasonCode::Date));
@@ -989,7 +989,7 @@ fn a_trade_is_stored_under_the_date_of_its_first_accepted_message() {
     let today = date!(2026 - 11 - 30);
     let stored_date = |matcher: &mut Matcher, msg: &Msg| {
         let raw = encode_msg(msg);
-        let outcome = matcher.process(Box::new(msg.clone()), raw.as_bytes(), 0, "", today);
+        let outcome = matcher.process(Box::new(msg.clone()), Content::of(raw.as_bytes()), 0, "", today);
         assert_eq!(outcome.disposition, Disposition::Accepted, "{}", msg.msg_id);
         outcome.trade_date
     };
@@ -1059,7 +1059,7 @@ fn process_on(matcher: &mut Matcher, messages: &[Msg], day: time::Date) -> Vec<D
             matcher
                 .process(
                     Box::new(msg.clone()),
-                    raw.as_bytes(),
+                    Content::of(raw.as_bytes()),
                     0,
                     "2026-12-24T10:00:00.000Z",
                     day,
@@ -1191,7 +1191,7 @@ fn outcome_of(matcher: &mut Matcher, msg: &Msg) -> ste_engine::matcher::Outcome 
     let raw = encode_msg(msg);
     matcher.process(
         Box::new(msg.clone()),
-        raw.as_bytes(),
+        Content::of(raw.as_bytes()),
         0,
         "2026-08-04T10:00:00.000Z",
         time::macros::date!(2026 - 08 - 04),

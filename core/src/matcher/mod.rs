@@ -26,7 +26,7 @@ use crate::refdata::RefData;
 pub use criteria::evaluate_trade;
 use criteria::{Group, TypeCounts};
 use keys::{hash_key, Verdict};
-pub use keys::{message_key, HashKey};
+pub use keys::{message_key, Content, HashKey};
 pub use memory::{
     FactKind, MatcherMemory, FILTER_BITS_PER_FACT, FILTER_BYTES_MAX, PARTICIPANT_HELD_BYTES_DEFAULT,
 };
@@ -333,7 +333,8 @@ impl Matcher {
         self.accepted = accepted;
     }
 
-    /// Processes one validated message. `raw` is its wire bytes (for exact-duplicate detection),
+    /// Processes one validated message. `content` is what the matcher keeps of its wire bytes
+    /// (their length, and their hash for exact-duplicate detection: [`Content::of`]),
     /// `injected_ns` when it entered the engine, `now` the timestamp to stamp on a CLS and
     /// `today` its date.
     ///
@@ -342,13 +343,13 @@ impl Matcher {
     pub fn process(
         &mut self,
         msg: Box<Msg>,
-        raw: &[u8],
+        content: Content,
         injected_ns: u64,
         now: &str,
         today: Date,
     ) -> Outcome {
         let trade_key = msg.trade_key();
-        self.process_keyed(msg, &trade_key, raw, injected_ns, now, today)
+        self.process_keyed(msg, &trade_key, content, injected_ns, now, today)
     }
 
     /// [`Matcher::process`], given the message's trade key (`Broker/TradeRef`, as
@@ -357,7 +358,7 @@ impl Matcher {
         &mut self,
         msg: Box<Msg>,
         trade_key: &str,
-        raw: &[u8],
+        content: Content,
         injected_ns: u64,
         now: &str,
         today: Date,
@@ -368,7 +369,7 @@ impl Matcher {
         );
         let date = msg.trade_date.unwrap_or(today);
         let accepted_before = self.accepted;
-        let outcome = self.process_dated(msg, trade_key, raw, injected_ns, now, date, today, false);
+        let outcome = self.process_dated(msg, trade_key, content, injected_ns, now, date, today, false);
         outcome.assert_consistent();
         // A message is counted once, and only when it is accepted.
         assert_eq!(
@@ -383,7 +384,7 @@ impl Matcher {
         &mut self,
         msg: Box<Msg>,
         trade_key: &str,
-        raw: &[u8],
+        content: Content,
         injected_ns: u64,
         now: &str,
         date_if_new: Date,
@@ -391,7 +392,7 @@ impl Matcher {
         restoring: bool,
     ) -> Outcome {
         let key = message_key(&msg.sender, &msg.msg_id);
-        if let Some(seen) = self.answer_seen(key, raw, &msg.sender, &msg.msg_id) {
+        if let Some(seen) = self.answer_seen(key, content, &msg.sender, &msg.msg_id) {
             return Outcome::only(seen);
         }
         let is_named = self.named.contains(&key);
@@ -399,7 +400,7 @@ impl Matcher {
             if !is_named {
                 return self.reject(
                     key,
-                    raw,
+                    content,
                     Rejection::new(
                         ReasonCode::Closed,
                         format!(
@@ -409,7 +410,7 @@ impl Matcher {
                     ),
                 );
             }
-            self.remember(key, raw, &msg);
+            self.remember(key, content, &msg);
             return Outcome {
                 trade_date: date,
                 ..Outcome::only(Disposition::Accepted)
@@ -426,7 +427,7 @@ impl Matcher {
                         ReasonCode::Auth,
                         format!("{} is not a party of trade {trade_key}", msg.sender),
                     );
-                    return self.reject(key, raw, rejection);
+                    return self.reject(key, content, rejection);
                 }
             }
             let own = trade
@@ -442,7 +443,7 @@ impl Matcher {
                         msg.sender
                     ),
                 );
-                return self.reject(key, raw, rejection);
+                return self.reject(key, content, rejection);
             }
             if msg.function != Function::Can && !is_named {
                 // A NEW takes a free slot; an AMD whose message is not there yet takes it as a
@@ -463,12 +464,12 @@ impl Matcher {
                             msg.msg_type.as_str()
                         ),
                     );
-                    return self.reject(key, raw, rejection);
+                    return self.reject(key, content, rejection);
                 }
             }
         }
         let opens = !self.open.contains_key(trade_key);
-        let bytes = held_bytes(raw, trade_key, opens);
+        let bytes = held_bytes(content, trade_key, opens);
         if !restoring && self.held_by(&msg.sender) + u64::from(bytes) > self.participant_held_max {
             let rejection = Rejection::new(
                 ReasonCode::Limit,
@@ -477,9 +478,9 @@ impl Matcher {
                     msg.sender, self.participant_held_max
                 ),
             );
-            return self.reject(key, raw, rejection);
+            return self.reject(key, content, rejection);
         }
-        self.remember(key, raw, &msg);
+        self.remember(key, content, &msg);
         self.hold(&msg.sender, bytes);
         // The key is copied only when the trade opens: `entry` would take a copy every time.
         let trade = match self.open.get_mut(trade_key) {
@@ -597,7 +598,7 @@ impl Matcher {
         let outcome = self.process_dated(
             msg,
             &trade_key,
-            raw,
+            Content::of(raw),
             injected_ns,
             "",
             date,
@@ -684,12 +685,12 @@ impl Matcher {
     fn answer_seen(
         &self,
         key: HashKey,
-        raw: &[u8],
+        content: Content,
         sender: &str,
         msg_id: &str,
     ) -> Option<Disposition> {
         let seen = self.seen.get(&key)?;
-        Some(if !seen.same_content(Verdict::new(raw, None)) {
+        Some(if !seen.same_content(Verdict::new(content, None)) {
             Disposition::Rejected(Rejection::new(
                 ReasonCode::DupId,
                 format!("MsgId {msg_id} of {sender} was already used with different content"),
@@ -708,9 +709,9 @@ impl Matcher {
     }
 
     /// Rejects a message and remembers its verdict, so that its MsgId is never accepted later.
-    fn reject(&mut self, key: HashKey, raw: &[u8], rejection: Rejection) -> Outcome {
+    fn reject(&mut self, key: HashKey, content: Content, rejection: Rejection) -> Outcome {
         self.seen
-            .insert_new(key, Verdict::new(raw, Some(rejection.code)));
+            .insert_new(key, Verdict::new(content, Some(rejection.code)));
         Outcome::only(Disposition::Rejected(rejection))
     }
 
@@ -723,14 +724,14 @@ impl Matcher {
         &mut self,
         sender: &str,
         msg_id: &str,
-        raw: &[u8],
+        content: Content,
         rejection: Rejection,
     ) -> Disposition {
         let key = message_key(sender, msg_id);
         match self.seen.get(&key) {
-            None => self.reject(key, raw, rejection).disposition,
-            Some(seen) if seen.same_content(Verdict::new(raw, None)) => self
-                .answer_seen(key, raw, sender, msg_id)
+            None => self.reject(key, content, rejection).disposition,
+            Some(seen) if seen.same_content(Verdict::new(content, None)) => self
+                .answer_seen(key, content, sender, msg_id)
                 .unwrap_or(Disposition::Rejected(rejection)),
             Some(_) => Disposition::Rejected(rejection),
         }
@@ -740,11 +741,11 @@ impl Matcher {
     /// the accepted messages, so that a key already accepted keeps its verdict.
     pub fn restore_rejection(&mut self, sender: &str, msg_id: &str, raw: &[u8], code: ReasonCode) {
         self.seen
-            .insert_new(message_key(sender, msg_id), Verdict::new(raw, Some(code)));
+            .insert_new(message_key(sender, msg_id), Verdict::new(Content::of(raw), Some(code)));
     }
 
-    fn remember(&mut self, key: HashKey, raw: &[u8], msg: &Msg) {
-        self.seen.insert(key, Verdict::new(raw, None));
+    fn remember(&mut self, key: HashKey, content: Content, msg: &Msg) {
+        self.seen.insert(key, Verdict::new(content, None));
         self.accepted += 1;
         if msg.function != Function::New {
             if let Some(related) = &msg.related_id {
@@ -891,7 +892,7 @@ fn slot_of(msg: &Msg) -> (MsgType, Option<&str>, Option<&str>) {
 /// about as long), what holding it takes besides (its slot in its trade, and the ~20 string
 /// allocations), and a trade's entry when it opens one: about 1.5 KB for a NOE that opens a
 /// trade, close to what the heap spends on it.
-fn held_bytes(raw: &[u8], trade_key: &str, opens: bool) -> u32 {
+fn held_bytes(content: Content, trade_key: &str, opens: bool) -> u32 {
     let trade = if opens {
         std::mem::size_of::<(Box<str>, Trade)>() + trade_key.len() + 16
     } else {
@@ -900,7 +901,7 @@ fn held_bytes(raw: &[u8], trade_key: &str, opens: bool) -> u32 {
     // Each of a message's ~20 strings is an allocation with a header and rounding.
     let strings = 20 * 16;
     let held = std::mem::size_of::<Held>() + std::mem::size_of::<Msg>();
-    u32::try_from(raw.len() + held + strings + trade).unwrap_or(u32::MAX)
+    u32::try_from(content.bytes() + held + strings + trade).unwrap_or(u32::MAX)
 }
 
 /// The investment manager of a trade: the one its live NOE names; with no live NOE, the one a
@@ -935,7 +936,7 @@ mod tests {
         let mut matcher = Matcher::bounded(refdata, Tolerances::default(), memory);
         let rejection = || Rejection::new(ReasonCode::Field, "bad".to_owned());
         for id in ["A", "B"] {
-            matcher.refuse("S", id, id.as_bytes(), rejection());
+            matcher.refuse("S", id, Content::of(id.as_bytes()), rejection());
         }
         let mut query = RecallQuery::default();
         // Full: the generation becomes the older one; not committed yet, so kept exactly.
@@ -959,7 +960,7 @@ mod tests {
             }],
             ..Recalled::default()
         });
-        let again = matcher.refuse("S", "A", b"A", rejection());
+        let again = matcher.refuse("S", "A", Content::of(b"A"), rejection());
         assert!(matches!(again, Disposition::Rejected(r) if r.code == ReasonCode::Field));
         let mut query = RecallQuery::default();
         matcher.to_recall("S", "A", None, &mut query);

@@ -4,7 +4,7 @@
 
 use time::Date;
 
-use super::keys::{hash_key, message_key, HashKey, Verdict};
+use super::keys::{hash_key, message_key, Content, HashKey, Verdict};
 use super::memory::FactKind;
 use super::{Closed, Matcher};
 use crate::reason::ReasonCode;
@@ -170,7 +170,7 @@ impl Matcher {
         for verdict in recalled.verdicts {
             self.seen.insert_new(
                 message_key(&verdict.sender, &verdict.msg_id),
-                Verdict::new(&verdict.raw, verdict.rejected),
+                Verdict::new(Content::of(&verdict.raw), verdict.rejected),
             );
         }
         for trade in recalled.closed {

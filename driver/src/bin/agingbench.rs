@@ -12,7 +12,7 @@ use cap::Cap;
 use ste_bridge::bench::{arg, rss_bytes as rss_of};
 use ste_engine::codec::parse_fields;
 use ste_engine::generator::{Generator, GeneratorConfig, MESSAGES_PER_TRADE};
-use ste_engine::matcher::{Matcher, TradeStatus};
+use ste_engine::matcher::{Content, Matcher, TradeStatus};
 use ste_engine::profile::Tolerances;
 use ste_engine::refdata::RefData;
 use ste_engine::validate::typed_fields;
@@ -119,7 +119,7 @@ fn load(
         }
         let msg = typed_fields(&parse_fields(&line).map_err(|r| anyhow::anyhow!(r.detail))?)
             .map_err(|r| anyhow::anyhow!(r.detail))?;
-        matcher.process(Box::new(msg), &line, 0, "2026-12-01T00:00:00.000Z", day);
+        matcher.process(Box::new(msg), Content::of(&line), 0, "2026-12-01T00:00:00.000Z", day);
         held += 1;
     }
     Ok(held)

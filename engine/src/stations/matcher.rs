@@ -190,7 +190,7 @@ pub(crate) fn run_matcher(
                     let outcome = matcher.process_keyed(
                         msg,
                         &meta.trade_key,
-                        &item.bytes,
+                        item.content,
                         item.injected_ns,
                         now,
                         today,
@@ -202,7 +202,7 @@ pub(crate) fn run_matcher(
                     let disposition = matcher.refuse(
                         &identity.sender,
                         &identity.msg_id,
-                        &item.bytes,
+                        item.content,
                         refused.rejection,
                     );
                     let meta = MessageMeta {

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use time::Date;
 
-use crate::matcher::{AgedTrade, Outcome};
+use crate::matcher::{AgedTrade, Content, Outcome};
 use crate::model::{Msg, Text};
 use crate::network::{PipelineError, RetryPolicy};
 use crate::queue::{receive, QueueError, Receipt, Rx};
@@ -83,6 +83,8 @@ pub struct Validated {
     /// than the message's ~600 bytes.
     verdict: Result<Box<Msg>, Refused>,
     bytes: Vec<u8>,
+    /// What the matcher keeps of `bytes`, made by the validator while they are in its cache.
+    content: Content,
     correlation: u64,
     origin: u32,
     injected_ns: u64,

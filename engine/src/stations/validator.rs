@@ -10,6 +10,7 @@
 use std::time::Instant;
 
 use super::{complete, queue_error, Refused, RejectedItem, Validated};
+use crate::matcher::Content;
 use crate::network::{Envelope, PipelineError};
 use crate::queue::Receipt;
 use crate::queue::{receive, Rx, Tx};
@@ -138,6 +139,7 @@ pub(crate) fn run_validator(
             };
             to_match[queue].push(Validated {
                 verdict,
+                content: Content::of(&envelope.bytes),
                 bytes: envelope.bytes,
                 correlation: envelope.correlation,
                 origin: envelope.origin,
