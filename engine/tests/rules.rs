@@ -989,7 +989,13 @@ fn a_trade_is_stored_under_the_date_of_its_first_accepted_message() {
     let today = date!(2026 - 11 - 30);
     let stored_date = |matcher: &mut Matcher, msg: &Msg| {
         let raw = encode_msg(msg);
-        let outcome = matcher.process(Box::new(msg.clone()), Content::of(raw.as_bytes()), 0, "", today);
+        let outcome = matcher.process(
+            Box::new(msg.clone()),
+            Content::of(raw.as_bytes()),
+            0,
+            "",
+            today,
+        );
         assert_eq!(outcome.disposition, Disposition::Accepted, "{}", msg.msg_id);
         outcome.trade_date
     };

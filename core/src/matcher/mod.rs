@@ -369,7 +369,16 @@ impl Matcher {
         );
         let date = msg.trade_date.unwrap_or(today);
         let accepted_before = self.accepted;
-        let outcome = self.process_dated(msg, trade_key, content, injected_ns, now, date, today, false);
+        let outcome = self.process_dated(
+            msg,
+            trade_key,
+            content,
+            injected_ns,
+            now,
+            date,
+            today,
+            false,
+        );
         outcome.assert_consistent();
         // A message is counted once, and only when it is accepted.
         assert_eq!(
@@ -740,8 +749,10 @@ impl Matcher {
     /// Takes back a rejection remembered before a restart (see [`Matcher::refuse`]); after
     /// the accepted messages, so that a key already accepted keeps its verdict.
     pub fn restore_rejection(&mut self, sender: &str, msg_id: &str, raw: &[u8], code: ReasonCode) {
-        self.seen
-            .insert_new(message_key(sender, msg_id), Verdict::new(Content::of(raw), Some(code)));
+        self.seen.insert_new(
+            message_key(sender, msg_id),
+            Verdict::new(Content::of(raw), Some(code)),
+        );
     }
 
     fn remember(&mut self, key: HashKey, content: Content, msg: &Msg) {

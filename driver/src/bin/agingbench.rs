@@ -119,7 +119,13 @@ fn load(
         }
         let msg = typed_fields(&parse_fields(&line).map_err(|r| anyhow::anyhow!(r.detail))?)
             .map_err(|r| anyhow::anyhow!(r.detail))?;
-        matcher.process(Box::new(msg), Content::of(&line), 0, "2026-12-01T00:00:00.000Z", day);
+        matcher.process(
+            Box::new(msg),
+            Content::of(&line),
+            0,
+            "2026-12-01T00:00:00.000Z",
+            day,
+        );
         held += 1;
     }
     Ok(held)
