@@ -88,6 +88,7 @@ for instances in "$@"; do
   # The roles' passwords; the raw COPY's tables are made as the role that owns the schema.
   export PGPASSFILE="$cluster_dir/secrets/pgpass"
   owner_urls=$(deploy/local-cluster.sh owner-urls --dir "$cluster_dir" | paste -sd,)
+  IFS=, read -r -a url_list <<< "$owner_urls"
   mkdir -p runs
   run_dir="runs/bench-postgres-${trades}-${instances}-$(date +%Y%m%dT%H%M%S)"
   resume=()
@@ -96,9 +97,8 @@ for instances in "$@"; do
       --store postgres --run-dir "$run_dir-warm" --json --quiet --probe-s 0 > "$run_dir-warm.json"
     resume=(--resume)
   fi
-  IFS=, read -r -a touch_urls <<< "$owner_urls"
   touching=()
-  for url in "${touch_urls[@]}"; do
+  for url in "${url_list[@]}"; do
     psql "$url" -q -v ON_ERROR_STOP=1 \
       -c "CREATE UNLOGGED TABLE bench_touch (n bigint)" \
       -c "INSERT INTO bench_touch SELECT generate_series(1, pg_size_bytes(current_setting('shared_buffers')) / 32)" \
@@ -116,7 +116,6 @@ for instances in "$@"; do
   messages=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['messages_in'])" "$run_dir.json")
 
   # The same rows, out to files and back in through \copy, all instances at once.
-  IFS=, read -r -a url_list <<< "$owner_urls"
   copy_file() { local port=${1##*:}; echo "$cluster_dir/messages-${port%%/*}.copy"; }
   for url in "${url_list[@]}"; do
     psql "$url" -qc "\\copy (SELECT trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on FROM messages) TO '$(copy_file "$url")' WITH (FORMAT binary)"

@@ -49,7 +49,7 @@ pub fn message_key(sender: &str, msg_id: &str) -> HashKey {
 /// their signature, while they are still in its core's cache. Hashed in the matcher instead,
 /// on another core, the bytes were read from memory again, and that was a sixth of the
 /// matcher's time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Content {
     bytes: u32,
     hash: u64,

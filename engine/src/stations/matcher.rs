@@ -8,7 +8,7 @@ use time::format_description::well_known::Rfc3339;
 use time::{Date, OffsetDateTime};
 
 use super::{complete, queue_error, retrying, MessageMeta, Processed, ToStore, Validated};
-use crate::matcher::{Matcher, Outcome, RecallQuery, ShardCounts};
+use crate::matcher::{Content, Matcher, Outcome, RecallQuery, ShardCounts};
 use crate::network::{Aging, PipelineError, RetryPolicy};
 use crate::queue::{QueueError, Rx, Tx};
 use crate::store::{RetiredRuns, Store, StoreError};
@@ -184,6 +184,9 @@ pub(crate) fn run_matcher(
         // batch whose message completed the trade.
         let (now, today) = wall.now();
         for item in items {
+            // The validator made `content` of these very bytes (checked where it costs nothing
+            // in a release build).
+            debug_assert_eq!(item.content, Content::of(&item.bytes));
             let (meta, outcome) = match item.verdict {
                 Ok(msg) => {
                     let meta = MessageMeta::of(&msg);

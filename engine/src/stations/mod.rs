@@ -76,7 +76,6 @@ pub(crate) fn retrying<T>(
 
 /// A message as a validator hands it to its shard: parsed, or refused after its signature
 /// checked out (the shard remembers its MsgId).
-#[derive(serde::Serialize, serde::Deserialize)]
 pub struct Validated {
     /// The message, or why the validator rejected it after its signature checked out. Boxed:
     /// the item is moved from batch to batch and into its trade, and a pointer moves for less
@@ -137,7 +136,6 @@ impl Validated {
 }
 
 /// A message rejected after its signature checked out: its shard's matcher remembers its MsgId.
-#[derive(serde::Serialize, serde::Deserialize)]
 pub struct Refused {
     rejection: Rejection,
     identity: crate::validate::Identity,
