@@ -210,6 +210,60 @@ fn a_replayed_batch_changes_nothing() {
 }
 
 #[test]
+fn a_batchs_cls_go_into_the_outbox_in_its_order_and_a_stored_one_is_refused() {
+    let databases = TempDatabases::create("outbox", 1);
+    let url = &databases.urls()[0];
+    let mut store = PgStore::open(url).expect("opens and migrates");
+    // CLS of three months in one batch, not in date order: the COPY routes each to its month's
+    // partition, and the ids follow the batch's order, not the partitions'.
+    let months = [
+        time::macros::date!(2026 - 03 - 31),
+        time::macros::date!(2026 - 01 - 02),
+        time::macros::date!(2026 - 02 - 14),
+    ];
+    let cls = |n: usize| ClsRow {
+        trade_date: months[n % 3],
+        cls_id: format!("CLS-B-T{n}"),
+        trade_key: format!("B/T{n}"),
+        body: format!("<Cls n=\"{n}\">{}</Cls>", "é".repeat(n)),
+    };
+    let mut first = one_message_batch("T0");
+    first.cls = (0..40).map(cls).collect();
+    let first_ids = store.commit(&mut first).expect("commits the first batch");
+    assert_eq!(first_ids.len(), 40);
+    assert!(first_ids.windows(2).all(|pair| pair[0] < pair[1]));
+    let mut second = one_message_batch("T1");
+    second.cls = (40..45).map(cls).collect();
+    let second_ids = store.commit(&mut second).expect("commits the second batch");
+    assert!(
+        second_ids[0] > first_ids[39],
+        "a later batch's ids are above every earlier one"
+    );
+    let mut connection = block_on(PgConnection::connect(url)).expect("connects");
+    let stored: Vec<(i64, time::Date, String, String, String)> = block_on(
+        sqlx::query_as(
+            "SELECT id, trade_date, cls_id, trade_key, body FROM cls_outbox ORDER BY id",
+        )
+        .fetch_all(&mut connection),
+    )
+    .expect("reads the outbox back");
+    let expected: Vec<_> = first_ids
+        .iter()
+        .chain(&second_ids)
+        .zip((0..45).map(cls))
+        .map(|(&id, row)| (id, row.trade_date, row.cls_id, row.trade_key, row.body))
+        .collect();
+    assert_eq!(stored, expected);
+    // A ClsId already in the outbox, in a batch of new messages: refused, and nothing of the
+    // batch is written (the matcher emits a trade's CLS once, so this is a bug upstream).
+    let mut again = one_message_batch("T2");
+    again.cls = vec![cls(7)];
+    assert!(store.commit(&mut again).is_err());
+    let counts = store.row_counts().expect("counts");
+    assert_eq!((counts.messages, counts.trades, counts.cls), (2, 2, 45));
+}
+
+#[test]
 fn a_batch_larger_than_one_copy_chunk_is_stored_byte_for_byte() {
     let databases = TempDatabases::create("chunks", 1);
     let url = &databases.urls()[0];

@@ -196,50 +196,82 @@ const COPY_CHUNK_BYTES: usize = 256 * 1024;
 /// fields), and the field count, lengths, dates and timestamp, far below the rest.
 const COPY_ROW_MAX_BYTES: usize = 3 * MESSAGE_SIZE_MAX_BYTES;
 
+/// Appends one column of a binary COPY row: its length and bytes, or -1 for NULL.
+fn copy_field(out: &mut Vec<u8>, value: Option<&[u8]>) {
+    match value {
+        Some(bytes) => {
+            out.extend_from_slice(&(bytes.len() as i32).to_be_bytes());
+            out.extend_from_slice(bytes);
+        }
+        None => out.extend_from_slice(&(-1_i32).to_be_bytes()),
+    }
+}
+
+/// A date as a binary COPY carries it: the number of days since 2000-01-01.
+fn copy_date(date: Date) -> [u8; 4] {
+    (date.to_julian_day() - PG_EPOCH_JULIAN_DAY).to_be_bytes()
+}
+
 /// Appends one message row to a binary COPY: the columns of [`COPY_MESSAGES`], in order.
 fn encode_copy_row(out: &mut Vec<u8>, row: &MessageRow) {
-    fn field(out: &mut Vec<u8>, value: Option<&[u8]>) {
-        match value {
-            Some(bytes) => {
-                out.extend_from_slice(&(bytes.len() as i32).to_be_bytes());
-                out.extend_from_slice(bytes);
-            }
-            None => out.extend_from_slice(&(-1_i32).to_be_bytes()),
-        }
-    }
     out.extend_from_slice(&10_i16.to_be_bytes());
-    // A date is the number of days since 2000-01-01.
-    let days = row.trade_date.to_julian_day() - PG_EPOCH_JULIAN_DAY;
-    field(out, Some(&days.to_be_bytes()));
-    field(out, Some(row.trade_key.as_bytes()));
-    field(out, Some(row.sender.as_bytes()));
-    field(out, Some(row.msg_id.as_bytes()));
-    field(out, Some(row.msg_type.as_bytes()));
-    field(out, Some(row.function.as_bytes()));
-    field(out, row.related_id.as_deref().map(str::as_bytes));
-    field(out, Some(&(row.injected_ns as i64).to_be_bytes()));
-    field(out, Some(&row.raw));
-    let received = row.received_on.to_julian_day() - PG_EPOCH_JULIAN_DAY;
-    field(out, Some(&received.to_be_bytes()));
+    copy_field(out, Some(&copy_date(row.trade_date)));
+    copy_field(out, Some(row.trade_key.as_bytes()));
+    copy_field(out, Some(row.sender.as_bytes()));
+    copy_field(out, Some(row.msg_id.as_bytes()));
+    copy_field(out, Some(row.msg_type.as_bytes()));
+    copy_field(out, Some(row.function.as_bytes()));
+    copy_field(out, row.related_id.as_deref().map(str::as_bytes));
+    copy_field(out, Some(&(row.injected_ns as i64).to_be_bytes()));
+    copy_field(out, Some(&row.raw));
+    copy_field(out, Some(&copy_date(row.received_on)));
+}
+
+/// Appends one outbox row to a binary COPY: the columns of [`COPY_OUTBOX`], in order.
+fn encode_outbox_row(out: &mut Vec<u8>, (id, row): (i64, &ClsRow)) {
+    out.extend_from_slice(&5_i16.to_be_bytes());
+    copy_field(out, Some(&id.to_be_bytes()));
+    copy_field(out, Some(&copy_date(row.trade_date)));
+    copy_field(out, Some(row.cls_id.as_bytes()));
+    copy_field(out, Some(row.trade_key.as_bytes()));
+    copy_field(out, Some(row.body.as_bytes()));
 }
 
 /// The COPY that loads a batch's message rows, in the column order of [`encode_copy_row`].
 const COPY_MESSAGES: &str = "COPY messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on) \
      FROM STDIN WITH (FORMAT binary)";
 
-/// Sends message rows through an open binary COPY, [`COPY_CHUNK_BYTES`] at a time, encoded in
-/// `buffer` (emptied first; its capacity is kept for the next batch).
-async fn send_copy_rows(
+/// The COPY that loads a batch's CLS into the outbox, with the ids reserved for them
+/// ([`RESERVE_OUTBOX_IDS`]), in the column order of [`encode_outbox_row`].
+const COPY_OUTBOX: &str =
+    "COPY cls_outbox (id, trade_date, cls_id, trade_key, body) FROM STDIN WITH (FORMAT binary)";
+
+/// Takes as many outbox ids from the outbox's sequence as the batch has CLS. One writer
+/// commits a shard's batches one after another, so the ids of a later batch are above every
+/// id of an earlier one. In a cluster the fence is raised first in the same transaction, so
+/// an owner that has lost the shard is refused before it takes any, and one that still holds
+/// the fence's lock commits before the new owner's first commit can take its own.
+const RESERVE_OUTBOX_IDS: &str = "SELECT nextval('cls_outbox_id_seq') FROM generate_series(1, $1)";
+
+/// Sends rows through an open binary COPY, [`COPY_CHUNK_BYTES`] at a time, encoded in
+/// `buffer` by `encode` (emptied first; its capacity is kept for the next batch). A chunk holds
+/// at most that and one row: `row_max` bytes where rows have a bound the buffer is made for
+/// (message rows, [`COPY_ROW_MAX_BYTES`]). An outbox row has none of its own: a CLS carries a
+/// settlement for each of up to [`ste_core::validate::ALLOC_COUNT_MAX`] allocations, so the
+/// buffer grows, once, to hold the largest CLS the shard has written and keeps that size.
+async fn send_copy_rows<R>(
     copy: &mut sqlx::postgres::PgCopyIn<&mut PgConnection>,
-    rows: &[MessageRow],
+    rows: impl IntoIterator<Item = R>,
+    encode: fn(&mut Vec<u8>, R),
+    row_max: Option<usize>,
     buffer: &mut Vec<u8>,
 ) -> Result<(), sqlx::Error> {
     buffer.clear();
     buffer.extend_from_slice(PG_COPY_HEADER);
     for row in rows {
-        encode_copy_row(buffer, row);
+        encode(buffer, row);
         if buffer.len() >= COPY_CHUNK_BYTES {
-            debug_assert!(buffer.len() < COPY_CHUNK_BYTES + COPY_ROW_MAX_BYTES);
+            debug_assert!(row_max.is_none_or(|max| buffer.len() < COPY_CHUNK_BYTES + max));
             copy.send(buffer.as_slice()).await?;
             buffer.clear();
         }
@@ -594,7 +626,14 @@ async fn write_pg_batch(
         // COPY cannot skip existing rows; the (sender, msg_id) key refuses a batch that was
         // already committed, which is what a retry after a lost reply needs to learn.
         let mut copy = transaction.copy_in_raw(COPY_MESSAGES).await?;
-        send_copy_rows(&mut copy, &batch.messages, copy_buffer).await?;
+        send_copy_rows(
+            &mut copy,
+            &batch.messages,
+            encode_copy_row,
+            Some(COPY_ROW_MAX_BYTES),
+            copy_buffer,
+        )
+        .await?;
         copy.finish().await?;
     }
     if !batch.trades.is_empty() {
@@ -614,27 +653,24 @@ async fn write_pg_batch(
         .execute(&mut *transaction)
         .await?;
     }
-    let mut outbox_ids: ahash::AHashMap<String, i64> = ahash::AHashMap::new();
+    let mut outbox_ids = Vec::new();
     if !batch.cls.is_empty() {
-        let rows = &batch.cls;
-        let inserted: Vec<(i64, String)> = sqlx::query_as(
-            "INSERT INTO cls_outbox (trade_date, cls_id, trade_key, body) \
-             SELECT * FROM UNNEST($1::date[], $2::text[], $3::text[], $4::text[]) \
-             ON CONFLICT (cls_id, trade_date) DO NOTHING RETURNING id, cls_id",
-        )
-        .bind(rows.iter().map(|r| r.trade_date).collect::<Vec<_>>())
-        .bind(rows.iter().map(|r| r.cls_id.as_str()).collect::<Vec<_>>())
-        .bind(
-            rows.iter()
-                .map(|r| r.trade_key.as_str())
-                .collect::<Vec<_>>(),
-        )
-        .bind(rows.iter().map(|r| r.body.as_str()).collect::<Vec<_>>())
-        .fetch_all(&mut *transaction)
-        .await?;
-        outbox_ids.extend(inserted.into_iter().map(|(id, cls_id)| (cls_id, id)));
-        // Rows that a replayed batch had already written keep their ids.
-        stored_outbox_ids(&mut transaction, batch, &mut outbox_ids).await?;
+        // The CLS go in through binary COPY as well, with ids taken from the outbox's sequence
+        // first: an insert that lets each row take its own id and returns them cost the servers
+        // about twice what this does. COPY cannot skip a row whose ClsId is stored already, and
+        // need not: the matcher closes a trade when it emits its CLS, so a ClsId comes once,
+        // and a retried batch that was committed meets its own messages first, and `commit`
+        // reads its outbox ids back.
+        outbox_ids = sqlx::query_scalar(RESERVE_OUTBOX_IDS)
+            .bind(batch.cls.len() as i64)
+            .fetch_all(&mut *transaction)
+            .await?;
+        outbox_ids.sort_unstable();
+        assert_eq!(outbox_ids.len(), batch.cls.len(), "one outbox id per CLS");
+        let mut copy = transaction.copy_in_raw(COPY_OUTBOX).await?;
+        let rows = outbox_ids.iter().copied().zip(&batch.cls);
+        send_copy_rows(&mut copy, rows, encode_outbox_row, None, copy_buffer).await?;
+        copy.finish().await?;
     }
     if !batch.exceptions.is_empty() {
         let rows = &batch.exceptions;
@@ -671,7 +707,7 @@ async fn write_pg_batch(
             .await?;
     }
     transaction.commit().await?;
-    Ok(outbox_ids_in_order(batch, &outbox_ids))
+    Ok(outbox_ids)
 }
 
 /// Drops the partitions whose month ended before `horizon`, except the months whose outbox
