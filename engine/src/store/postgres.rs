@@ -214,6 +214,7 @@ fn copy_date(date: Date) -> [u8; 4] {
 
 /// Appends one message row to a binary COPY: the columns of [`COPY_MESSAGES`], in order.
 fn encode_copy_row(out: &mut Vec<u8>, row: &MessageRow) {
+    let start = out.len();
     out.extend_from_slice(&10_i16.to_be_bytes());
     copy_field(out, Some(&copy_date(row.trade_date)));
     copy_field(out, Some(row.trade_key.as_bytes()));
@@ -225,6 +226,8 @@ fn encode_copy_row(out: &mut Vec<u8>, row: &MessageRow) {
     copy_field(out, Some(&(row.injected_ns as i64).to_be_bytes()));
     copy_field(out, Some(&row.raw));
     copy_field(out, Some(&copy_date(row.received_on)));
+    // So that a chunk, cut after the row that reaches its size, fits the buffer made for it.
+    debug_assert!(out.len() - start <= COPY_ROW_MAX_BYTES);
 }
 
 /// Appends one outbox row to a binary COPY: the columns of [`COPY_OUTBOX`], in order.
@@ -255,15 +258,14 @@ const RESERVE_OUTBOX_IDS: &str = "SELECT nextval('cls_outbox_id_seq') FROM gener
 
 /// Sends rows through an open binary COPY, [`COPY_CHUNK_BYTES`] at a time, encoded in
 /// `buffer` by `encode` (emptied first; its capacity is kept for the next batch). A chunk holds
-/// at most that and one row: `row_max` bytes where rows have a bound the buffer is made for
-/// (message rows, [`COPY_ROW_MAX_BYTES`]). An outbox row has none of its own: a CLS carries a
-/// settlement for each of up to [`ste_core::validate::ALLOC_COUNT_MAX`] allocations, so the
-/// buffer grows, once, to hold the largest CLS the shard has written and keeps that size.
+/// at most that and one row. A message row is at most [`COPY_ROW_MAX_BYTES`], which the buffer
+/// is made for; an outbox row has no bound of its own (a CLS carries a settlement for each of
+/// up to [`ste_core::validate::ALLOC_COUNT_MAX`] allocations), so the buffer grows, once, to
+/// hold the largest CLS the shard has written and keeps that size.
 async fn send_copy_rows<R>(
     copy: &mut sqlx::postgres::PgCopyIn<&mut PgConnection>,
     rows: impl IntoIterator<Item = R>,
     encode: fn(&mut Vec<u8>, R),
-    row_max: Option<usize>,
     buffer: &mut Vec<u8>,
 ) -> Result<(), sqlx::Error> {
     buffer.clear();
@@ -271,7 +273,6 @@ async fn send_copy_rows<R>(
     for row in rows {
         encode(buffer, row);
         if buffer.len() >= COPY_CHUNK_BYTES {
-            debug_assert!(row_max.is_none_or(|max| buffer.len() < COPY_CHUNK_BYTES + max));
             copy.send(buffer.as_slice()).await?;
             buffer.clear();
         }
@@ -626,14 +627,7 @@ async fn write_pg_batch(
         // COPY cannot skip existing rows; the (sender, msg_id) key refuses a batch that was
         // already committed, which is what a retry after a lost reply needs to learn.
         let mut copy = transaction.copy_in_raw(COPY_MESSAGES).await?;
-        send_copy_rows(
-            &mut copy,
-            &batch.messages,
-            encode_copy_row,
-            Some(COPY_ROW_MAX_BYTES),
-            copy_buffer,
-        )
-        .await?;
+        send_copy_rows(&mut copy, &batch.messages, encode_copy_row, copy_buffer).await?;
         copy.finish().await?;
     }
     if !batch.trades.is_empty() {
@@ -655,12 +649,10 @@ async fn write_pg_batch(
     }
     let mut outbox_ids = Vec::new();
     if !batch.cls.is_empty() {
-        // The CLS go in through binary COPY as well, with ids taken from the outbox's sequence
-        // first: an insert that lets each row take its own id and returns them cost the servers
-        // about twice what this does. COPY cannot skip a row whose ClsId is stored already, and
-        // need not: the matcher closes a trade when it emits its CLS, so a ClsId comes once,
-        // and a retried batch that was committed meets its own messages first, and `commit`
-        // reads its outbox ids back.
+        // Through binary COPY, with ids taken first (see `RESERVE_OUTBOX_IDS`): an insert that
+        // gave each row its id and returned them cost the servers about twice as much. COPY
+        // cannot skip a stored ClsId, and need not: the matcher closes a trade when it emits
+        // its CLS, and a retried batch that was committed meets its own messages first.
         outbox_ids = sqlx::query_scalar(RESERVE_OUTBOX_IDS)
             .bind(batch.cls.len() as i64)
             .fetch_all(&mut *transaction)
@@ -669,7 +661,7 @@ async fn write_pg_batch(
         assert_eq!(outbox_ids.len(), batch.cls.len(), "one outbox id per CLS");
         let mut copy = transaction.copy_in_raw(COPY_OUTBOX).await?;
         let rows = outbox_ids.iter().copied().zip(&batch.cls);
-        send_copy_rows(&mut copy, rows, encode_outbox_row, None, copy_buffer).await?;
+        send_copy_rows(&mut copy, rows, encode_outbox_row, copy_buffer).await?;
         copy.finish().await?;
     }
     if !batch.exceptions.is_empty() {
