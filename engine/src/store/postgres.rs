@@ -260,8 +260,8 @@ const RESERVE_OUTBOX_IDS: &str = "SELECT nextval('cls_outbox_id_seq') FROM gener
 /// `buffer` by `encode` (emptied first; its capacity is kept for the next batch). A chunk holds
 /// at most that and one row. A message row is at most [`COPY_ROW_MAX_BYTES`], which the buffer
 /// is made for; an outbox row has no bound of its own (a CLS carries a settlement for each of
-/// up to [`ste_core::validate::ALLOC_COUNT_MAX`] allocations), so the buffer grows, once, to
-/// hold the largest CLS the shard has written and keeps that size.
+/// up to [`ste_core::validate::ALLOC_COUNT_MAX`] allocations), so the buffer grows to hold the
+/// largest CLS the shard has written and keeps that size.
 async fn send_copy_rows<R>(
     copy: &mut sqlx::postgres::PgCopyIn<&mut PgConnection>,
     rows: impl IntoIterator<Item = R>,
