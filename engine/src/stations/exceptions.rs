@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use time::OffsetDateTime;
 
 use super::{
-    commit_retrying, complete_merged, next_batch, queue_error, Merged, RejectedItem, WriterReport,
+    commit_retrying, complete_merged, next_batch, queue_error, RejectedItem, WriterReport,
 };
 use crate::network::{Ack, AckResult, PipelineError, RetryPolicy, EXCEPTION_RAW_PREFIX_BYTES};
 use crate::queue::{Rx, Tx};
@@ -120,11 +120,8 @@ pub(crate) fn run_exception_writer(
     let mut budget = Budget::new(Instant::now());
     let mut purged_on: Option<time::Date> = None;
     while let Some(merged) = next_batch(&rx, batch_max, Duration::ZERO)? {
-        let Merged {
-            items,
-            enqueued_sum_ns,
-            receipt,
-        } = merged;
+        let count = merged.len() as u64;
+        let (items, enqueued_sum_ns, receipt) = merged.into_parts();
         let started = Instant::now();
         let today = OffsetDateTime::now_utc().date();
         if let Some(days) = keep_days.filter(|_| purged_on != Some(today)) {
@@ -139,9 +136,8 @@ pub(crate) fn run_exception_writer(
                 Err(error) => tracing::warn!(%error, "exceptions of unchecked input not purged"),
             }
         }
-        let count = items.len() as u64;
         let mut batch = Batch::default();
-        let mut acks = Vec::with_capacity(items.len());
+        let mut acks = Vec::with_capacity(count as usize);
         let mut over = Over::default();
         for item in items {
             acks.push(Ack {

@@ -248,12 +248,31 @@ pub(crate) fn complete_merged<T>(rx: &Rx<T>, count: u64, busy_ns: u64, enqueued_
 }
 
 /// A batch merged from several queue batches, with the sum of its items' enqueue stamps and the
-/// receipts of every batch it holds.
+/// receipts of every batch it holds. The batches are kept as they came, not copied into one
+/// vector: a writer's merged batch can hold thousands of items of a few hundred bytes, and
+/// gathering them moved every item once more and grew a vector of fresh pages each time.
 pub(crate) struct Merged<T> {
-    pub items: Vec<T>,
+    batches: Vec<Vec<T>>,
+    len: usize,
     /// Σ over the merged batches of (items × enqueue stamp), wrapping.
     pub enqueued_sum_ns: u64,
     pub receipt: Receipt,
+}
+
+impl<T> Merged<T> {
+    /// How many items the merged batches hold.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The items, in the order they were queued, and the stamps and receipts apart.
+    pub fn into_parts(self) -> (impl Iterator<Item = T>, u64, Receipt) {
+        (
+            self.batches.into_iter().flatten(),
+            self.enqueued_sum_ns,
+            self.receipt,
+        )
+    }
 }
 
 /// Takes the first batch (waiting for it), then whatever is already queued or arrives within
@@ -270,10 +289,11 @@ pub(crate) fn next_batch<T>(
     let stamps = |count: usize, enqueued_ns: u64| (count as u64).wrapping_mul(enqueued_ns);
     let mut merged = Merged {
         enqueued_sum_ns: stamps(first.items.len(), first.enqueued_ns),
-        items: first.items,
+        len: first.items.len(),
+        batches: vec![first.items],
         receipt: first.receipt,
     };
-    while merged.items.len() < batch_max {
+    while merged.len < batch_max {
         let next = match rx.recv_until(Some(deadline)) {
             Ok(Some(next)) => next,
             Ok(None) | Err(QueueError::Closed { .. }) => break,
@@ -282,7 +302,8 @@ pub(crate) fn next_batch<T>(
         merged.enqueued_sum_ns = merged
             .enqueued_sum_ns
             .wrapping_add(stamps(next.items.len(), next.enqueued_ns));
-        merged.items.extend(next.items);
+        merged.len += next.items.len();
+        merged.batches.push(next.items);
         merged.receipt.merge(next.receipt);
     }
     Ok(Some(merged))

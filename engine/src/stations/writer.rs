@@ -7,9 +7,7 @@ use std::time::{Duration, Instant};
 use ahash::AHashMap;
 use time::{Date, OffsetDateTime};
 
-use super::{
-    commit_retrying, complete_merged, next_batch, queue_error, Merged, ToStore, WriterReport,
-};
+use super::{commit_retrying, complete_merged, next_batch, queue_error, ToStore, WriterReport};
 use crate::codec::encode_cls;
 use crate::matcher::{Disposition, TradeStatus};
 use crate::network::{Ack, AckResult, OutboundEvent, PipelineError, RetryPolicy, DELIVERY_WAIT};
@@ -110,11 +108,8 @@ pub(crate) fn run_writer(
     let mut commit_retries = 0;
     let mut purged_on = OffsetDateTime::now_utc().date();
     while let Some(merged) = next_batch(&rx, batch_max, linger)? {
-        let Merged {
-            items,
-            enqueued_sum_ns,
-            receipt,
-        } = merged;
+        let count = merged.len() as u64;
+        let (items, enqueued_sum_ns, receipt) = merged.into_parts();
         let started = Instant::now();
         let today = OffsetDateTime::now_utc().date();
         if let Some(days) = retention_days.filter(|_| today != purged_on) {
@@ -128,14 +123,13 @@ pub(crate) fn run_writer(
         // row by row copied every row again (and left up to half of it unused in the memory
         // store, which keeps the vector).
         let mut batch = Batch {
-            messages: Vec::with_capacity(items.len()),
+            messages: Vec::with_capacity(count as usize),
             ..Batch::default()
         };
-        let mut acks = Vec::with_capacity(items.len());
+        let mut acks = Vec::with_capacity(count as usize);
         let mut events = Vec::new();
         // Only the last status of a trade in this batch needs writing.
         let mut trade_rows: AHashMap<String, usize> = AHashMap::new();
-        let count = items.len() as u64;
         let mut aged_count = 0_u64;
         for item in items {
             let item = match item {
