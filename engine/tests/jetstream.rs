@@ -683,6 +683,35 @@ fn a_delivery_lost_on_its_way_comes_again_before_the_batches_behind_it() {
 }
 
 #[test]
+fn a_new_owner_whose_first_deliveries_a_stalled_owner_took_gets_them_first_and_in_order() {
+    let server = NatsServer::start();
+    let jetstream = JetStream::connect(&server.url).expect("connects");
+    jetstream.ensure_queue("in.5", ROOMY).expect("stream");
+    let sender = jetstream.sender::<u64>("in.5");
+    for batch in 0..4_u64 {
+        sender.send(vec![batch]).expect("sends");
+    }
+    // The new owner takes the queue over: it makes the consumer afresh. Before it pulls, the
+    // owner it replaced, back from a stall and not yet aware of it, pulls the first delivery
+    // through the same durable name and never acknowledges it.
+    let owner = jetstream
+        .receiver::<u64>("in.5", "owner-5", true)
+        .expect("consumer");
+    assert_eq!(lose_one_delivery(&server.url, "in.5", "owner-5"), 0);
+    // Its first delivery is numbered 2, not 1: it takes the queue again instead of serving
+    // 1, 2 and 3 and then 0 half a minute later (a trade's late message answered E_CONFLICT
+    // instead of E_CLOSED).
+    let order: Vec<u64> = (0..4)
+        .map(|_| {
+            let received = next(&owner);
+            received.receipt.ack().expect("acks");
+            received.items[0]
+        })
+        .collect();
+    assert_eq!(order, vec![0, 1, 2, 3]);
+}
+
+#[test]
 fn a_cluster_sinks_confirmations_reach_the_book_as_each_shards_highest_and_none_is_lost_at_the_end()
 {
     use std::sync::Arc;

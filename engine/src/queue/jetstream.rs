@@ -696,7 +696,7 @@ impl JetStream {
             pulling: std::sync::Mutex::new(Pulling {
                 consumer,
                 pulled: std::collections::VecDeque::new(),
-                last_delivery: None,
+                last_delivery: fresh.then_some(0),
                 lost_delivery: false,
             }),
             station: Station::new(queue),
@@ -906,11 +906,18 @@ pub struct JetStreamReceiver<T> {
 /// drops what it pulled and makes its consumer again, which delivers every batch not yet
 /// acknowledged at once and in order; those it had already handed out come again and are
 /// answered as repeats.
+///
+/// A receiver that made its consumer afresh expects number 1 first. Another receiver of the
+/// same durable name may have pulled the first deliveries: an owner that stalled past its lease
+/// and has not learned yet that the shard has a new owner. Those batches would come back to the
+/// new owner only after the ack wait, behind the ones after them, so the new owner treats a
+/// first number above 1 as a skip, like any other.
 struct Pulling {
     consumer: consumer::PullConsumer,
     /// Batches pulled and not handed out yet (at most [`PULL_BATCHES_MAX`]).
     pulled: std::collections::VecDeque<jetstream::Message>,
-    /// The consumer's number of the last delivery taken.
+    /// The consumer's number of the last delivery taken: 0 when this receiver made the
+    /// consumer afresh and has taken none yet, `None` when it found the consumer made.
     last_delivery: Option<u64>,
     /// A delivery was seen lost and the consumer is not made again yet.
     lost_delivery: bool,
@@ -1183,7 +1190,7 @@ impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
     /// Makes the consumer again, so that every batch not acknowledged comes back in order.
     fn take_again(&self, pulling: &mut Pulling) -> Result<(), QueueError> {
         pulling.consumer = self.jetstream.consumer(&self.queue, &self.durable, true)?;
-        pulling.last_delivery = None;
+        pulling.last_delivery = Some(0);
         pulling.lost_delivery = false;
         Ok(())
     }
