@@ -83,15 +83,21 @@ fn batches_cross_in_order_with_their_enqueue_time_and_leave_once_acknowledged() 
         .is_none());
 }
 
+/// A connection to `server` and the queue `queue` on it, holding `batches` batches: 0, 1, ...
+fn queue_holding(server: &NatsServer, queue: &str, batches: u64) -> JetStream {
+    let jetstream = JetStream::connect(&server.url).expect("connects");
+    jetstream.ensure_queue(queue, ROOMY).expect("stream");
+    let sender = jetstream.sender::<u64>(queue);
+    for batch in 0..batches {
+        sender.send(vec![batch]).expect("sends");
+    }
+    jetstream
+}
+
 #[test]
 fn a_batch_not_acknowledged_comes_back_in_order_to_a_fresh_consumer() {
     let server = NatsServer::start();
-    let jetstream = JetStream::connect(&server.url).expect("connects");
-    jetstream.ensure_queue("match.1", ROOMY).expect("stream");
-    let sender = jetstream.sender::<u64>("match.1");
-    for batch in 0..3_u64 {
-        sender.send(vec![batch]).expect("sends");
-    }
+    let jetstream = queue_holding(&server, "match.1", 3);
     {
         let owner = jetstream
             .receiver::<u64>("match.1", "owner", false)
@@ -652,6 +658,17 @@ fn lose_one_delivery(url: &str, queue: &str, durable: &str) -> u64 {
     })
 }
 
+/// The first item of each of the next `batches` batches, each acknowledged as it comes.
+fn take_acknowledged(receiver: &impl BatchReceiver<u64>, batches: usize) -> Vec<u64> {
+    (0..batches)
+        .map(|_| {
+            let received = next(receiver);
+            received.receipt.ack().expect("acks");
+            received.items[0]
+        })
+        .collect()
+}
+
 #[test]
 fn a_delivery_lost_on_its_way_comes_again_before_the_batches_behind_it() {
     let server = NatsServer::start();
@@ -672,25 +689,13 @@ fn a_delivery_lost_on_its_way_comes_again_before_the_batches_behind_it() {
     assert_eq!(lose_one_delivery(&server.url, "match.2", "owner"), 1);
     // The owner sees the consumer's delivery numbers jump and takes the queue again from its
     // first unacknowledged batch, instead of serving 2 and 3 and then 1 half a minute later.
-    let order: Vec<u64> = (0..3)
-        .map(|_| {
-            let received = next(&owner);
-            received.receipt.ack().expect("acks");
-            received.items[0]
-        })
-        .collect();
-    assert_eq!(order, vec![1, 2, 3]);
+    assert_eq!(take_acknowledged(&owner, 3), vec![1, 2, 3]);
 }
 
 #[test]
 fn a_new_owner_whose_first_deliveries_a_stalled_owner_took_gets_them_first_and_in_order() {
     let server = NatsServer::start();
-    let jetstream = JetStream::connect(&server.url).expect("connects");
-    jetstream.ensure_queue("in.5", ROOMY).expect("stream");
-    let sender = jetstream.sender::<u64>("in.5");
-    for batch in 0..4_u64 {
-        sender.send(vec![batch]).expect("sends");
-    }
+    let jetstream = queue_holding(&server, "in.5", 4);
     // The new owner takes the queue over: it makes the consumer afresh. Before it pulls, the
     // owner it replaced, back from a stall and not yet aware of it, pulls the first delivery
     // through the same durable name and never acknowledges it.
@@ -701,14 +706,7 @@ fn a_new_owner_whose_first_deliveries_a_stalled_owner_took_gets_them_first_and_i
     // Its first delivery is numbered 2, not 1: it takes the queue again instead of serving
     // 1, 2 and 3 and then 0 half a minute later (a trade's late message answered E_CONFLICT
     // instead of E_CLOSED).
-    let order: Vec<u64> = (0..4)
-        .map(|_| {
-            let received = next(&owner);
-            received.receipt.ack().expect("acks");
-            received.items[0]
-        })
-        .collect();
-    assert_eq!(order, vec![0, 1, 2, 3]);
+    assert_eq!(take_acknowledged(&owner, 4), vec![0, 1, 2, 3]);
 }
 
 #[test]
