@@ -693,12 +693,7 @@ impl JetStream {
             jetstream: self.clone(),
             queue: queue.to_owned(),
             durable: durable.to_owned(),
-            pulling: std::sync::Mutex::new(Pulling {
-                consumer,
-                pulled: std::collections::VecDeque::new(),
-                last_delivery: fresh.then_some(0),
-                lost_delivery: false,
-            }),
+            pulling: std::sync::Mutex::new(Pulling::new(consumer, fresh)),
             station: Station::new(queue),
             stopped: Arc::new(AtomicBool::new(false)),
             _items: std::marker::PhantomData,
@@ -924,6 +919,16 @@ struct Pulling {
 }
 
 impl Pulling {
+    /// A receiver's side of `consumer`, which it made afresh or found made.
+    fn new(consumer: consumer::PullConsumer, fresh: bool) -> Self {
+        Self {
+            consumer,
+            pulled: std::collections::VecDeque::new(),
+            last_delivery: fresh.then_some(0),
+            lost_delivery: false,
+        }
+    }
+
     /// Takes the deliveries of one pull, `Err` with the skipped numbers when one is missing.
     fn take(
         &mut self,
@@ -1187,11 +1192,13 @@ impl<T: DeserializeOwned + Send + 'static> JetStreamReceiver<T> {
         }
     }
 
-    /// Makes the consumer again, so that every batch not acknowledged comes back in order.
+    /// Makes the consumer again, so that every batch not acknowledged comes back in order
+    /// (what was pulled from the one before is dropped).
     fn take_again(&self, pulling: &mut Pulling) -> Result<(), QueueError> {
-        pulling.consumer = self.jetstream.consumer(&self.queue, &self.durable, true)?;
-        pulling.last_delivery = Some(0);
-        pulling.lost_delivery = false;
+        *pulling = Pulling::new(
+            self.jetstream.consumer(&self.queue, &self.durable, true)?,
+            true,
+        );
         Ok(())
     }
 

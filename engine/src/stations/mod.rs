@@ -253,16 +253,15 @@ pub(crate) fn complete_merged<T>(rx: &Rx<T>, count: u64, busy_ns: u64, enqueued_
 /// gathering them moved every item once more and grew a vector of fresh pages each time.
 pub(crate) struct Merged<T> {
     batches: Vec<Vec<T>>,
-    len: usize,
     /// Σ over the merged batches of (items × enqueue stamp), wrapping.
-    pub enqueued_sum_ns: u64,
-    pub receipt: Receipt,
+    enqueued_sum_ns: u64,
+    receipt: Receipt,
 }
 
 impl<T> Merged<T> {
     /// How many items the merged batches hold.
     pub fn len(&self) -> usize {
-        self.len
+        self.batches.iter().map(Vec::len).sum()
     }
 
     /// The items, in the order they were queued, and the stamps and receipts apart.
@@ -287,13 +286,13 @@ pub(crate) fn next_batch<T>(
     };
     let deadline = Instant::now() + linger;
     let stamps = |count: usize, enqueued_ns: u64| (count as u64).wrapping_mul(enqueued_ns);
+    let mut held = first.items.len();
     let mut merged = Merged {
         enqueued_sum_ns: stamps(first.items.len(), first.enqueued_ns),
-        len: first.items.len(),
         batches: vec![first.items],
         receipt: first.receipt,
     };
-    while merged.len < batch_max {
+    while held < batch_max {
         let next = match rx.recv_until(Some(deadline)) {
             Ok(Some(next)) => next,
             Ok(None) | Err(QueueError::Closed { .. }) => break,
@@ -302,7 +301,7 @@ pub(crate) fn next_batch<T>(
         merged.enqueued_sum_ns = merged
             .enqueued_sum_ns
             .wrapping_add(stamps(next.items.len(), next.enqueued_ns));
-        merged.len += next.items.len();
+        held += next.items.len();
         merged.batches.push(next.items);
         merged.receipt.merge(next.receipt);
     }
