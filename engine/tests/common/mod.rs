@@ -15,43 +15,94 @@ pub struct NatsServer {
     store: tempfile::TempDir,
 }
 
+/// How often a server is started on a fresh port when the one it was given is taken by
+/// another process between the probe and the server's own bind.
+const START_ATTEMPTS: usize = 5;
+
 impl NatsServer {
     pub fn start() -> Self {
-        let port = ste_engine::ports::free_local_port().expect("a free port");
-        let store = tempfile::tempdir().expect("a store folder");
-        let child = Self::spawn(port, store.path());
-        Self {
-            child,
-            url: format!("nats://127.0.0.1:{port}"),
-            port,
-            store,
+        let mut failures = Vec::new();
+        for _ in 0..START_ATTEMPTS {
+            let port = ste_engine::ports::free_local_port().expect("a free port");
+            let store = tempfile::tempdir().expect("a store folder");
+            match Self::spawn(port, store.path()) {
+                Ok(child) => {
+                    return Self {
+                        child,
+                        url: format!("nats://127.0.0.1:{port}"),
+                        port,
+                        store,
+                    }
+                }
+                Err(why) => failures.push(why),
+            }
         }
+        panic!("nats-server did not start: {failures:#?}");
     }
 
-    fn spawn(port: u16, store: &std::path::Path) -> Child {
-        let child = Command::new("nats-server")
-            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+    /// Starts `nats-server` on `port` and waits until that very server answers there: its
+    /// greeting names it. A listener of another process on the port (one that took it after
+    /// the probe) is not taken for it; a server that exits (the port taken) is reported with
+    /// the end of its log.
+    fn spawn(port: u16, store: &std::path::Path) -> Result<Child, String> {
+        let name = format!("ste-test-{}-{port}", std::process::id());
+        let log = store.join("nats-server.log");
+        let mut child = Command::new("nats-server")
+            .args([
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+                "-n",
+                &name,
+            ])
+            .arg("-sd")
             .arg(store)
+            .arg("-l")
+            .arg(&log)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("nats-server starts (Debian's nats-server package)");
         let started = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "nats-server did not listen on {port}"
-            );
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                let log = std::fs::read_to_string(&log).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(5).collect();
+                return Err(format!(
+                    "port {port}: nats-server exited ({status}): {tail:?}"
+                ));
+            }
+            if greets_as(port, &name) {
+                return Ok(child);
+            }
+            if started.elapsed() > Duration::from_secs(10) {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "port {port}: nats-server {name} did not answer within 10 s"
+                ));
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
-        child
     }
 
     /// Stops the server (SIGTERM, as an operator would) and starts it again on the same port
     /// and store.
     pub fn restart(&mut self) {
         self.stop();
-        self.child = Self::spawn(self.port, self.store.path());
+        let mut failures = Vec::new();
+        for _ in 0..START_ATTEMPTS {
+            match Self::spawn(self.port, self.store.path()) {
+                Ok(child) => {
+                    self.child = child;
+                    return;
+                }
+                Err(why) => failures.push(why),
+            }
+        }
+        panic!("nats-server did not start again: {failures:#?}");
     }
 
     /// Stops the server (SIGTERM) and waits until it has gone.
@@ -61,6 +112,26 @@ impl NatsServer {
             .status();
         let _ = self.child.wait();
     }
+}
+
+/// Whether the server on `port` greets a client as the server named `name` (NATS's `INFO`
+/// line carries its `server_name`).
+fn greets_as(port: u16, name: &str) -> bool {
+    use std::io::{BufRead, BufReader, Read};
+    let Ok(stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    if stream
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .is_err()
+    {
+        return false;
+    }
+    let mut greeting = String::new();
+    let read = BufReader::new(stream.take(64 * 1024)).read_line(&mut greeting);
+    read.is_ok()
+        && greeting.starts_with("INFO ")
+        && greeting.contains(&format!("\"server_name\":\"{name}\""))
 }
 
 impl Drop for NatsServer {
