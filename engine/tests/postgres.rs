@@ -176,6 +176,7 @@ fn one_message_batch(trade_ref: &str) -> Batch {
             trade_date: time::macros::date!(2026 - 01 - 30),
             trade_key: format!("B/{trade_ref}"),
             status: TradeStatus::Pending,
+            first: true,
         }],
         cls: vec![ClsRow {
             trade_date: time::macros::date!(2026 - 01 - 30),
@@ -207,6 +208,50 @@ fn a_replayed_batch_changes_nothing() {
     // Opening again verifies the applied migrations' checksums and applies nothing twice.
     let mut reopened = PgStore::open(url).expect("reopens");
     assert_eq!(reopened.row_counts().expect("counts").messages, 1);
+}
+
+#[test]
+fn a_first_status_that_meets_a_stored_one_is_written_over_it_with_the_rest_of_its_batch() {
+    let databases = TempDatabases::create("first_status", 1);
+    let url = &databases.urls()[0];
+    let mut store = PgStore::open(url).expect("opens and migrates");
+    store
+        .commit(&mut one_message_batch("T1"))
+        .expect("the trade's first status is loaded");
+    // A matcher that released the trade and saw it again takes its next status for its first.
+    let mut again = one_message_batch("T1");
+    again.messages[0].msg_id = "B-T1-again".into();
+    again.trades[0].status = TradeStatus::Matched;
+    again.cls[0].cls_id = "CLS-B-T1-again".to_owned();
+    again.trades.push(TradeRow {
+        trade_key: "B/T2".to_owned(),
+        ..again.trades[0].clone()
+    });
+    let outbox_ids = store
+        .commit(&mut again)
+        .expect("the batch commits: the stored status is updated");
+    assert_eq!(outbox_ids.len(), 1);
+    let mut connection = block_on(PgConnection::connect(url)).expect("connects");
+    let statuses: Vec<(String, String)> = block_on(
+        sqlx::query_as("SELECT trade_key, status FROM trades ORDER BY trade_key")
+            .fetch_all(&mut connection),
+    )
+    .expect("reads the trades");
+    assert_eq!(
+        statuses,
+        [
+            ("B/T1".to_owned(), "MATCHED".to_owned()),
+            ("B/T2".to_owned(), "MATCHED".to_owned())
+        ]
+    );
+    assert_eq!(
+        query_i64(&mut connection, "SELECT COUNT(*) FROM messages"),
+        2
+    );
+    assert_eq!(
+        query_i64(&mut connection, "SELECT COUNT(*) FROM cls_outbox"),
+        2
+    );
 }
 
 #[test]

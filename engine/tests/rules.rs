@@ -1620,3 +1620,67 @@ fn a_stranger_filling_a_trade_before_its_noe_leaves_the_parties_their_room() {
         Some(TradeStatus::Matched)
     );
 }
+
+/// Each message's new trade status and whether the matcher took it for the trade's first.
+fn statuses(matcher: &mut Matcher, messages: &[Msg]) -> Vec<Option<(TradeStatus, bool)>> {
+    messages
+        .iter()
+        .map(|msg| {
+            let raw = encode_msg(msg);
+            let outcome = matcher.process(
+                Box::new(msg.clone()),
+                Content::of(raw.as_bytes()),
+                0,
+                "2026-12-24T10:00:00.000Z",
+                time::macros::date!(2026 - 08 - 04),
+            );
+            assert!(outcome.trade_status.is_some() || !outcome.trade_status_first);
+            outcome
+                .trade_status
+                .map(|s| (s, outcome.trade_status_first))
+        })
+        .collect()
+}
+
+#[test]
+fn a_trades_status_is_its_first_until_one_has_been_handed_to_the_store() {
+    let matched_first = Some((TradeStatus::Matched, true));
+    // A clean trade: one status, its first, with the seventh message.
+    let messages = london_trade(600, 400);
+    let told = statuses(&mut matcher(), &messages);
+    assert_eq!(told, [vec![None; 6], vec![matched_first]].concat());
+
+    // Mismatched first, then matched by an amendment: the second status is not the first.
+    let mut wrong = london_trade(600, 400);
+    shift_settle(&mut wrong, "5.00");
+    let mut matcher = matcher();
+    let told = statuses(&mut matcher, &wrong);
+    assert_eq!(told[6], Some((TradeStatus::Mismatched, true)));
+    let amend = Msg {
+        msg_id: format!("{}-A", wrong[3].msg_id).into(),
+        function: Function::Amd,
+        related_id: Some(wrong[3].msg_id.clone()),
+        ..messages[3].clone()
+    };
+    assert_eq!(
+        statuses(&mut matcher, &[amend]),
+        [Some((TradeStatus::Matched, false))]
+    );
+
+    // A trade restored from the store may have a stored status: none of its is the first.
+    let mut restored = self::matcher();
+    for msg in &messages[..6] {
+        let raw = encode_msg(msg);
+        assert!(restored.restore(
+            Box::new(msg.clone()),
+            raw.as_bytes(),
+            0,
+            None,
+            msg.trade_date.expect("dated")
+        ));
+    }
+    assert_eq!(
+        statuses(&mut restored, &messages[6..]),
+        [Some((TradeStatus::Matched, false))]
+    );
+}

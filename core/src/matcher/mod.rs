@@ -108,6 +108,10 @@ pub struct Outcome {
     pub disposition: Disposition,
     /// The trade's new status, when it changed.
     pub trade_status: Option<TradeStatus>,
+    /// The new status is the trade's first: no status of it was stored before, as far as this
+    /// matcher knows (a trade it restored from the store counts as stored). A store may insert
+    /// its row where it would otherwise insert or update; the store's own key has the last word.
+    pub trade_status_first: bool,
     /// Boxed: one outcome in seven carries one, and every outcome is moved through the queues.
     pub cls: Option<Box<Cls>>,
     /// Injection time of the trade's first message, for CLS latency.
@@ -135,6 +139,7 @@ impl Outcome {
         }
         assert!(accepted || self.released.is_empty());
         assert!(accepted || self.trade_status.is_none());
+        assert!(self.trade_status.is_some() || !self.trade_status_first);
     }
 
     /// The outcome of a message that changes no trade.
@@ -142,6 +147,7 @@ impl Outcome {
         Self {
             disposition,
             trade_status: None,
+            trade_status_first: false,
             cls: None,
             trade_first_injected_ns: 0,
             advice: None,
@@ -169,6 +175,8 @@ struct Trade {
     /// belongs to its parties.
     owner: Option<Text>,
     status: TradeStatus,
+    /// Whether a status of the trade has been handed to the store ([`Outcome::trade_status_first`]).
+    status_stored: bool,
     /// Fixed by the trade's first accepted message: the partition its rows are stored in.
     date: Date,
     first_injected_ns: u64,
@@ -500,6 +508,7 @@ impl Matcher {
                 messages: Vec::with_capacity(1),
                 owner: None,
                 status: TradeStatus::Pending,
+                status_stored: restoring,
                 date: date_if_new,
                 first_injected_ns: injected_ns,
                 last_failed: Vec::new(),
@@ -809,6 +818,7 @@ impl Matcher {
         let first_injected_ns = trade.first_injected_ns;
         let date = trade.date;
         let changed = status != trade.status;
+        let first_status = changed && !trade.status_stored;
         let advise = status == TradeStatus::Mismatched
             && failed != trade.last_failed
             && trade.advices < ADVICES_PER_TRADE_MAX;
@@ -827,12 +837,14 @@ impl Matcher {
             self.closed_total += 1;
         } else if let Some(trade) = self.open.get_mut(trade_key) {
             trade.status = status;
+            trade.status_stored |= changed;
             trade.last_failed = failed;
             trade.advices += u16::from(advise);
         }
         Outcome {
             disposition: Disposition::Accepted,
             trade_status: changed.then_some(status),
+            trade_status_first: first_status,
             cls,
             trade_first_injected_ns: first_injected_ns,
             advice,

@@ -35,13 +35,14 @@ pub(crate) struct WriterContext {
     pub(crate) lease_held: Option<Arc<AtomicBool>>,
 }
 
-/// Records a trade's new status in the batch: only its last status in a batch is written.
+/// Records a trade's new status in the batch: only its last status in a batch is written, and
+/// it is the trade's first if the batch's first status of it was.
 fn set_trade_status(
     batch: &mut Batch,
     trade_rows: &mut AHashMap<String, usize>,
     trade_key: &str,
     trade_date: Date,
-    status: TradeStatus,
+    (status, first): (TradeStatus, bool),
 ) {
     match trade_rows.get(trade_key) {
         Some(index) => batch.trades[*index].status = status,
@@ -51,6 +52,7 @@ fn set_trade_status(
                 trade_date,
                 trade_key: trade_key.to_owned(),
                 status,
+                first,
             });
         }
     }
@@ -141,7 +143,7 @@ pub(crate) fn run_writer(
                         &mut trade_rows,
                         &aged.trade_key,
                         aged.trade_date,
-                        TradeStatus::Aged,
+                        (TradeStatus::Aged, false),
                     );
                     events.push(OutboundEvent::Aged(aged));
                     continue;
@@ -151,7 +153,14 @@ pub(crate) fn run_writer(
             let mut trade_key = meta.trade_key;
             let trade_date = item.outcome.trade_date;
             if let Some(status) = item.outcome.trade_status {
-                set_trade_status(&mut batch, &mut trade_rows, &trade_key, trade_date, status);
+                let first = item.outcome.trade_status_first;
+                set_trade_status(
+                    &mut batch,
+                    &mut trade_rows,
+                    &trade_key,
+                    trade_date,
+                    (status, first),
+                );
             }
             // The message's row takes the trade key, unless a CLS row is still to take it.
             let mut row_key = || match item.outcome.cls {

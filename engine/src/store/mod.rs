@@ -51,6 +51,10 @@ pub struct TradeRow {
     pub trade_date: Date,
     pub trade_key: String,
     pub status: TradeStatus,
+    /// The trade's first status: as far as its matcher knows the store has no row of it yet
+    /// ([`crate::matcher::Outcome::trade_status_first`]). A store may load it without looking
+    /// for one, and must still be right when there is one.
+    pub first: bool,
 }
 
 /// A CLS in the outbox, written in the transaction of the message that completed the match.
@@ -383,11 +387,13 @@ pub(crate) mod tests {
                     trade_date: DAY,
                     trade_key: "B/T1".to_owned(),
                     status: TradeStatus::Pending,
+                    first: true,
                 },
                 TradeRow {
                     trade_date: DAY,
                     trade_key: "B/T1".to_owned(),
                     status: TradeStatus::Matched,
+                    first: false,
                 },
             ],
             cls: vec![ClsRow {
