@@ -830,38 +830,28 @@ impl Store for PgStore {
         // In the one order every session of a shard takes its tables' locks in.
         new_partitions.sort_by_key(|&(table, month)| (table as u8, month));
         let create = create_partitions_sql(&new_partitions);
-        let mut trades_by_copy = true;
-        let mut result = self.runtime.block_on(write_pg_batch(
-            &mut self.connection,
-            batch,
-            &create,
-            self.fencing_token,
-            &mut self.copy_buffer,
-            trades_by_copy,
-        ));
-        if matches!(&result, Err(error) if is_trade_status_stored(error)) {
-            tracing::debug!(store = %self.name, "a trade's first status met a stored one: every status as an upsert");
-            trades_by_copy = false;
-            result = self.runtime.block_on(write_pg_batch(
+        let fencing_token = self.fencing_token;
+        let mut write = |trades_by_copy: bool| {
+            self.runtime.block_on(write_pg_batch(
                 &mut self.connection,
                 batch,
                 &create,
-                self.fencing_token,
+                fencing_token,
                 &mut self.copy_buffer,
                 trades_by_copy,
-            ));
+            ))
+        };
+        let mut trades_by_copy = true;
+        let mut result = write(trades_by_copy);
+        if matches!(&result, Err(error) if is_trade_status_stored(error)) {
+            tracing::warn!(store = %self.name, "a trade's first status met a stored one: the batch is written again with every status as an upsert");
+            trades_by_copy = false;
+            result = write(trades_by_copy);
         }
         if !create.is_empty() && matches!(&result, Err(error) if catalog_race(error)) {
             // Another writer of this database created the same partition at the same moment
             // (shard 0's writer and the exceptions writer share `exceptions`): it exists now.
-            result = self.runtime.block_on(write_pg_batch(
-                &mut self.connection,
-                batch,
-                &create,
-                self.fencing_token,
-                &mut self.copy_buffer,
-                trades_by_copy,
-            ));
+            result = write(trades_by_copy);
         }
         let error = match result {
             Ok(ids) => {
