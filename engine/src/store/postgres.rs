@@ -655,9 +655,10 @@ async fn write_pg_batch(
     }
     // A trade's first status goes in through COPY too: through psql, new rows as an insert
     // that looks for each one first (`ON CONFLICT`, 250 rows a statement) took 8.2-9.4 µs a
-    // row, and as a COPY 3.8-4.4 (`bench/trade-status.sh`, BENCHMARKS.md). Its matcher's word that there is no row is not
-    // trusted blindly: if there is one, the key refuses the COPY, and the batch is written
-    // again with every status as an upsert ([`is_trade_status_stored`]).
+    // row, and as a COPY 3.8-4.4 (`bench/trade-status.sh`, BENCHMARKS.md). Its matcher's word
+    // that there is no row is not trusted blindly: if there is one, the key refuses the COPY,
+    // and the batch is written again with every status as an upsert
+    // ([`is_trade_status_stored`]).
     let (first, rest): (Vec<&TradeRow>, Vec<&TradeRow>) = batch
         .trades
         .iter()

@@ -21,19 +21,25 @@ const START_ATTEMPTS: usize = 5;
 
 impl NatsServer {
     pub fn start() -> Self {
+        let store = tempfile::tempdir().expect("a store folder");
+        let (child, port) = Self::spawn_retrying(store.path(), || {
+            ste_engine::ports::free_local_port().expect("a free port")
+        });
+        Self {
+            child,
+            url: format!("nats://127.0.0.1:{port}"),
+            port,
+            store,
+        }
+    }
+
+    /// [`Self::spawn`] on the port `port` gives, up to [`START_ATTEMPTS`] times.
+    fn spawn_retrying(store: &std::path::Path, mut port: impl FnMut() -> u16) -> (Child, u16) {
         let mut failures = Vec::new();
         for _ in 0..START_ATTEMPTS {
-            let port = ste_engine::ports::free_local_port().expect("a free port");
-            let store = tempfile::tempdir().expect("a store folder");
-            match Self::spawn(port, store.path()) {
-                Ok(child) => {
-                    return Self {
-                        child,
-                        url: format!("nats://127.0.0.1:{port}"),
-                        port,
-                        store,
-                    }
-                }
+            let port = port();
+            match Self::spawn(port, store) {
+                Ok(child) => return (child, port),
                 Err(why) => failures.push(why),
             }
         }
@@ -92,17 +98,8 @@ impl NatsServer {
     /// and store.
     pub fn restart(&mut self) {
         self.stop();
-        let mut failures = Vec::new();
-        for _ in 0..START_ATTEMPTS {
-            match Self::spawn(self.port, self.store.path()) {
-                Ok(child) => {
-                    self.child = child;
-                    return;
-                }
-                Err(why) => failures.push(why),
-            }
-        }
-        panic!("nats-server did not start again: {failures:#?}");
+        let port = self.port;
+        self.child = Self::spawn_retrying(self.store.path(), || port).0;
     }
 
     /// Stops the server (SIGTERM) and waits until it has gone.
