@@ -8,7 +8,7 @@ use time::OffsetDateTime;
 use crate::codec::{parse_fields, Field, RawFields};
 use crate::model::{parse_date, Decimal, Function, Msg, MsgType, PaymentType, Side, Text};
 use crate::reason::{ReasonCode, Rejection};
-use crate::refdata::{isin_check_digit_ok, RefData, Role};
+use crate::refdata::{isin_check_digit_ok, Party, RefData, Role};
 
 /// Largest message accepted, in bytes.
 pub const MESSAGE_SIZE_MAX_BYTES: usize = 64 * 1024;
@@ -494,10 +494,26 @@ pub fn check_reference_data(refdata: &RefData, msg: &Msg) -> Result<(), Rejectio
         ("Custodian", msg.custodian.as_deref(), Role::Custodian),
         ("Pset", msg.pset.as_deref(), Role::Csd),
     ];
-    for (name, bic, _) in &parties {
+    // Each party looked up once (the Broker is often the Sender), for its country and then its
+    // role: a participant's BIC country was looked up when the tables were loaded, so only a
+    // BIC that is no participant's needs a search among the countries. The checks and their
+    // order are those of DESIGN.md section 3 all the same.
+    let mut found: [Option<Party>; 5] = [None; 5];
+    for (at, (_, bic, _)) in parties.iter().enumerate() {
+        found[at] = match (at, bic) {
+            (1, Some(bic)) if Some(*bic) == parties[0].1 => found[0],
+            (_, Some(bic)) => refdata.party(bic),
+            (_, None) => None,
+        };
+    }
+    for ((name, bic, _), found) in parties.iter().zip(&found) {
         if let Some(bic) = bic {
             let country = &bic[4..6];
-            if !refdata.has_country(country) {
+            let known = match found {
+                Some(party) => party.bic_country_known,
+                None => refdata.has_country(country),
+            };
+            if !known {
                 return Err(Rejection::new(
                     ReasonCode::Country,
                     format!("{name} {bic} has country {country}, not in countries.csv"),
@@ -513,35 +529,39 @@ pub fn check_reference_data(refdata: &RefData, msg: &Msg) -> Result<(), Rejectio
             ));
         }
     }
-    let security = match &msg.isin {
-        Some(isin) => {
-            if !isin_check_digit_ok(isin) {
-                return Err(Rejection::new(
-                    ReasonCode::Isin,
-                    format!("ISIN {isin} has a wrong check digit"),
-                ));
+    let listing = match &msg.isin {
+        // A listed ISIN's check digit was checked when the tables were loaded.
+        Some(isin) => match refdata.listing(isin) {
+            Some(listing) if listing.isin_check_digit_ok => Some(listing),
+            listed => {
+                if !isin_check_digit_ok(isin) {
+                    return Err(Rejection::new(
+                        ReasonCode::Isin,
+                        format!("ISIN {isin} has a wrong check digit"),
+                    ));
+                }
+                let Some(listing) = listed else {
+                    return Err(Rejection::new(
+                        ReasonCode::Isin,
+                        format!("ISIN {isin} is not in securities.csv"),
+                    ));
+                };
+                Some(listing)
             }
-            let Some(security) = refdata.security(isin) else {
-                return Err(Rejection::new(
-                    ReasonCode::Isin,
-                    format!("ISIN {isin} is not in securities.csv"),
-                ));
-            };
-            Some(security)
-        }
+        },
         None => None,
     };
     // The Sender's role is checked by entitlement below, not here.
-    for (name, bic, role) in &parties[1..] {
+    for ((name, bic, role), found) in parties.iter().zip(&found).skip(1) {
         if let Some(bic) = bic {
-            match refdata.participant(bic) {
-                Some(participant) if participant.role == *role => {}
-                Some(participant) => {
+            match found {
+                Some(party) if party.role == *role => {}
+                Some(party) => {
                     return Err(Rejection::new(
                         ReasonCode::Party,
                         format!(
                             "{name} {bic} is a {}, not a {}",
-                            participant.role.as_str(),
+                            party.role.as_str(),
                             role.as_str()
                         ),
                     ))
@@ -558,9 +578,15 @@ pub fn check_reference_data(refdata: &RefData, msg: &Msg) -> Result<(), Rejectio
     check_entitlement(refdata, msg)?;
     if let (Some(trade_date), Some(settle_date)) = (msg.trade_date, msg.settle_date) {
         // The security is known here: a NEW or AMD carries an Isin, checked above.
-        let market = security.map(|s| s.market.as_str()).unwrap_or_default();
         for (name, date) in [("TradeDate", trade_date), ("SettleDate", settle_date)] {
-            if !refdata.is_business_day(market, date) {
+            let business_day = match listing {
+                Some(listing) => refdata.is_business_day_in(listing, date),
+                None => refdata.is_business_day("", date),
+            };
+            if !business_day {
+                // The market's name is read from the security's row only to say so.
+                let market = msg.isin.as_deref().and_then(|isin| refdata.security(isin));
+                let market = market.map(|s| s.market.as_str()).unwrap_or_default();
                 return Err(Rejection::new(
                     ReasonCode::Date,
                     format!("{name} {date} is not a business day of {market}"),
@@ -618,5 +644,60 @@ fn check_entitlement(refdata: &RefData, msg: &Msg) -> Result<(), Rejection> {
                 msg.function.as_str()
             ),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generator::{Generator, GeneratorConfig};
+    use crate::refdata::tests::tables_with_faulty_rows;
+
+    /// A listed participant and a listed security are held to the checks an unlisted one is,
+    /// though the validator reads what it needs of them from beside the keys.
+    #[test]
+    fn a_listed_row_is_held_to_the_country_and_check_digit_of_its_key() {
+        let (refdata, faulty_isin) = tables_with_faulty_rows();
+        let line = Generator::new(&refdata, GeneratorConfig::clean(1))
+            .next()
+            .expect("a NOE");
+        let noe = typed_fields(&parse_fields(&line).expect("parses")).expect("typed");
+        assert_eq!(noe.msg_type, MsgType::Noe);
+        assert_eq!(check_reference_data(&refdata, &noe), Ok(()));
+        let code_of = |change: &dyn Fn(&mut Msg)| {
+            let mut msg = noe.clone();
+            change(&mut msg);
+            check_reference_data(&refdata, &msg).map_err(|rejection| rejection.code)
+        };
+        // A broker of participants.csv whose BIC names a country countries.csv lacks.
+        let listed_broker = |msg: &mut Msg| {
+            msg.sender = Text::new("BRKRQQ22XXX");
+            msg.broker = Text::new("BRKRQQ22XXX");
+        };
+        assert_eq!(code_of(&listed_broker), Err(ReasonCode::Country));
+        assert_eq!(
+            code_of(&|msg| msg.broker = Text::new("BRKRQQ22XXX")),
+            Err(ReasonCode::Country)
+        );
+        // Country comes before Party: a broker named as the investment manager.
+        assert_eq!(
+            code_of(&|msg| msg.inv_mgr = Some(Text::new("BRKRQQ22XXX"))),
+            Err(ReasonCode::Country)
+        );
+        let mut msg = noe.clone();
+        msg.isin = Some(Text::new(&faulty_isin));
+        let rejection = check_reference_data(&refdata, &msg).expect_err("a wrong check digit");
+        assert_eq!(rejection.code, ReasonCode::Isin);
+        assert!(
+            rejection.detail.contains("check digit"),
+            "{}",
+            rejection.detail
+        );
+        // A Saturday is no business day of any market.
+        let saturday = parse_date("2026-08-01");
+        assert_eq!(
+            code_of(&|msg| msg.trade_date = saturday),
+            Err(ReasonCode::Date)
+        );
     }
 }

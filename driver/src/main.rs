@@ -201,6 +201,11 @@ enum Command {
         /// Seconds to run.
         #[arg(long, default_value_t = 5.0)]
         seconds: f64,
+        /// Validate each message whole, as a validator does (fields, reference data,
+        /// entitlement, dates, the typed message), instead of only its signature and parse:
+        /// the validator's own cost beside the limit's, on the same messages.
+        #[arg(long)]
+        validate: bool,
         /// Reference data folder (default: the data compiled in).
         #[arg(long)]
         refdata: Option<PathBuf>,
@@ -662,6 +667,7 @@ fn run_cli() -> anyhow::Result<()> {
             generation,
             input,
             seconds,
+            validate,
             refdata,
             json,
         }) => {
@@ -681,12 +687,23 @@ fn run_cli() -> anyhow::Result<()> {
                     ste_driver::probe::generated_sample(&refdata, &config)
                 }
             };
-            let probe = ste_driver::probe::run(&refdata, &sample, Duration::from_secs_f64(seconds));
+            let work = if validate {
+                ste_driver::probe::ProbeWork::Validate
+            } else {
+                ste_driver::probe::ProbeWork::Limit
+            };
+            let probe = ste_driver::probe::run_work(
+                &refdata,
+                &sample,
+                Duration::from_secs_f64(seconds),
+                work,
+            );
             if json {
                 println!("{}", serde_json::to_string_pretty(&probe)?);
             } else {
                 println!(
-                    "limit probe: {:.0} msg/s on {} threads ({} messages in {:.2} s over {} distinct, {} refused)",
+                    "{}: {:.0} msg/s on {} threads ({} messages in {:.2} s over {} distinct, {} refused)",
+                    if validate { "validator alone" } else { "limit probe" },
                     probe.msgs_per_s,
                     probe.threads,
                     probe.messages,

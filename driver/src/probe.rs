@@ -13,6 +13,7 @@ use ste_engine::codec::parse_fields;
 use ste_engine::generator::{Generator, GeneratorConfig};
 use ste_engine::network::{sign_line, Envelope};
 use ste_engine::refdata::RefData;
+use ste_engine::validate::validate_message;
 
 use crate::MessageSetReader;
 
@@ -65,9 +66,30 @@ pub fn file_sample(refdata: &RefData, path: &Path) -> anyhow::Result<Vec<Envelop
         .collect()
 }
 
+/// What a probe thread does to each message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeWork {
+    /// Checks its signature and parses it: the limit.
+    Limit,
+    /// Validates it as a validator does: signature, parse, fields, reference data,
+    /// entitlement and dates, into a typed message. Against [`ProbeWork::Limit`] on the same
+    /// sample, what the validator adds to the work no engine can skip.
+    Validate,
+}
+
 /// Checks the signature of every message of `sample` and parses it, over and over, on one
 /// thread per core, for `duration`.
 pub fn run(refdata: &RefData, sample: &[Envelope], duration: Duration) -> LimitProbe {
+    run_work(refdata, sample, duration, ProbeWork::Limit)
+}
+
+/// [`run`], doing `work` to each message.
+pub fn run_work(
+    refdata: &RefData,
+    sample: &[Envelope],
+    duration: Duration,
+    work: ProbeWork,
+) -> LimitProbe {
     let threads = std::thread::available_parallelism()
         .map(usize::from)
         .unwrap_or(1);
@@ -86,7 +108,11 @@ pub fn run(refdata: &RefData, sample: &[Envelope], duration: Duration) -> LimitP
                     let (mut done, mut failed) = (0_u64, 0_u64);
                     while !stop.load(Ordering::Relaxed) {
                         for _ in 0..PROBE_STRIDE {
-                            if !check(refdata, &sample[position]) {
+                            let passed = match work {
+                                ProbeWork::Limit => check(refdata, &sample[position]),
+                                ProbeWork::Validate => validate(refdata, &sample[position]),
+                            };
+                            if !passed {
                                 failed += 1;
                             }
                             position = (position + 1) % sample.len();
@@ -127,6 +153,17 @@ fn check(refdata: &RefData, envelope: &Envelope) -> bool {
     signed && parsed
 }
 
+/// The validator's whole work for one message, its result dropped. Whether it passed.
+fn validate(refdata: &RefData, envelope: &Envelope) -> bool {
+    validate_message(
+        refdata,
+        std::hint::black_box(&envelope.bytes),
+        envelope.sender.as_deref(),
+        envelope.signature.as_ref().map(|s| s.as_slice()),
+    )
+    .is_ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,5 +187,16 @@ mod tests {
         assert!(probe.refused >= passes.saturating_sub(probe.threads as u64));
         assert!(probe.refused <= passes + probe.threads as u64);
         assert!(probe.msgs_per_s > 0.0);
+        // The validator alone refuses the same message, and only it, every time round.
+        let validated = run_work(
+            &refdata,
+            &sample,
+            Duration::from_millis(50),
+            ProbeWork::Validate,
+        );
+        let passes = validated.messages / 70;
+        assert!(validated.messages >= (validated.threads * PROBE_STRIDE) as u64);
+        assert!(validated.refused >= passes.saturating_sub(validated.threads as u64));
+        assert!(validated.refused <= passes + validated.threads as u64);
     }
 }

@@ -74,6 +74,27 @@ pub struct Participant {
     pub country: String,
 }
 
+/// What the validator needs of a participant, kept beside the sorted BICs in a few bytes so
+/// that looking one up reads no more than the keys and this ([`RefData::party`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Party {
+    pub role: Role,
+    /// Whether the country its BIC names (characters 5 and 6, not the `country` column) is in
+    /// countries.csv, found when the tables were loaded.
+    pub bic_country_known: bool,
+}
+
+/// What the validator needs of a listed security, kept beside the sorted ISINs
+/// ([`RefData::listing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Listing {
+    /// Whether the ISIN carries the right check digit ([`isin_check_digit_ok`]), found when the
+    /// tables were loaded.
+    pub isin_check_digit_ok: bool,
+    /// Where the home market's holidays are among the holiday lists; `None`: it lists none.
+    holidays: Option<u32>,
+}
+
 /// Why reference data could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum RefDataError {
@@ -92,14 +113,28 @@ pub enum RefDataError {
 /// byte order of the text, so a sorted array of packed keys is searched with register compares.
 /// A text with a NUL byte packs to nothing: zero padding would make it another key's alias
 /// (`"ABC\0"` and `"ABC"`), so that only exact keys are found.
+///
+/// Built in registers, a byte at a time: copying the text into a padded array and reading it
+/// back as one integer called `memcpy` and stalled on the read of what it had just stored, and
+/// the validator packs about a dozen keys a message.
 fn pack(text: &str) -> Option<u128> {
     let bytes = text.as_bytes();
-    if bytes.len() > 16 || bytes.contains(&0) {
+    if bytes.len() > 16 {
         return None;
     }
-    let mut padded = [0_u8; 16];
-    padded[..bytes.len()].copy_from_slice(bytes);
-    Some(u128::from_be_bytes(padded))
+    let mut value: u128 = 0;
+    for &byte in bytes {
+        if byte == 0 {
+            return None;
+        }
+        value = (value << 8) | u128::from(byte);
+    }
+    // Left-aligned, zero-padded; an empty text is 0 (a shift by the full 128 bits overflows).
+    Some(
+        value
+            .checked_shl(8 * (16 - bytes.len() as u32))
+            .unwrap_or(0),
+    )
 }
 
 /// The markets of `holidays`, sorted, and each one's days as sorted Julian days.
@@ -141,6 +176,9 @@ struct Keys {
     markets: Vec<u128>,
     securities: Vec<u128>,
     participants: Vec<u128>,
+    /// What the validator needs of each participant and security, parallel to their keys.
+    parties: Vec<Party>,
+    listings: Vec<Listing>,
     /// The markets that have holidays, sorted, and each one's holidays as sorted Julian days
     /// (a search among a few markets, then among one market's days, where one search among
     /// every (market, day) pair compared 128-bit keys eleven times).
@@ -357,12 +395,33 @@ impl RefData {
         custodians.dedup();
         let keys_by_participant = vec![ParticipantKeys::default(); participants.len()];
         let (holiday_markets, holiday_days) = holidays_by_market(&holidays);
+        let country_keys = packed_keys(&countries, |c| c);
+        let parties = participants
+            .iter()
+            .map(|participant| Party {
+                role: participant.role,
+                bic_country_known: participant
+                    .bic
+                    .get(4..6)
+                    .and_then(|country| search(&country_keys, country))
+                    .is_some(),
+            })
+            .collect();
+        let listings = securities
+            .iter()
+            .map(|security| Listing {
+                isin_check_digit_ok: isin_check_digit_ok(&security.isin),
+                holidays: search(&holiday_markets, &security.market).map(|at| at as u32),
+            })
+            .collect();
         let keys = Keys {
             currencies: packed_keys(&currencies, |c| &c.code),
-            countries: packed_keys(&countries, |c| c),
+            countries: country_keys,
             markets: packed_keys(&markets, |m| &m.mic),
             securities: packed_keys(&securities, |s| &s.isin),
             participants: packed_keys(&participants, |p| &p.bic),
+            parties,
+            listings,
             holiday_markets,
             holiday_days,
             custodians: custodians
@@ -437,6 +496,18 @@ impl RefData {
         search(&self.keys.participants, bic).map(|i| &self.participants[i])
     }
 
+    /// What the validator needs of the participant with this BIC: [`RefData::participant`]
+    /// without reading its row.
+    pub fn party(&self, bic: &str) -> Option<Party> {
+        search(&self.keys.participants, bic).map(|i| self.keys.parties[i])
+    }
+
+    /// What the validator needs of the security with this ISIN: [`RefData::security`] without
+    /// reading its row.
+    pub fn listing(&self, isin: &str) -> Option<Listing> {
+        search(&self.keys.securities, isin).map(|i| self.keys.listings[i])
+    }
+
     /// The participant with this BIC and the key it signs with (the newest of its keys), if it
     /// has one.
     pub fn participant_mac(&self, bic: &str) -> Option<(&Participant, &crate::sign::KeyedMac)> {
@@ -493,6 +564,17 @@ impl RefData {
     pub fn is_business_day(&self, market: &str, date: Date) -> bool {
         !matches!(date.weekday(), Weekday::Saturday | Weekday::Sunday)
             && !self.is_holiday(market, date)
+    }
+
+    /// [`RefData::is_business_day`] in the home market of a listed security, whose holidays
+    /// were found when the tables were loaded: one search among that market's days, not two.
+    pub fn is_business_day_in(&self, listing: Listing, date: Date) -> bool {
+        !matches!(date.weekday(), Weekday::Saturday | Weekday::Sunday)
+            && !listing.holidays.is_some_and(|at| {
+                self.keys.holiday_days[at as usize]
+                    .binary_search(&date.to_julian_day())
+                    .is_ok()
+            })
     }
 
     /// All currencies, sorted by code.
@@ -575,7 +657,7 @@ pub fn isin_check_digit(body: &str) -> Option<u8> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -643,6 +725,81 @@ mod tests {
                 assert!(!refdata.is_holiday(unlisted, day), "{unlisted:?} {day}");
             }
         }
+    }
+
+    /// The embedded tables with a broker whose BIC names a country countries.csv lacks
+    /// (`BRKRQQ22XXX`) and a listed security whose ISIN has a wrong check digit (returned).
+    pub(crate) fn tables_with_faulty_rows() -> (RefData, String) {
+        let mut texts = EMBEDDED.map(str::to_owned);
+        let body = "GB000000012";
+        let right = isin_check_digit(body).expect("an ISIN body");
+        let faulty = format!("{body}{}", (right + 1) % 10);
+        for (at, row) in [
+            (4, "BRKRQQ22XXX,BROKER,QQ".to_owned()),
+            (3, format!("{faulty},XLON,GBP")),
+        ] {
+            let text = &mut texts[at];
+            if !text.ends_with('\n') {
+                text.push('\n');
+            }
+            text.push_str(&row);
+            text.push('\n');
+        }
+        let refdata = RefData::from_texts(texts.each_ref().map(String::as_str))
+            .expect("the edited tables load");
+        (refdata, faulty)
+    }
+
+    #[test]
+    fn what_is_kept_beside_the_keys_agrees_with_the_rows() {
+        let (refdata, faulty) = tables_with_faulty_rows();
+        assert!(!refdata.has_country("QQ"));
+        for participant in refdata.participants() {
+            let country = participant.bic.get(4..6).unwrap_or_default();
+            assert_eq!(
+                refdata.party(&participant.bic),
+                Some(Party {
+                    role: participant.role,
+                    bic_country_known: refdata.has_country(country),
+                }),
+                "{}",
+                participant.bic
+            );
+        }
+        assert_eq!(
+            refdata.party("BRKRQQ22XXX").map(|p| p.bic_country_known),
+            Some(false)
+        );
+        let mut markets = std::collections::HashSet::new();
+        for security in refdata.securities() {
+            let listing = refdata.listing(&security.isin).expect("a listed ISIN");
+            assert_eq!(
+                listing.isin_check_digit_ok,
+                isin_check_digit_ok(&security.isin),
+                "{}",
+                security.isin
+            );
+            // Each market's business days, through one of its securities, as its name gives them.
+            if markets.insert(security.market.as_str()) {
+                let first = parse_date("2024-01-01").expect("a date");
+                for day in (0..4 * 366).filter_map(|n| first.checked_add(time::Duration::days(n))) {
+                    assert_eq!(
+                        refdata.is_business_day_in(listing, day),
+                        refdata.is_business_day(&security.market, day),
+                        "{} {day}",
+                        security.market
+                    );
+                }
+            }
+        }
+        assert!(markets.len() > 10);
+        assert!(
+            !refdata
+                .listing(&faulty)
+                .expect("listed")
+                .isin_check_digit_ok
+        );
+        assert!(refdata.listing("US0378331005").is_none());
     }
 
     #[test]
