@@ -356,6 +356,7 @@ pub fn run_cluster(
         misrouted_trades: Some(misrouted),
         cpu: Some(cpu),
         process_cpu_s: None,
+        station_cpu_s: Default::default(),
         limit_probe: crate::limit_probe(config, &refdata)?,
         run_dir: config.run_dir.display().to_string(),
     };

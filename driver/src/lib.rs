@@ -192,6 +192,11 @@ pub struct Summary {
     /// the pipeline to its end, every thread.
     #[serde(default)]
     pub process_cpu_s: Option<f64>,
+    /// In process: the CPU seconds of the engine's station threads by role (`validator`,
+    /// `matcher`, `writer`, ...), each over its thread's life; the rest of `process_cpu_s` is
+    /// the driver's own (loading or generating, signing, injecting), the sink's and the acks'.
+    #[serde(default)]
+    pub station_cpu_s: std::collections::BTreeMap<String, f64>,
     /// The limit probe measured after the run, on the same messages ([`probe`]).
     #[serde(default)]
     pub limit_probe: Option<probe::LimitProbe>,
@@ -846,6 +851,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         misrouted_trades: None,
         cpu: None,
         process_cpu_s: Some(process_cpu_s),
+        station_cpu_s: report.station_cpu_s.clone(),
         limit_probe: limit_probe(config, &refdata)?,
         run_dir: config.run_dir.display().to_string(),
     };

@@ -486,6 +486,25 @@ fn print_summary(summary: &Summary) {
             "  memory store      keeps every message, trade and CLS in memory until the run ends: its RSS grows with the run"
         );
     }
+    if let Some(process) = summary.process_cpu_s {
+        let per_message = |seconds: f64| 1e6 * seconds / summary.outcome.messages_in.max(1) as f64;
+        let stations: f64 = summary.station_cpu_s.values().sum();
+        let parts: Vec<String> = summary
+            .station_cpu_s
+            .iter()
+            .filter(|(_, seconds)| per_message(**seconds) >= 0.005)
+            .map(|(role, seconds)| format!("{role} {:.2}", per_message(*seconds)))
+            .chain([format!(
+                "rest {:.2} (driver, sink, acks)",
+                per_message((process - stations).max(0.0))
+            )])
+            .collect();
+        println!(
+            "  CPU µs/msg        {:.2}   {}",
+            per_message(process),
+            parts.join("   ")
+        );
+    }
     if let Some(probe) = &summary.limit_probe {
         println!(
             "  limit probe       {:.0} msg/s (signature and parse only, {} threads)   this run {:.3} of it",

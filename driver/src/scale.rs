@@ -11,13 +11,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
+use ste_engine::cpu::USER_HZ;
 use ste_engine::store::PgStore;
 
 use super::Summary;
-
-/// Clock ticks per second of `/proc/stat` and `/proc/<pid>/stat` (Linux's USER_HZ, 100 on
-/// every architecture it runs on).
-const USER_HZ: f64 = 100.0;
 
 /// The programs a level's CPU is told apart by (a process's `comm`); the rest of the machine's
 /// busy time is "other".
@@ -133,13 +130,7 @@ pub fn own_cpu_s() -> f64 {
 
 /// A process's program name and CPU seconds (user + system, every thread).
 fn process_cpu(pid: u32) -> Option<(String, f64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let (open, close) = (stat.find('(')?, stat.rfind(')')?);
-    let program = stat.get(open + 1..close)?.to_owned();
-    let fields: Vec<&str> = stat.get(close + 1..)?.split_whitespace().collect();
-    // After the name: state is field 3 of the line, utime 14 and stime 15.
-    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    Some((program, ticks / USER_HZ))
+    ste_engine::cpu::stat_cpu(&format!("/proc/{pid}/stat"))
 }
 
 /// How a level's nodes split the cluster's work: each takes at most its share of the shards,

@@ -12,6 +12,7 @@ pub use ste_core::{
 
 pub mod cluster;
 pub mod cluster_samples;
+pub mod cpu;
 pub mod lease;
 pub mod network;
 pub mod options;

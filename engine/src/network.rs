@@ -488,6 +488,17 @@ pub(crate) fn spawn<T: Send + 'static>(
         .expect("the operating system can start a thread")
 }
 
+/// [`spawn`], the thread's CPU added to `ledger` under its role when it ends.
+pub(crate) fn spawn_counted<T: Send + 'static>(
+    ledger: &Arc<crate::cpu::CpuLedger>,
+    name: String,
+    body: impl FnOnce() -> Result<T, PipelineError> + Send + 'static,
+) -> Joined<T> {
+    let ledger = ledger.clone();
+    let thread = name.clone();
+    spawn(name, move || crate::cpu::counted(&ledger, &thread, body))
+}
+
 pub(crate) fn join<T>(handle: Joined<T>) -> Result<T, PipelineError> {
     let name = handle.thread().name().unwrap_or("unnamed").to_owned();
     handle.join().map_err(|_| PipelineError::Panicked(name))?

@@ -13,6 +13,7 @@
 //! trade keep their order from injection to the matcher. Nothing leaves the engine before the
 //! transaction that holds it has committed.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -20,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use time::OffsetDateTime;
 
+use crate::cpu::CpuLedger;
 use crate::matcher::{Matcher, MatcherMemory, ShardCounts};
 use crate::profile::Tolerances;
 use crate::queue::local::{self, LocalReceiver};
@@ -38,7 +40,7 @@ pub use crate::network::{
     inbound_index, sign_line, Ack, AckResult, Aging, Delivery, Envelope, OutboundEvent,
     PipelineError, RetryPolicy, Submitter, EXCEPTION_RAW_PREFIX_BYTES, INBOUND_BATCH_MESSAGES,
 };
-pub(crate) use crate::network::{join, spawn, Joined};
+pub(crate) use crate::network::{join, spawn_counted, Joined};
 pub use crate::stations::sampler::{station_time_path, SAMPLES_HEADER, STATION_TIME_HEADER};
 
 /// Default of [`PipelineConfig::unchecked_exception_days`].
@@ -152,6 +154,9 @@ pub struct PipelineReport {
     pub exception_rows: RowCounts,
     /// Whether the sampler ran at real-time priority (`None`: no sampler).
     pub sampler_on_time: Option<bool>,
+    /// CPU seconds of the station threads over their lives, by role (`validator`, `matcher`,
+    /// `writer`, `exception-writer`, `sampler`): a shard's restore included.
+    pub station_cpu_s: BTreeMap<String, f64>,
 }
 
 /// A running pipeline.
@@ -166,6 +171,8 @@ pub struct Pipeline {
     exception_writer: Option<Joined<WriterReport>>,
     sampler: Option<(Arc<AtomicBool>, Joined<bool>)>,
     delivery: Delivery,
+    /// CPU seconds of the station threads, by role, added as each one ends.
+    cpu: Arc<CpuLedger>,
 }
 
 /// Opens the store of `shard`, or the store of validation exceptions for `None`.
@@ -297,6 +304,7 @@ impl Pipeline {
         // Writers and their store queues.
         let mut store_txs = Vec::new();
         let mut store_stations = Vec::new();
+        let cpu = Arc::new(CpuLedger::default());
         let mut writers = Vec::new();
         let mut recalls = Vec::new();
         for (((shard, store), redeliver), runs) in stores
@@ -334,7 +342,7 @@ impl Pipeline {
                 committed,
                 lease_held: None,
             };
-            writers.push(spawn(format!("writer-{shard}"), move || {
+            writers.push(spawn_counted(&cpu, format!("writer-{shard}"), move || {
                 run_writer(Box::new(rx), store, context, redeliver)
             }));
         }
@@ -345,7 +353,7 @@ impl Pipeline {
         let unchecked_exception_days = config.unchecked_exception_days;
         let exception_writer = {
             let acks: Tx<Ack> = Box::new(ack_tx.clone());
-            spawn("exception-writer".to_owned(), move || {
+            spawn_counted(&cpu, "exception-writer".to_owned(), move || {
                 run_exception_writer(
                     Box::new(exception_rx),
                     exception_store,
@@ -381,7 +389,7 @@ impl Pipeline {
             match_stations.push(tx.station().clone());
             match_txs.push(Box::new(tx));
             let aging = config.aging;
-            matchers.push(spawn(format!("matcher-{shard}"), move || {
+            matchers.push(spawn_counted(&cpu, format!("matcher-{shard}"), move || {
                 run_matcher(
                     Box::new(rx),
                     matcher,
@@ -404,9 +412,11 @@ impl Pipeline {
             let refdata = refdata.clone();
             let routes = Routes::Every(match_txs.clone());
             let exception_tx: Tx<RejectedItem> = Box::new(exception_tx.clone());
-            validator_handles.push(spawn(format!("validator-{index}"), move || {
-                run_validator(Box::new(rx), &refdata, &routes, &exception_tx)
-            }));
+            validator_handles.push(spawn_counted(
+                &cpu,
+                format!("validator-{index}"),
+                move || run_validator(Box::new(rx), &refdata, &routes, &exception_tx),
+            ));
         }
         drop(match_txs);
         drop(exception_tx);
@@ -424,7 +434,7 @@ impl Pipeline {
                 let flag = stop.clone();
                 let sampled = stations.clone();
                 let interval = config.sample_interval;
-                let handle = spawn("sampler".to_owned(), move || {
+                let handle = spawn_counted(&cpu, "sampler".to_owned(), move || {
                     run_sampler(files, &sampled, &flag, interval, clock)
                 });
                 Some((stop, handle))
@@ -443,6 +453,7 @@ impl Pipeline {
             exception_writer: Some(exception_writer),
             sampler,
             delivery,
+            cpu,
         })
     }
 
@@ -548,6 +559,7 @@ impl Pipeline {
                 shard_commit_retries,
                 exception_rows,
                 sampler_on_time,
+                station_cpu_s: self.cpu.by_role(),
             }),
         }
     }

@@ -1,0 +1,100 @@
+//! CPU time as Linux counts it for a process or one of its threads, and a ledger of what each
+//! kind of station thread used: a message's cost in CPU, told apart by station, in every run.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+/// Clock ticks per second of `/proc/<pid>/stat` (Linux's USER_HZ, 100 on every architecture it
+/// runs on).
+pub const USER_HZ: f64 = 100.0;
+
+/// The program name and CPU seconds (user + system) in a `/proc/<pid>/stat` or
+/// `/proc/<pid>/task/<tid>/stat` file: a process's covers every thread of it.
+pub fn stat_cpu(path: &str) -> Option<(String, f64)> {
+    let stat = std::fs::read_to_string(path).ok()?;
+    let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+    let program = stat.get(open + 1..close)?.to_owned();
+    let fields: Vec<&str> = stat.get(close + 1..)?.split_whitespace().collect();
+    // After the name: state is field 3 of the line, utime 14 and stime 15.
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some((program, ticks / USER_HZ))
+}
+
+/// CPU seconds the calling thread has used (a tick is 10 ms).
+pub fn thread_cpu_s() -> Option<f64> {
+    stat_cpu("/proc/thread-self/stat").map(|(_, seconds)| seconds)
+}
+
+/// CPU seconds of a pipeline's station threads, summed by role: a thread named `matcher-3`
+/// counts as `matcher`. Each thread adds its own when it ends.
+#[derive(Debug, Default)]
+pub struct CpuLedger {
+    by_role: Mutex<BTreeMap<String, f64>>,
+}
+
+impl CpuLedger {
+    /// Adds `seconds` of the thread named `thread` to its role.
+    pub fn add(&self, thread: &str, seconds: f64) {
+        let role = thread
+            .rsplit_once('-')
+            .filter(|(_, index)| !index.is_empty() && index.bytes().all(|b| b.is_ascii_digit()))
+            .map_or(thread, |(role, _)| role);
+        let mut by_role = self.by_role.lock().unwrap_or_else(|e| e.into_inner());
+        *by_role.entry(role.to_owned()).or_default() += seconds;
+    }
+
+    /// What has been added so far, by role.
+    pub fn by_role(&self) -> BTreeMap<String, f64> {
+        self.by_role
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+/// Runs `body`, then adds the CPU its thread used in all to `ledger` under `thread`'s role.
+pub(crate) fn counted<T>(ledger: &Arc<CpuLedger>, thread: &str, body: impl FnOnce() -> T) -> T {
+    let result = body();
+    if let Some(seconds) = thread_cpu_s() {
+        ledger.add(thread, seconds);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_thread_counts_its_own_cpu_under_its_role() {
+        let ledger = Arc::new(CpuLedger::default());
+        let handles: Vec<_> = ["spinner-0", "spinner-1", "sampler"]
+            .into_iter()
+            .map(|name| {
+                let ledger = ledger.clone();
+                std::thread::Builder::new()
+                    .name(name.to_owned())
+                    .spawn(move || {
+                        counted(&ledger, name, || {
+                            // Busy until the thread's own clock has moved past a few ticks.
+                            let mut spins = 0_u64;
+                            while thread_cpu_s().unwrap_or(1.0) < 0.05 {
+                                spins = std::hint::black_box(spins + 1);
+                            }
+                        })
+                    })
+                    .expect("a thread")
+            })
+            .collect();
+        for handle in handles {
+            handle.join().expect("joined");
+        }
+        let by_role = ledger.by_role();
+        assert_eq!(by_role.keys().collect::<Vec<_>>(), ["sampler", "spinner"]);
+        assert!(by_role["spinner"] >= 0.1, "{by_role:?}");
+        assert!(by_role["sampler"] >= 0.05, "{by_role:?}");
+        // A name whose tail is no number is a role of its own.
+        ledger.add("exception-writer", 0.5);
+        assert_eq!(ledger.by_role()["exception-writer"], 0.5);
+    }
+}
