@@ -357,6 +357,7 @@ pub fn run_cluster(
         cpu: Some(cpu),
         process_cpu_s: None,
         station_cpu_s: Default::default(),
+        thread_cpu_s: Default::default(),
         limit_probe: crate::limit_probe(config, &refdata)?,
         run_dir: config.run_dir.display().to_string(),
     };

@@ -193,10 +193,16 @@ pub struct Summary {
     #[serde(default)]
     pub process_cpu_s: Option<f64>,
     /// In process: the CPU seconds of the engine's station threads by role (`validator`,
-    /// `matcher`, `writer`, ...), each over its thread's life; the rest of `process_cpu_s` is
-    /// the driver's own (loading or generating, signing, injecting), the sink's and the acks'.
+    /// `matcher`, `writer`, ...), each over its thread's life, as each thread read it when it
+    /// ended.
     #[serde(default)]
     pub station_cpu_s: std::collections::BTreeMap<String, f64>,
+    /// In process: the CPU seconds of the process's other threads by name, read every 100 ms
+    /// from `/proc` ([`ste_engine::cpu::ThreadWatch`]): `driver` (loading or generating,
+    /// signing and injecting), `sink`, `acks`, and those a library starts (`sqlx-sqlite-wor`,
+    /// SQLite's workers, where the embedded store's statements run).
+    #[serde(default)]
+    pub thread_cpu_s: std::collections::BTreeMap<String, f64>,
     /// The limit probe measured after the run, on the same messages ([`probe`]).
     #[serde(default)]
     pub limit_probe: Option<probe::LimitProbe>,
@@ -706,6 +712,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     };
     let started = Instant::now();
     let cpu_started_s = scale::own_cpu_s();
+    let thread_watch = ste_engine::cpu::ThreadWatch::start(Duration::from_millis(100));
     let pipeline = Pipeline::start(
         &pipeline_config,
         refdata.clone(),
@@ -718,14 +725,20 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     let ack_thread = {
         let acks = pipeline.acks();
         let tally = tally.clone();
-        std::thread::spawn(move || tally_answers(acks, &tally, clock, false))
+        std::thread::Builder::new()
+            .name("acks".to_owned())
+            .spawn(move || tally_answers(acks, &tally, clock, false))
+            .context("starting the acks thread")?
     };
     let sink =
         Sink::new(config.cls_out.as_deref(), config.resume).context("opening the CLS output")?;
     let sink_thread = {
         let events = pipeline.outbound();
         let delivery = pipeline.delivery();
-        std::thread::spawn(move || ste_sink::run(events, sink, clock, Some(delivery)))
+        std::thread::Builder::new()
+            .name("sink".to_owned())
+            .spawn(move || ste_sink::run(events, sink, clock, Some(delivery)))
+            .context("starting the sink thread")?
     };
 
     let progress = Progress::start(&tally, &config.source, config.progress);
@@ -746,6 +759,7 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
     // stores and counting their rows afterwards is not part of it.
     let elapsed_s = run_seconds(&tally, started);
     let process_cpu_s = scale::own_cpu_s() - cpu_started_s;
+    let thread_cpu_s = thread_watch.finish();
     let rss_mb_at_answered = rss_marks.finish();
     progress.finish();
     let answers = ack_thread
@@ -851,6 +865,10 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         misrouted_trades: None,
         cpu: None,
         process_cpu_s: Some(process_cpu_s),
+        thread_cpu_s: thread_cpu_s
+            .into_iter()
+            .filter(|(role, _)| !report.station_cpu_s.contains_key(role))
+            .collect(),
         station_cpu_s: report.station_cpu_s.clone(),
         limit_probe: limit_probe(config, &refdata)?,
         run_dir: config.run_dir.display().to_string(),

@@ -488,15 +488,17 @@ fn print_summary(summary: &Summary) {
     }
     if let Some(process) = summary.process_cpu_s {
         let per_message = |seconds: f64| 1e6 * seconds / summary.outcome.messages_in.max(1) as f64;
-        let stations: f64 = summary.station_cpu_s.values().sum();
+        let counted: f64 = summary.station_cpu_s.values().sum::<f64>()
+            + summary.thread_cpu_s.values().sum::<f64>();
         let parts: Vec<String> = summary
             .station_cpu_s
             .iter()
+            .chain(&summary.thread_cpu_s)
             .filter(|(_, seconds)| per_message(**seconds) >= 0.005)
             .map(|(role, seconds)| format!("{role} {:.2}", per_message(*seconds)))
             .chain([format!(
-                "rest {:.2} (driver, sink, acks)",
-                per_message((process - stations).max(0.0))
+                "rest {:.2}",
+                per_message((process - counted).max(0.0))
             )])
             .collect();
         println!(

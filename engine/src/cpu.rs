@@ -1,8 +1,11 @@
 //! CPU time as Linux counts it for a process or one of its threads, and a ledger of what each
 //! kind of station thread used: a message's cost in CPU, told apart by station, in every run.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 /// Clock ticks per second of `/proc/<pid>/stat` (Linux's USER_HZ, 100 on every architecture it
 /// runs on).
@@ -35,10 +38,7 @@ pub struct CpuLedger {
 impl CpuLedger {
     /// Adds `seconds` of the thread named `thread` to its role.
     pub fn add(&self, thread: &str, seconds: f64) {
-        let role = thread
-            .rsplit_once('-')
-            .filter(|(_, index)| !index.is_empty() && index.bytes().all(|b| b.is_ascii_digit()))
-            .map_or(thread, |(role, _)| role);
+        let role = role_of(thread);
         let mut by_role = self.by_role.lock().unwrap_or_else(|e| e.into_inner());
         *by_role.entry(role.to_owned()).or_default() += seconds;
     }
@@ -49,6 +49,84 @@ impl CpuLedger {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+}
+
+/// The role of a thread: its name without a `-N` tail (`matcher-3`: `matcher`).
+fn role_of(thread: &str) -> &str {
+    thread
+        .rsplit_once('-')
+        .filter(|(_, index)| !index.is_empty() && index.bytes().all(|b| b.is_ascii_digit()))
+        .map_or(thread, |(role, _)| role)
+}
+
+/// The name of [`ThreadWatch`]'s own thread.
+const WATCH_THREAD: &str = "cpu-watch";
+
+/// The CPU of every thread of this process, read from `/proc/self/task` every interval by a
+/// thread of its own, for the threads that report nothing themselves (those a library starts,
+/// such as SQLite's workers, and the driver's). Each thread's first and last readings are kept;
+/// what a thread spends after its last reading (at most an interval's worth, if it ends
+/// before the watch does) is missed.
+pub struct ThreadWatch {
+    stop: Arc<AtomicBool>,
+    handle: JoinHandle<HashMap<u32, (String, f64, f64)>>,
+}
+
+impl ThreadWatch {
+    /// Starts watching, taking every thread's CPU so far as its start.
+    pub fn start(interval: Duration) -> Self {
+        let mut seen = HashMap::new();
+        read_threads(&mut seen);
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let handle = std::thread::Builder::new()
+            .name(WATCH_THREAD.to_owned())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    std::thread::sleep(interval);
+                    read_threads(&mut seen);
+                }
+                read_threads(&mut seen);
+                seen
+            })
+            .expect("the operating system can start a thread");
+        Self { stop, handle }
+    }
+
+    /// Stops watching: the CPU seconds each role's threads spent since the start, the watch's
+    /// own thread left out.
+    pub fn finish(self) -> BTreeMap<String, f64> {
+        self.stop.store(true, Ordering::Relaxed);
+        let seen = self.handle.join().unwrap_or_default();
+        let mut by_role = BTreeMap::<String, f64>::new();
+        for (name, first, last) in seen.into_values() {
+            if name != WATCH_THREAD {
+                *by_role.entry(role_of(&name).to_owned()).or_default() += last - first;
+            }
+        }
+        by_role
+    }
+}
+
+/// Reads the CPU of every thread of this process into `seen`, by thread id: name, first
+/// reading, latest reading.
+fn read_threads(seen: &mut HashMap<u32, (String, f64, f64)>) {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return;
+    };
+    for task in tasks.flatten() {
+        let Some(tid) = task
+            .file_name()
+            .to_str()
+            .and_then(|t| t.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if let Some((name, seconds)) = stat_cpu(&format!("/proc/self/task/{tid}/stat")) {
+            let entry = seen.entry(tid).or_insert((name, seconds, seconds));
+            entry.2 = seconds;
+        }
     }
 }
 
@@ -96,5 +174,25 @@ mod tests {
         // A name whose tail is no number is a role of its own.
         ledger.add("exception-writer", 0.5);
         assert_eq!(ledger.by_role()["exception-writer"], 0.5);
+    }
+
+    #[test]
+    fn the_watch_sees_threads_that_report_nothing() {
+        let watch = ThreadWatch::start(Duration::from_millis(10));
+        let spinner = std::thread::Builder::new()
+            .name("library-worker".to_owned())
+            .spawn(|| {
+                let mut spins = 0_u64;
+                while thread_cpu_s().unwrap_or(1.0) < 0.1 {
+                    spins = std::hint::black_box(spins + 1);
+                }
+                // Alive long enough to be read once more after its work.
+                std::thread::sleep(Duration::from_millis(50));
+            })
+            .expect("a thread");
+        spinner.join().expect("joined");
+        let by_role = watch.finish();
+        assert!(by_role["library-worker"] >= 0.05, "{by_role:?}");
+        assert!(!by_role.contains_key(WATCH_THREAD), "{by_role:?}");
     }
 }
