@@ -68,9 +68,12 @@ const WATCH_THREAD: &str = "cpu-watch";
 /// such as SQLite's workers, and the driver's). Each thread's first and last readings are kept;
 /// what a thread spends after its last reading (at most an interval's worth, if it ends
 /// before the watch does) is missed.
+///
+/// Dropped without [`ThreadWatch::finish`] (a run that failed), its thread stops at its next
+/// reading.
 pub struct ThreadWatch {
     stop: Arc<AtomicBool>,
-    handle: JoinHandle<HashMap<u32, (String, f64, f64)>>,
+    handle: Option<JoinHandle<HashMap<u32, (String, f64, f64)>>>,
 }
 
 impl ThreadWatch {
@@ -91,14 +94,21 @@ impl ThreadWatch {
                 seen
             })
             .expect("the operating system can start a thread");
-        Self { stop, handle }
+        Self {
+            stop,
+            handle: Some(handle),
+        }
     }
 
     /// Stops watching: the CPU seconds each role's threads spent since the start, the watch's
     /// own thread left out.
-    pub fn finish(self) -> BTreeMap<String, f64> {
+    pub fn finish(mut self) -> BTreeMap<String, f64> {
         self.stop.store(true, Ordering::Relaxed);
-        let seen = self.handle.join().unwrap_or_default();
+        let seen = self
+            .handle
+            .take()
+            .and_then(|handle| handle.join().ok())
+            .unwrap_or_default();
         let mut by_role = BTreeMap::<String, f64>::new();
         for (name, first, last) in seen.into_values() {
             if name != WATCH_THREAD {
@@ -106,6 +116,12 @@ impl ThreadWatch {
             }
         }
         by_role
+    }
+}
+
+impl Drop for ThreadWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
     }
 }
 
