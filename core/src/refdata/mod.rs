@@ -570,10 +570,10 @@ impl RefData {
     /// were found when the tables were loaded: one search among that market's days, not two.
     pub fn is_business_day_in(&self, listing: Listing, date: Date) -> bool {
         !matches!(date.weekday(), Weekday::Saturday | Weekday::Sunday)
-            && !listing
+            && listing
                 .holidays
                 .and_then(|at| self.keys.holiday_days.get(at as usize))
-                .is_some_and(|days| days.binary_search(&date.to_julian_day()).is_ok())
+                .is_none_or(|days| days.binary_search(&date.to_julian_day()).is_err())
     }
 
     /// All currencies, sorted by code.
