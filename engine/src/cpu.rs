@@ -60,6 +60,9 @@ fn role_of(thread: &str) -> &str {
         .map_or(thread, |(role, _)| role)
 }
 
+/// Every thread [`ThreadWatch`] has read, by thread id: its name, first reading, latest reading.
+type Seen = HashMap<u32, (String, f64, f64)>;
+
 /// The name of [`ThreadWatch`]'s own thread.
 const WATCH_THREAD: &str = "cpu-watch";
 
@@ -73,7 +76,7 @@ const WATCH_THREAD: &str = "cpu-watch";
 /// reading.
 pub struct ThreadWatch {
     stop: Arc<AtomicBool>,
-    handle: Option<JoinHandle<HashMap<u32, (String, f64, f64)>>>,
+    handle: Option<JoinHandle<Seen>>,
 }
 
 impl ThreadWatch {
@@ -127,7 +130,7 @@ impl Drop for ThreadWatch {
 
 /// Reads the CPU of every thread of this process into `seen`, by thread id: name, first
 /// reading, latest reading.
-fn read_threads(seen: &mut HashMap<u32, (String, f64, f64)>) {
+fn read_threads(seen: &mut Seen) {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return;
     };
