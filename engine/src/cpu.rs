@@ -60,7 +60,8 @@ fn role_of(thread: &str) -> &str {
         .map_or(thread, |(role, _)| role)
 }
 
-/// Every thread [`ThreadWatch`] has read, by thread id: its name, first reading, latest reading.
+/// Every thread [`ThreadWatch`] has read, by thread id: its name, CPU at the start, latest
+/// reading.
 type Seen = HashMap<u32, (String, f64, f64)>;
 
 /// The name of [`ThreadWatch`]'s own thread.
@@ -68,9 +69,9 @@ const WATCH_THREAD: &str = "cpu-watch";
 
 /// The CPU of every thread of this process, read from `/proc/self/task` every interval by a
 /// thread of its own, for the threads that report nothing themselves (those a library starts,
-/// such as SQLite's workers, and the driver's). Each thread's first and last readings are kept;
-/// what a thread spends after its last reading (at most an interval's worth, if it ends
-/// before the watch does) is missed.
+/// such as SQLite's workers, and the driver's). A thread counts from its CPU at the start, or
+/// from nothing if it started later, to its last reading; what a thread spends after its last
+/// reading (at most an interval's worth, if it ends before the watch does) is missed.
 ///
 /// Dropped without [`ThreadWatch::finish`] (a run that failed), its thread stops at its next
 /// reading.
@@ -83,7 +84,7 @@ impl ThreadWatch {
     /// Starts watching, taking every thread's CPU so far as its start.
     pub fn start(interval: Duration) -> Self {
         let mut seen = HashMap::new();
-        read_threads(&mut seen);
+        read_threads(&mut seen, false);
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let handle = std::thread::Builder::new()
@@ -91,9 +92,9 @@ impl ThreadWatch {
             .spawn(move || {
                 while !flag.load(Ordering::Relaxed) {
                     std::thread::sleep(interval);
-                    read_threads(&mut seen);
+                    read_threads(&mut seen, true);
                 }
-                read_threads(&mut seen);
+                read_threads(&mut seen, true);
                 seen
             })
             .expect("the operating system can start a thread");
@@ -128,9 +129,10 @@ impl Drop for ThreadWatch {
     }
 }
 
-/// Reads the CPU of every thread of this process into `seen`, by thread id: name, first
-/// reading, latest reading.
-fn read_threads(seen: &mut Seen) {
+/// Reads the CPU of every thread of this process into `seen`, by thread id: name, CPU at the
+/// start, latest reading. A thread first seen `born_since` the start counts from nothing: all
+/// of its CPU was spent since, however late it was first read.
+fn read_threads(seen: &mut Seen, born_since: bool) {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return;
     };
@@ -143,7 +145,8 @@ fn read_threads(seen: &mut Seen) {
             continue;
         };
         if let Some((name, seconds)) = stat_cpu(&format!("/proc/self/task/{tid}/stat")) {
-            let entry = seen.entry(tid).or_insert((name, seconds, seconds));
+            let start = if born_since { 0.0 } else { seconds };
+            let entry = seen.entry(tid).or_insert((name, start, seconds));
             entry.2 = seconds;
         }
     }
@@ -205,8 +208,9 @@ mod tests {
                 while thread_cpu_s().unwrap_or(1.0) < 0.1 {
                     spins = std::hint::black_box(spins + 1);
                 }
-                // Alive long enough to be read once more after its work.
-                std::thread::sleep(Duration::from_millis(50));
+                // Alive long enough to be read after its work, by a watch reading every 10 ms
+                // on a machine busy with other tests.
+                std::thread::sleep(Duration::from_millis(200));
             })
             .expect("a thread");
         spinner.join().expect("joined");
