@@ -842,18 +842,21 @@ impl Store for PgStore {
                 trades_by_copy,
             ))
         };
-        let mut trades_by_copy = true;
-        let mut result = write(trades_by_copy);
-        if matches!(&result, Err(error) if is_trade_status_stored(error)) {
-            tracing::warn!(store = %self.name, "a trade's first status met a stored one: the batch is written again with every status as an upsert");
-            trades_by_copy = false;
-            result = write(trades_by_copy);
-        }
-        if !create.is_empty() && matches!(&result, Err(error) if catalog_race(error)) {
-            // Another writer of this database created the same partition at the same moment
-            // (shard 0's writer and the exceptions writer share `exceptions`): it exists now.
-            result = write(trades_by_copy);
-        }
+        // Each of the two known refusals is answered once, in whichever order they come: a
+        // first status that met a stored one (written again with every status upserted), and
+        // another writer of this database creating the same partition at the same moment
+        // (shard 0's writer and the exceptions writer share `exceptions`: it exists now).
+        let (mut trades_by_copy, mut raced) = (true, create.is_empty());
+        let result = loop {
+            match write(trades_by_copy) {
+                Err(error) if trades_by_copy && is_trade_status_stored(&error) => {
+                    tracing::warn!(store = %self.name, "a trade's first status met a stored one: the batch is written again with every status as an upsert");
+                    trades_by_copy = false;
+                }
+                Err(error) if !raced && catalog_race(&error) => raced = true,
+                result => break result,
+            }
+        };
         let error = match result {
             Ok(ids) => {
                 self.partitions.extend(new_partitions);
