@@ -347,6 +347,25 @@ fn read_rows<T: serde::de::DeserializeOwned>(
         .collect()
 }
 
+/// Refuses a table in which one key names two rows: which of them a search finds would depend on
+/// the search, not on the data. `keys` are in sorted order.
+fn unique_keys<'a>(
+    file: &str,
+    keys: impl IntoIterator<Item = &'a str>,
+) -> Result<(), RefDataError> {
+    let mut previous: Option<&str> = None;
+    for key in keys {
+        if previous == Some(key) {
+            return Err(row_error(
+                file,
+                format!("{key} is the key of more than one row"),
+            ));
+        }
+        previous = Some(key);
+    }
+    Ok(())
+}
+
 fn row_error(file: &str, detail: String) -> RefDataError {
     RefDataError::Row {
         file: file.to_owned(),
@@ -386,11 +405,13 @@ impl RefData {
             })
             .collect();
         currencies.sort_by(|a, b| a.code.cmp(&b.code));
+        unique_keys(FILES[0], currencies.iter().map(|c| c.code.as_str()))?;
         let mut countries: Vec<String> = read_rows::<CountryRow>(FILES[1], texts[1])?
             .into_iter()
             .map(|row| row.code)
             .collect();
         countries.sort();
+        unique_keys(FILES[1], countries.iter().map(String::as_str))?;
         let mut markets: Vec<Market> = read_rows::<MarketRow>(FILES[2], texts[2])?
             .into_iter()
             .map(|row| Market {
@@ -400,6 +421,7 @@ impl RefData {
             })
             .collect();
         markets.sort_by(|a, b| a.mic.cmp(&b.mic));
+        unique_keys(FILES[2], markets.iter().map(|m| m.mic.as_str()))?;
         let mut securities: Vec<Security> = read_rows::<SecurityRow>(FILES[3], texts[3])?
             .into_iter()
             .map(|row| Security {
@@ -409,6 +431,7 @@ impl RefData {
             })
             .collect();
         securities.sort_by(|a, b| a.isin.cmp(&b.isin));
+        unique_keys(FILES[3], securities.iter().map(|s| s.isin.as_str()))?;
         let mut participants = Vec::new();
         for row in read_rows::<ParticipantRow>(FILES[4], texts[4])? {
             let role = Role::parse(&row.role)
@@ -420,6 +443,7 @@ impl RefData {
             });
         }
         participants.sort_by(|a, b| a.bic.cmp(&b.bic));
+        unique_keys(FILES[4], participants.iter().map(|p| p.bic.as_str()))?;
         let mut holidays = Vec::new();
         for row in read_rows::<HolidayRow>(FILES[5], texts[5])? {
             let date = parse_date(&row.date)
@@ -749,6 +773,31 @@ pub(crate) mod tests {
             .collect();
         keys.sort();
         assert!(keys.windows(2).all(|pair| pair[0].1 <= pair[1].1));
+    }
+
+    #[test]
+    fn a_table_with_two_rows_for_one_key_is_refused() {
+        let texts = EMBEDDED;
+        for (at, file) in FILES.iter().enumerate().take(5) {
+            let text = texts[at];
+            // The first row after the header, once more at the end.
+            let first_row = text.lines().nth(1).expect("a row");
+            let doubled = format!("{}\n{first_row}\n", text.trim_end());
+            let mut changed = texts;
+            changed[at] = &doubled;
+            let key = first_row.split(',').next().expect("a key");
+            match RefData::from_texts(changed) {
+                Err(RefDataError::Row {
+                    file: named,
+                    detail,
+                }) => {
+                    assert_eq!(named, *file);
+                    assert!(detail.contains(key), "{detail}");
+                }
+                other => panic!("{file}: {other:?}"),
+            }
+        }
+        assert!(RefData::from_texts(texts).is_ok());
     }
 
     #[test]
