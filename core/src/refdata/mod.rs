@@ -205,9 +205,9 @@ fn search(keys: &[u128], text: &str) -> Option<usize> {
 /// Binary search of `key` in the sorted `keys`: where it is, if it is there.
 ///
 /// Without a branch on the comparison: each halving picks its half with a conditional move, so
-/// the search runs a fixed ⌈log₂ n⌉ steps and never mispredicts, where the standard library's
-/// search, whose branch a random key takes half the time, mispredicted on about every other
-/// step (the validator makes eight or so searches a message; see BENCHMARKS.md).
+/// the search runs a fixed ⌈log₂ n⌉ steps with nothing to mispredict. The standard library's
+/// search branches on each comparison, which a random key goes either way half the time, and
+/// the validator makes eight or so searches a message (BENCHMARKS.md).
 fn find<T: Ord + Copy>(keys: &[T], key: T) -> Option<usize> {
     let mut base = 0;
     let mut size = keys.len();
