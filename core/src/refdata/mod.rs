@@ -114,26 +114,16 @@ pub enum RefDataError {
 /// A text with a NUL byte packs to nothing: zero padding would make it another key's alias
 /// (`"ABC\0"` and `"ABC"`), so that only exact keys are found.
 ///
-/// Read a word at a time: the first eight bytes and the last eight (overlapping when the text
-/// is shorter than sixteen), or the first four and last four, each read whole and shifted into
-/// place. Built a byte at a time, each step waited on the one before, and packing was a third of
-/// a participant's look-up (BENCHMARKS.md); copying the text into a padded array called
-/// `memcpy` and stalled on reading back what it had just stored.
+/// A key of eight bytes or more (a BIC, an ISIN) is read a word at a time: its first eight bytes
+/// and its last eight (overlapping when it is shorter than sixteen), each read whole and shifted
+/// into place. Built a byte at a time, each step waited on the one before, and packing was a
+/// third of a participant's look-up (BENCHMARKS.md). Shorter keys (currencies, countries,
+/// markets) are built a byte at a time.
 fn pack(text: &str) -> Option<u128> {
     let bytes = text.as_bytes();
     let len = bytes.len();
-    // The first and last `N` bytes of `bytes` (which has at least `N`) as big-endian words.
-    fn ends<const N: usize>(bytes: &[u8]) -> ([u8; N], [u8; N]) {
-        let first = bytes[..N].try_into().expect("N bytes");
-        let last = bytes[bytes.len() - N..].try_into().expect("N bytes");
-        (first, last)
-    }
-    // Whether a word has a zero byte (the classic test: exact, no false positives).
-    let has_zero =
-        |word: u64| word.wrapping_sub(0x0101_0101_0101_0101) & !word & 0x8080_8080_8080_8080 != 0;
-    let value = match len {
-        0 => 0,
-        1..=3 => {
+    match len {
+        0..=7 => {
             let mut value: u128 = 0;
             for &byte in bytes {
                 if byte == 0 {
@@ -141,34 +131,27 @@ fn pack(text: &str) -> Option<u128> {
                 }
                 value = (value << 8) | u128::from(byte);
             }
-            value << (8 * (16 - len))
-        }
-        4..=7 => {
-            let (first, last) = ends::<4>(bytes);
-            let (first, last) = (u32::from_be_bytes(first), u32::from_be_bytes(last));
-            // Each word with its bytes in the high half: a zero byte shows in either.
-            if has_zero(u64::from(first) << 32 | 0x0101_0101)
-                || has_zero(u64::from(last) << 32 | 0x0101_0101)
-            {
-                return None;
-            }
-            // The last word's first `8 - len` bytes are the first word's too: shifted out (all
-            // four of them when `len` is 4).
-            let word = u64::from(first) << 32 | (u64::from(last) << (8 * (8 - len))) & 0xFFFF_FFFF;
-            u128::from(word) << 64
+            // Left-aligned, zero-padded; an empty text is 0 (a shift by 128 bits overflows).
+            Some(value.checked_shl(8 * (16 - len as u32)).unwrap_or(0))
         }
         8..=16 => {
-            let (first, last) = ends::<8>(bytes);
-            let (first, last) = (u64::from_be_bytes(first), u64::from_be_bytes(last));
+            let word =
+                |at: usize| u64::from_be_bytes(bytes[at..at + 8].try_into().expect("eight bytes"));
+            let (first, last) = (word(0), word(len - 8));
+            // Whether a word has a zero byte (exact: no false positives).
+            let has_zero = |word: u64| {
+                word.wrapping_sub(0x0101_0101_0101_0101) & !word & 0x8080_8080_8080_8080 != 0
+            };
             if has_zero(first) || has_zero(last) {
                 return None;
             }
-            let low = last.checked_shl(8 * (16 - len) as u32).unwrap_or(0);
-            u128::from(first) << 64 | u128::from(low)
+            // The last word's first `16 - len` bytes are the first word's too: shifted out (all
+            // eight of them when `len` is 8).
+            let low = last.checked_shl(8 * (16 - len as u32)).unwrap_or(0);
+            Some(u128::from(first) << 64 | u128::from(low))
         }
-        _ => return None,
-    };
-    Some(value)
+        _ => None,
+    }
 }
 
 /// The markets of `holidays`, sorted, and each one's days as sorted Julian days.
@@ -199,30 +182,7 @@ fn packed_keys<T>(rows: &[T], key: impl Fn(&T) -> &str) -> Vec<u128> {
 
 /// Binary search of `text` among packed keys.
 fn search(keys: &[u128], text: &str) -> Option<usize> {
-    find(keys, pack(text)?)
-}
-
-/// Binary search of `key` in the sorted `keys`: where it is, if it is there.
-///
-/// Without a branch on the comparison: each halving picks its half with a conditional move, so
-/// the search runs a fixed ⌈log₂ n⌉ steps with nothing to mispredict. The standard library's
-/// search branches on each comparison, which a random key goes either way half the time, and
-/// the validator makes eight or so searches a message (BENCHMARKS.md).
-fn find<T: Ord + Copy>(keys: &[T], key: T) -> Option<usize> {
-    let mut base = 0;
-    let mut size = keys.len();
-    if size == 0 {
-        return None;
-    }
-    while size > 1 {
-        let half = size / 2;
-        let mid = base + half;
-        // `base + size` stays within `keys` (`size` shrinks by what `base` can gain), so `mid`
-        // is an index of it.
-        base = std::hint::select_unpredictable(keys[mid] <= key, mid, base);
-        size -= half;
-    }
-    (keys[base] == key).then_some(base)
+    keys.binary_search(&pack(text)?).ok()
 }
 
 /// The sorted packed keys of each table, parallel to the rows.
@@ -609,19 +569,23 @@ impl RefData {
         let Some(market) = pack(market) else {
             return false;
         };
-        let Some(index) = find(&self.keys.holiday_markets, market) else {
+        let Ok(index) = self.keys.holiday_markets.binary_search(&market) else {
             return false;
         };
-        find(&self.keys.holiday_days[index], date.to_julian_day()).is_some()
+        self.keys.holiday_days[index]
+            .binary_search(&date.to_julian_day())
+            .is_ok()
     }
 
     /// Whether `custodian` acts for `inv_mgr` (custodians.csv): it may send that investment
     /// manager's settlement instructions, and be named in them.
     pub fn acts_for(&self, custodian: &str, inv_mgr: &str) -> bool {
         match (pack(inv_mgr), pack(custodian)) {
-            (Some(inv_mgr), Some(custodian)) => {
-                find(&self.keys.custodians, (inv_mgr, custodian)).is_some()
-            }
+            (Some(inv_mgr), Some(custodian)) => self
+                .keys
+                .custodians
+                .binary_search(&(inv_mgr, custodian))
+                .is_ok(),
             _ => false,
         }
     }
@@ -650,7 +614,7 @@ impl RefData {
             && listing
                 .holidays
                 .and_then(|at| self.keys.holiday_days.get(at as usize))
-                .is_none_or(|days| find(days, date.to_julian_day()).is_none())
+                .is_none_or(|days| days.binary_search(&date.to_julian_day()).is_err())
     }
 
     /// All currencies, sorted by code.
@@ -798,21 +762,6 @@ pub(crate) mod tests {
             }
         }
         assert!(RefData::from_texts(texts).is_ok());
-    }
-
-    #[test]
-    fn the_branch_free_search_finds_what_the_standard_search_finds() {
-        let keys: Vec<u128> = (0..1_000_u128).map(|at| at * 3 + 1).collect();
-        for len in [0, 1, 2, 3, 7, 8, 9, 555, 1_000] {
-            let keys = &keys[..len];
-            for key in 0..3_010_u128 {
-                assert_eq!(
-                    find(keys, key),
-                    keys.binary_search(&key).ok(),
-                    "{len} {key}"
-                );
-            }
-        }
     }
 
     #[test]
