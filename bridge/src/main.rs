@@ -496,8 +496,10 @@ fn run_node(cli: &Cli, settings: &Settings, url: &str) -> anyhow::Result<()> {
         placement,
         secrets: cli.secrets.clone(),
     };
-    let jetstream = access
-        .connect(Role::Node)
+    // Servers that start with the nodes, or elect leaders, time a request out or have no
+    // responder yet: everything a node opens at start waits for them as long as it is told.
+    let patience = Duration::from_secs(cli.start_patience_s);
+    let jetstream = ste_engine::cluster::retrying(patience, || access.connect(Role::Node))
         .with_context(|| format!("connecting to NATS at {url} as a node"))?;
     let layout = config.layout;
     let node = ste_engine::cluster::Node::start(&jetstream, config, refdata.clone())
@@ -513,8 +515,7 @@ fn run_node(cli: &Cli, settings: &Settings, url: &str) -> anyhow::Result<()> {
         }
     };
     let sink_connection = || {
-        access
-            .connect(Role::Sink)
+        ste_engine::cluster::retrying(patience, || access.connect(Role::Sink))
             .with_context(|| format!("connecting to NATS at {url} as the sink"))
     };
     // A node that runs a gateway and the sink pushes what the sink takes off the CLS queue,
@@ -524,14 +525,18 @@ fn run_node(cli: &Cli, settings: &Settings, url: &str) -> anyhow::Result<()> {
             &sink_connection()?,
             &layout,
             cli.cls_out.as_deref(),
+            patience,
         )?)
     } else {
         None
     };
     if cli.gateway {
         let feed = if cli.sink {
-            let feed = ste_engine::cluster::ClsFeed::open(&sink_connection()?, &layout)
-                .context("opening the CLS queue")?;
+            let connection = sink_connection()?;
+            let feed = ste_engine::cluster::retrying_carrier(patience, || {
+                ste_engine::cluster::ClsFeed::open(&connection, &layout)
+            })
+            .context("opening the CLS queue")?;
             info!("running the cluster's sink in the gateway");
             Some(feed)
         } else {
@@ -600,10 +605,12 @@ fn cluster_gateway(
             Some(feed.delivery()),
         ),
         None => {
-            let copies = jetstream
-                .copies::<ste_engine::pipeline::OutboundEvent>(
-                    ste_engine::cluster::ClusterLayout::CLS_QUEUE,
-                )
+            let copies =
+                ste_engine::cluster::retrying(Duration::from_secs(cli.start_patience_s), || {
+                    jetstream.copies::<ste_engine::pipeline::OutboundEvent>(
+                        ste_engine::cluster::ClusterLayout::CLS_QUEUE,
+                    )
+                })
                 .context("listening to the CLS queue")?;
             let stopper = copies.stopper();
             (Box::new(copies), stopper, None)
@@ -631,9 +638,12 @@ impl ClusterSink {
         jetstream: &ste_engine::queue::jetstream::JetStream,
         layout: &ste_engine::cluster::ClusterLayout,
         cls_out: Option<&std::path::Path>,
+        patience: Duration,
     ) -> anyhow::Result<Self> {
-        let mut feed = ste_engine::cluster::ClsFeed::open(jetstream, layout)
-            .context("opening the CLS queue")?;
+        let mut feed = ste_engine::cluster::retrying_carrier(patience, || {
+            ste_engine::cluster::ClsFeed::open(jetstream, layout)
+        })
+        .context("opening the CLS queue")?;
         let events = feed.take_events().context("the CLS queue")?;
         let delivery = feed.delivery();
         let sink = ste_sink::Sink::new(cls_out, false).context("opening the CLS output")?;

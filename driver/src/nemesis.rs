@@ -808,9 +808,18 @@ impl Cluster {
             .context("starting the gateway node")?;
         let stdout = child.stdout.take().context("the gateway's output")?;
         let mut lines = BufReader::new(stdout).lines();
-        let address = lines
-            .find_map(|line| line.ok()?.strip_prefix("tcp ").map(str::to_owned))
-            .context("the gateway announced no framed-XML listener (see gateway.log)")?;
+        let Some(address) =
+            lines.find_map(|line| line.ok()?.strip_prefix("tcp ").map(str::to_owned))
+        else {
+            // The run folder may not outlive whoever reads this: the log's end goes with it.
+            let _ = child.wait();
+            let log = std::fs::read_to_string(self.dir.join("gateway.log")).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            bail!(
+                "the gateway announced no framed-XML listener; the end of gateway.log:\n{}",
+                lines[lines.len().saturating_sub(20)..].join("\n")
+            );
+        };
         // Its later lines go nowhere, and it never blocks writing them.
         std::thread::spawn(move || lines.for_each(drop));
         *self.gateway.get_mut().expect("the gateway") = Some(child);
