@@ -402,6 +402,22 @@ impl NatsCluster {
         self.wait_formed()
     }
 
+    /// Starts every server that is not running again, on its port and store, and waits until
+    /// they are healthy and have formed their cluster (after [`NatsCluster::stop`]: one alone
+    /// would wait for the others to elect a leader).
+    pub fn start_all_again(&mut self) -> anyhow::Result<()> {
+        let stopped: Vec<usize> = (0..self.servers.len())
+            .filter(|index| self.servers[*index].child.is_none())
+            .collect();
+        for index in &stopped {
+            self.spawn(*index)?;
+        }
+        for index in stopped {
+            self.wait_healthy(index)?;
+        }
+        self.wait_formed()
+    }
+
     /// Stops every server (SIGTERM, as an operator would) and waits until they have gone.
     pub fn stop(&mut self) {
         for member in &mut self.servers {

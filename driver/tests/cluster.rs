@@ -799,6 +799,51 @@ fn participants_connected_to_a_node_get_every_answer_and_their_cls_from_the_clus
     }
 }
 
+/// A gateway node started while its NATS servers are down (a machine that boots before them)
+/// waits for them, within its start patience, instead of exiting: its connections, the queues,
+/// the sink's consumer of the CLS queue and its gateway number all wait. Then it serves.
+#[test]
+fn a_gateway_node_started_before_its_nats_servers_waits_for_them_and_serves() {
+    let mut cluster = Cluster::start("cluster_gateway_first");
+    cluster.nats.stop();
+    let mut extra = vec!["--gateway", "--sink", "--start-patience-s", "60"];
+    extra.extend(ste_bridge::bench::LOOPBACK_LISTENERS);
+    let mut gateway = cluster.spawn_node("node-a", &extra, Stdio::piped());
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        gateway.try_wait().expect("its status").is_none(),
+        "the gateway did not wait for its servers:\n{}",
+        cluster.log("node-a")
+    );
+    cluster
+        .nats
+        .start_all_again()
+        .expect("the NATS servers again");
+    let stdout = gateway.stdout.take().expect("the node's stdout");
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+    let address = lines
+        .find_map(|line| line.ok()?.strip_prefix("tcp ").map(str::to_owned))
+        .unwrap_or_else(|| panic!("no listener announced:\n{}", cluster.log("node-a")));
+    std::thread::spawn(move || lines.for_each(drop));
+    cluster.nodes.push(("node-a".to_owned(), gateway));
+    assert!(
+        cluster.log("node-a").contains("not ready yet"),
+        "{}",
+        cluster.log("node-a")
+    );
+    for id in ["node-b", "node-c"] {
+        cluster.start_node(id);
+    }
+    cluster.wait_until_held(&cluster.leases());
+    let output = cluster
+        .participant(&address, &["--trades", "1000"])
+        .output()
+        .expect("the driver runs");
+    let summary = summary_of(&output, &cluster);
+    assert_eq!(summary["matches_expected"], true, "{summary:#}");
+    assert_eq!(summary["conserved"], true, "{summary:#}");
+}
+
 #[test]
 fn a_node_told_to_stop_while_its_server_is_gone_does_not_wait_the_outage_out() {
     let mut cluster = Cluster::start("cluster_stop_without_nats");
