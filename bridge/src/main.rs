@@ -230,6 +230,11 @@ fn lease_ttl(cli: &Cli) -> Duration {
     Duration::from_millis(cli.lease_ttl_ms.max(100))
 }
 
+/// How long a starting node waits for its cluster's servers (`--start-patience-s`).
+fn start_patience(cli: &Cli) -> Duration {
+    Duration::from_secs(cli.start_patience_s)
+}
+
 /// The first listener whose address is not on loopback, if any.
 fn off_loopback(cli: &Cli) -> anyhow::Result<Option<(&'static str, &str)>> {
     for (name, address) in [
@@ -484,7 +489,7 @@ fn run_node(cli: &Cli, settings: &Settings, url: &str) -> anyhow::Result<()> {
         matcher_memory: settings.matcher_memory,
         // Published on ste.samples.<node> for whoever collects them (the driver of a run).
         sample_interval: settings.sample_interval,
-        start_patience: Duration::from_secs(cli.start_patience_s),
+        start_patience: start_patience(cli),
     };
     let placement = ste_engine::queue::jetstream::Placement::parse(
         cli.nats_placement.as_deref(),
@@ -498,7 +503,7 @@ fn run_node(cli: &Cli, settings: &Settings, url: &str) -> anyhow::Result<()> {
     };
     // Servers that start with the nodes, or elect leaders, time a request out or have no
     // responder yet: everything a node opens at start waits for them as long as it is told.
-    let patience = Duration::from_secs(cli.start_patience_s);
+    let patience = start_patience(cli);
     let jetstream = ste_engine::cluster::retrying(patience, || access.connect(Role::Node))
         .with_context(|| format!("connecting to NATS at {url} as a node"))?;
     let layout = config.layout;
@@ -595,7 +600,7 @@ fn cluster_gateway(
         layout,
         lease_ttl(cli),
         node_id,
-        Duration::from_secs(cli.start_patience_s),
+        start_patience(cli),
     )
     .context("taking a gateway number")?;
     let (pushes, stopper, delivery): (ste_engine::queue::Rx<_>, _, _) = match feed {
@@ -605,13 +610,12 @@ fn cluster_gateway(
             Some(feed.delivery()),
         ),
         None => {
-            let copies =
-                ste_engine::cluster::retrying(Duration::from_secs(cli.start_patience_s), || {
-                    jetstream.copies::<ste_engine::pipeline::OutboundEvent>(
-                        ste_engine::cluster::ClusterLayout::CLS_QUEUE,
-                    )
-                })
-                .context("listening to the CLS queue")?;
+            let copies = ste_engine::cluster::retrying(start_patience(cli), || {
+                jetstream.copies::<ste_engine::pipeline::OutboundEvent>(
+                    ste_engine::cluster::ClusterLayout::CLS_QUEUE,
+                )
+            })
+            .context("listening to the CLS queue")?;
             let stopper = copies.stopper();
             (Box::new(copies), stopper, None)
         }

@@ -811,13 +811,10 @@ impl Cluster {
         let Some(address) =
             lines.find_map(|line| line.ok()?.strip_prefix("tcp ").map(str::to_owned))
         else {
-            // The run folder may not outlive whoever reads this: the log's end goes with it.
             let _ = child.wait();
-            let log = std::fs::read_to_string(self.dir.join("gateway.log")).unwrap_or_default();
-            let lines: Vec<&str> = log.lines().collect();
             bail!(
-                "the gateway announced no framed-XML listener; the end of gateway.log:\n{}",
-                lines[lines.len().saturating_sub(20)..].join("\n")
+                "the gateway announced no framed-XML listener; {}",
+                crate::scale::end_of_log(&self.dir.join("gateway.log"), 20)
             );
         };
         // Its later lines go nowhere, and it never blocks writing them.

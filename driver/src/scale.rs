@@ -299,13 +299,8 @@ impl NatsCluster {
                 .collect::<Vec<_>>()
                 .join(","),
         };
-        for index in 0..count {
-            cluster.spawn(index)?;
-        }
-        for index in 0..count {
-            cluster.wait_healthy(index)?;
-        }
-        cluster.wait_formed()?;
+        // None of them runs yet.
+        cluster.start_all_again()?;
         Ok(cluster)
     }
 
@@ -341,15 +336,7 @@ impl NatsCluster {
             }
             monitor_get(port, "/healthz").is_some_and(|(status, _)| status == 200)
         });
-        let tail = || {
-            let log = std::fs::read_to_string(&member.log).unwrap_or_default();
-            let lines: Vec<&str> = log.lines().collect();
-            format!(
-                "the end of {}:\n{}",
-                member.log.display(),
-                lines[lines.len().saturating_sub(5)..].join("\n")
-            )
-        };
+        let tail = || end_of_log(&member.log, 5);
         if let Some(status) = exited {
             let tail = tail();
             member.child = None;
@@ -402,9 +389,9 @@ impl NatsCluster {
         self.wait_formed()
     }
 
-    /// Starts every server that is not running again, on its port and store, and waits until
-    /// they are healthy and have formed their cluster (after [`NatsCluster::stop`]: one alone
-    /// would wait for the others to elect a leader).
+    /// Starts every server that is not running (again, on its port and store), and waits until
+    /// they are healthy and have formed their cluster: all at once, since after
+    /// [`NatsCluster::stop`] one alone would wait for the others to elect a leader.
     pub fn start_all_again(&mut self) -> anyhow::Result<()> {
         let stopped: Vec<usize> = (0..self.servers.len())
             .filter(|index| self.servers[*index].child.is_none())
@@ -454,6 +441,18 @@ fn wait_until(what: &str, mut condition: impl FnMut() -> bool) -> anyhow::Result
 
 /// The status and body of a GET of `path` on a NATS server's monitoring port (None when it
 /// does not answer).
+/// The last `count` lines of the log at `path`, introduced by its name: for an error about the
+/// process that wrote it, whose folder may not outlive the error's reader.
+pub(crate) fn end_of_log(path: &Path, count: usize) -> String {
+    let log = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = log.lines().collect();
+    format!(
+        "the end of {}:\n{}",
+        path.display(),
+        lines[lines.len().saturating_sub(count)..].join("\n")
+    )
+}
+
 fn monitor_get(port: u16, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
