@@ -83,6 +83,22 @@ print(total / tick)
 PY
 }
 
+# Every instance's dirty buffers written out and the kernel's dirty pages with them, before the
+# engine's run and before each timed load, so that none of them pays for the writing of what
+# came before it (without this, each round of loads ran slower than the one before).
+# CHECKPOINT is the superuser's, reachable through each instance's socket as the postgres user.
+settle() {
+  local port_file
+  for port_file in "$cluster_dir"/shard-*.port; do
+    if [ "$(id -u)" = 0 ]; then
+      runuser -u postgres -- psql -h "$cluster_dir" -p "$(cat "$port_file")" -U postgres -d postgres -qc CHECKPOINT
+    else
+      psql -h "$cluster_dir" -p "$(cat "$port_file")" -U postgres -d postgres -qc CHECKPOINT
+    fi
+  done
+  sync
+}
+
 printf '%-9s %-9s %-12s %-14s %-14s %-12s %-34s %-24s %-16s %s\n' trades instances messages "engine_msg/s" "copy_rows/s" "engine/copy" "cpu_us/msg(engine,pg_run,pg_copy)" "every_copy_rows/s" "all_rows_copy/engine" "every_all_rows_copy_s"
 for instances in "$@"; do
   deploy/local-cluster.sh down --dir "$cluster_dir" >/dev/null 2>&1 || true
@@ -109,6 +125,7 @@ for instances in "$@"; do
     touching+=($!)
   done
   for pid in "${touching[@]}"; do wait "$pid"; done
+  settle
   pg_before=$(pg_cpu_s)
   read -r -a extra_args <<< "${STE_BENCH_ARGS:-}"
   STE_DATABASE_URLS=$urls ./target/release/driver "${source_args[@]}" --store postgres \
@@ -136,35 +153,7 @@ SQL
   for url in "${url_list[@]}"; do
     copied=$((copied + $(psql "$url" -Atc "SELECT count(*) FROM messages")))
   done
-  # The load is timed STE_BENCH_COPIES times (3 by default), the table emptied between, and
-  # the fastest is the one compared: on this shared host one load of the same rows has taken
-  # 6 and 10 µs of the servers' CPU a row minutes apart, and the engine is held to the faster.
-  copy_rate=0
-  copy_rates=()
-  for _ in $(seq "$copies"); do
-    for url in "${url_list[@]}"; do psql "$url" -qc "TRUNCATE copy_messages"; done
-    pg_before=$(pg_cpu_s)
-    started=$(date +%s.%N)
-    pids=()
-    for url in "${url_list[@]}"; do
-      psql "$url" -qc "\\copy copy_messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on) FROM '$(copy_file "$url")' WITH (FORMAT binary)" &
-      pids+=($!)
-    done
-    for pid in "${pids[@]}"; do wait "$pid"; done
-    finished=$(date +%s.%N)
-    this_cpu=$(python3 -c "print($(pg_cpu_s) - $pg_before)")
-    this_rate=$(python3 -c "print(round($copied / ($finished - $started)))")
-    copy_rates+=("$this_rate")
-    if [ "$this_rate" -gt "$copy_rate" ]; then
-      copy_rate=$this_rate
-      pg_copy=$this_cpu
-    fi
-  done
-  # Every row the engine commits, not only its messages: its trades' statuses, its CLS in the
-  # outbox and its exceptions too, each instance's four tables loaded one after another in one
-  # session, all instances at once, timed STE_BENCH_COPIES times. The fastest load's seconds
-  # are compared with the engine's own (messages ÷ its rate): the engine takes that many
-  # times as long.
+  # The other rows the engine committed, out to files too, and empty tables of their shapes.
   for table in trades cls_outbox exceptions; do
     case $table in
       trades) columns="trade_date, trade_key, status"; part=trade_date ;;
@@ -184,12 +173,42 @@ WHERE i.inhparent = '$table'::regclass \\gexec
 SQL
     done
   done
+  # The load is timed STE_BENCH_COPIES times (3 by default), the table emptied between, and
+  # the fastest is the one compared: on this shared host one load of the same rows has taken
+  # 6 and 10 µs of the servers' CPU a row minutes apart, and the engine is held to the faster.
+  copy_rate=0
+  copy_rates=()
   all_copy_s=
   all_copy_seconds=()
   for _ in $(seq "$copies"); do
+    for url in "${url_list[@]}"; do psql "$url" -qc "TRUNCATE copy_messages, copy_trades, copy_cls_outbox, copy_exceptions"; done
+    settle
+    pg_before=$(pg_cpu_s)
+    started=$(date +%s.%N)
+    pids=()
+    for url in "${url_list[@]}"; do
+      psql "$url" -qc "\\copy copy_messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on) FROM '$(copy_file "$url")' WITH (FORMAT binary)" &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    finished=$(date +%s.%N)
+    this_cpu=$(python3 -c "print($(pg_cpu_s) - $pg_before)")
+    this_rate=$(python3 -c "print(round($copied / ($finished - $started)))")
+    copy_rates+=("$this_rate")
+    if [ "$this_rate" -gt "$copy_rate" ]; then
+      copy_rate=$this_rate
+      pg_copy=$this_cpu
+    fi
+
+    # Then every row the engine committed, not only its messages: its trades' statuses, its
+    # CLS in the outbox and its exceptions too, each instance's four tables loaded one after
+    # another in one session, all instances at once. Timed in the same round as the messages
+    # alone. The fastest load's seconds are compared with the engine's own (messages ÷ its
+    # rate).
     for url in "${url_list[@]}"; do
       psql "$url" -qc "TRUNCATE copy_messages, copy_trades, copy_cls_outbox, copy_exceptions"
     done
+    settle
     started=$(date +%s.%N)
     pids=()
     for url in "${url_list[@]}"; do
