@@ -99,6 +99,22 @@ settle() {
   sync
 }
 
+# The tables the engine writes a run's rows to, the columns it writes, and the column each is
+# partitioned by month on.
+tables=(messages trades cls_outbox exceptions)
+declare -A columns=(
+  [messages]="trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on"
+  [trades]="trade_date, trade_key, status"
+  [cls_outbox]="id, trade_date, cls_id, trade_key, body"
+  [exceptions]="received_on, trade_key, sender, msg_id, code, detail, raw"
+)
+declare -A month_of=([messages]=trade_date [trades]=trade_date [cls_outbox]=trade_date [exceptions]=received_on)
+copies_of_tables="copy_messages, copy_trades, copy_cls_outbox, copy_exceptions"
+# Where table $2's rows of the instance at URL $1 are written out.
+copy_file() { local port=${1##*:}; echo "$cluster_dir/$2-${port%%/*}.copy"; }
+# The \copy that loads table $1's rows of the instance at URL $2 into its copy.
+load() { echo "\\copy copy_$1 (${columns[$1]}) FROM '$(copy_file "$2" "$1")' WITH (FORMAT binary)"; }
+
 printf '%-9s %-9s %-12s %-14s %-14s %-12s %-34s %-24s %-16s %s\n' trades instances messages "engine_msg/s" "copy_rows/s" "engine/copy" "cpu_us/msg(engine,pg_run,pg_copy)" "every_copy_rows/s" "all_rows_copy/engine" "every_all_rows_copy_s"
 for instances in "$@"; do
   deploy/local-cluster.sh down --dir "$cluster_dir" >/dev/null 2>&1 || true
@@ -135,36 +151,15 @@ for instances in "$@"; do
   engine_rate=$(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['throughput_msg_s']))" "$run_dir.json")
   messages=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['messages_in'])" "$run_dir.json")
 
-  # The same rows, out to files and back in through \copy, all instances at once.
-  copy_file() { local port=${1##*:}; echo "$cluster_dir/messages-${port%%/*}.copy"; }
-  for url in "${url_list[@]}"; do
-    psql "$url" -qc "\\copy (SELECT trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on FROM messages) TO '$(copy_file "$url")' WITH (FORMAT binary)"
-    psql "$url" -q -v ON_ERROR_STOP=1 <<'SQL'
-CREATE TABLE copy_messages (LIKE messages INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES) PARTITION BY RANGE (trade_date);
-SELECT format('CREATE TABLE %I PARTITION OF copy_messages FOR VALUES FROM (%L) TO (%L)',
-              'copy_' || c.relname, m.lo, m.lo + interval '1 month')
-FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid,
-     LATERAL (SELECT to_date(right(c.relname, 6), 'YYYYMM') AS lo) m
-WHERE i.inhparent = 'messages'::regclass \gexec
-SQL
-  done
-  # Rows the COPY loads: the timed run's, and with STE_BENCH_WARM the warm-up's as well.
-  copied=0
-  for url in "${url_list[@]}"; do
-    copied=$((copied + $(psql "$url" -Atc "SELECT count(*) FROM messages")))
-  done
-  # The other rows the engine committed, out to files too, and empty tables of their shapes.
-  for table in trades cls_outbox exceptions; do
-    case $table in
-      trades) columns="trade_date, trade_key, status"; part=trade_date ;;
-      cls_outbox) columns="id, trade_date, cls_id, trade_key, body"; part=trade_date ;;
-      exceptions) columns="received_on, trade_key, sender, msg_id, code, detail, raw"; part=received_on ;;
-    esac
+  # The same rows, out to files and back in through \copy, all instances at once: the
+  # messages alone, and every row the engine committed (its trades' statuses, its CLS in the
+  # outbox and its exceptions too). Each table gets an empty copy of its shape, partitioned by
+  # month like it and with all its keys and indexes.
+  for table in "${tables[@]}"; do
     for url in "${url_list[@]}"; do
-      port=${url##*:}
-      psql "$url" -qc "\\copy (SELECT $columns FROM $table) TO '$cluster_dir/$table-${port%%/*}.copy' WITH (FORMAT binary)"
+      psql "$url" -qc "\\copy (SELECT ${columns[$table]} FROM $table) TO '$(copy_file "$url" "$table")' WITH (FORMAT binary)"
       psql "$url" -q -v ON_ERROR_STOP=1 <<SQL
-CREATE TABLE copy_$table (LIKE $table INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES) PARTITION BY RANGE ($part);
+CREATE TABLE copy_$table (LIKE $table INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES) PARTITION BY RANGE (${month_of[$table]});
 SELECT format('CREATE TABLE %I PARTITION OF copy_$table FOR VALUES FROM (%L) TO (%L)',
               'copy_' || c.relname, m.lo, m.lo + interval '1 month')
 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid,
@@ -172,6 +167,11 @@ FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid,
 WHERE i.inhparent = '$table'::regclass \\gexec
 SQL
     done
+  done
+  # Rows the COPY loads: the timed run's, and with STE_BENCH_WARM the warm-up's as well.
+  copied=0
+  for url in "${url_list[@]}"; do
+    copied=$((copied + $(psql "$url" -Atc "SELECT count(*) FROM messages")))
   done
   # The load is timed STE_BENCH_COPIES times (3 by default), the table emptied between, and
   # the fastest is the one compared: on this shared host one load of the same rows has taken
@@ -181,13 +181,13 @@ SQL
   all_copy_s=
   all_copy_seconds=()
   for _ in $(seq "$copies"); do
-    for url in "${url_list[@]}"; do psql "$url" -qc "TRUNCATE copy_messages, copy_trades, copy_cls_outbox, copy_exceptions"; done
+    for url in "${url_list[@]}"; do psql "$url" -qc "TRUNCATE $copies_of_tables"; done
     settle
     pg_before=$(pg_cpu_s)
     started=$(date +%s.%N)
     pids=()
     for url in "${url_list[@]}"; do
-      psql "$url" -qc "\\copy copy_messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on) FROM '$(copy_file "$url")' WITH (FORMAT binary)" &
+      psql "$url" -qc "$(load messages "$url")" &
       pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid"; done
@@ -205,20 +205,14 @@ SQL
     # another in one session, all instances at once. Timed in the same round as the messages
     # alone. The fastest load's seconds are compared with the engine's own (messages ÷ its
     # rate).
-    for url in "${url_list[@]}"; do
-      psql "$url" -qc "TRUNCATE copy_messages, copy_trades, copy_cls_outbox, copy_exceptions"
-    done
+    for url in "${url_list[@]}"; do psql "$url" -qc "TRUNCATE $copies_of_tables"; done
     settle
     started=$(date +%s.%N)
     pids=()
     for url in "${url_list[@]}"; do
-      port=${url##*:}
-      port=${port%%/*}
-      psql "$url" -q -v ON_ERROR_STOP=1 \
-        -c "\\copy copy_messages (trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on) FROM '$cluster_dir/messages-$port.copy' WITH (FORMAT binary)" \
-        -c "\\copy copy_trades (trade_date, trade_key, status) FROM '$cluster_dir/trades-$port.copy' WITH (FORMAT binary)" \
-        -c "\\copy copy_cls_outbox (id, trade_date, cls_id, trade_key, body) FROM '$cluster_dir/cls_outbox-$port.copy' WITH (FORMAT binary)" \
-        -c "\\copy copy_exceptions (received_on, trade_key, sender, msg_id, code, detail, raw) FROM '$cluster_dir/exceptions-$port.copy' WITH (FORMAT binary)" &
+      loads=()
+      for table in "${tables[@]}"; do loads+=(-c "$(load "$table" "$url")"); done
+      psql "$url" -q -v ON_ERROR_STOP=1 "${loads[@]}" &
       pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid"; done
