@@ -439,8 +439,6 @@ fn wait_until(what: &str, mut condition: impl FnMut() -> bool) -> anyhow::Result
     Ok(())
 }
 
-/// The status and body of a GET of `path` on a NATS server's monitoring port (None when it
-/// does not answer).
 /// The last `count` lines of the log at `path`, introduced by its name: for an error about the
 /// process that wrote it, whose folder may not outlive the error's reader.
 pub(crate) fn end_of_log(path: &Path, count: usize) -> String {
@@ -453,6 +451,8 @@ pub(crate) fn end_of_log(path: &Path, count: usize) -> String {
     )
 }
 
+/// The status and body of a GET of `path` on a NATS server's monitoring port (None when it
+/// does not answer).
 fn monitor_get(port: u16, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
