@@ -88,19 +88,15 @@ PY
 # came before it (without this, each round of loads ran slower than the one before).
 # CHECKPOINT is the superuser's, reachable through each instance's socket as the postgres user.
 settle() {
-  local port_file
+  local port_file as_postgres=()
+  [ "$(id -u)" = 0 ] && as_postgres=(runuser -u postgres --)
   for port_file in "$cluster_dir"/shard-*.port; do
-    if [ "$(id -u)" = 0 ]; then
-      runuser -u postgres -- psql -h "$cluster_dir" -p "$(cat "$port_file")" -U postgres -d postgres -qc CHECKPOINT
-    else
-      psql -h "$cluster_dir" -p "$(cat "$port_file")" -U postgres -d postgres -qc CHECKPOINT
-    fi
+    "${as_postgres[@]}" psql -h "$cluster_dir" -p "$(cat "$port_file")" -U postgres -d postgres -qc CHECKPOINT
   done
   sync
 }
 
-# The tables the engine writes a run's rows to, the columns it writes, and the column each is
-# partitioned by month on.
+# The tables the engine writes a run's rows to, and the columns it writes.
 tables=(messages trades cls_outbox exceptions)
 declare -A columns=(
   [messages]="trade_date, trade_key, sender, msg_id, msg_type, function, related_id, injected_ns, raw, received_on"
@@ -108,12 +104,31 @@ declare -A columns=(
   [cls_outbox]="id, trade_date, cls_id, trade_key, body"
   [exceptions]="received_on, trade_key, sender, msg_id, code, detail, raw"
 )
-declare -A month_of=([messages]=trade_date [trades]=trade_date [cls_outbox]=trade_date [exceptions]=received_on)
-copies_of_tables="copy_messages, copy_trades, copy_cls_outbox, copy_exceptions"
+copies_of_tables=$(printf 'copy_%s, ' "${tables[@]}")
+copies_of_tables=${copies_of_tables%, }
 # Where table $2's rows of the instance at URL $1 are written out.
 copy_file() { local port=${1##*:}; echo "$cluster_dir/$2-${port%%/*}.copy"; }
 # The \copy that loads table $1's rows of the instance at URL $2 into its copy.
 load() { echo "\\copy copy_$1 (${columns[$1]}) FROM '$(copy_file "$2" "$1")' WITH (FORMAT binary)"; }
+
+# Empties the copies, settles, and loads table by table the rows of every table named, each
+# instance's in one session, all instances at once; prints the seconds it took and the CPU
+# seconds the servers spent meanwhile.
+timed_load() {
+  local url table started cpu_before pids=() loads
+  for url in "${url_list[@]}"; do psql "$url" -qc "TRUNCATE $copies_of_tables"; done
+  settle
+  cpu_before=$(pg_cpu_s)
+  started=$(date +%s.%N)
+  for url in "${url_list[@]}"; do
+    loads=()
+    for table in "$@"; do loads+=(-c "$(load "$table" "$url")"); done
+    psql "$url" -q -v ON_ERROR_STOP=1 "${loads[@]}" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  python3 -c "print(f'{$(date +%s.%N) - $started:.3f} {$(pg_cpu_s) - $cpu_before}')"
+}
 
 printf '%-9s %-9s %-12s %-14s %-14s %-12s %-34s %-24s %-16s %s\n' trades instances messages "engine_msg/s" "copy_rows/s" "engine/copy" "cpu_us/msg(engine,pg_run,pg_copy)" "every_copy_rows/s" "all_rows_copy/engine" "every_all_rows_copy_s"
 for instances in "$@"; do
@@ -153,13 +168,14 @@ for instances in "$@"; do
 
   # The same rows, out to files and back in through \copy, all instances at once: the
   # messages alone, and every row the engine committed (its trades' statuses, its CLS in the
-  # outbox and its exceptions too). Each table gets an empty copy of its shape, partitioned by
-  # month like it and with all its keys and indexes.
+  # outbox and its exceptions too). Each table gets an empty copy of its shape, partitioned
+  # like it (its key read from the catalog) and with all its keys and indexes.
   for table in "${tables[@]}"; do
     for url in "${url_list[@]}"; do
       psql "$url" -qc "\\copy (SELECT ${columns[$table]} FROM $table) TO '$(copy_file "$url" "$table")' WITH (FORMAT binary)"
       psql "$url" -q -v ON_ERROR_STOP=1 <<SQL
-CREATE TABLE copy_$table (LIKE $table INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES) PARTITION BY RANGE (${month_of[$table]});
+SELECT format('CREATE TABLE copy_$table (LIKE $table INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES) PARTITION BY %s',
+              pg_get_partkeydef('$table'::regclass)) \\gexec
 SELECT format('CREATE TABLE %I PARTITION OF copy_$table FOR VALUES FROM (%L) TO (%L)',
               'copy_' || c.relname, m.lo, m.lo + interval '1 month')
 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid,
@@ -181,43 +197,18 @@ SQL
   all_copy_s=
   all_copy_seconds=()
   for _ in $(seq "$copies"); do
-    for url in "${url_list[@]}"; do psql "$url" -qc "TRUNCATE $copies_of_tables"; done
-    settle
-    pg_before=$(pg_cpu_s)
-    started=$(date +%s.%N)
-    pids=()
-    for url in "${url_list[@]}"; do
-      psql "$url" -qc "$(load messages "$url")" &
-      pids+=($!)
-    done
-    for pid in "${pids[@]}"; do wait "$pid"; done
-    finished=$(date +%s.%N)
-    this_cpu=$(python3 -c "print($(pg_cpu_s) - $pg_before)")
-    this_rate=$(python3 -c "print(round($copied / ($finished - $started)))")
+    result=$(timed_load messages)
+    read -r this_s this_cpu <<< "$result"
+    this_rate=$(python3 -c "print(round($copied / $this_s))")
     copy_rates+=("$this_rate")
     if [ "$this_rate" -gt "$copy_rate" ]; then
       copy_rate=$this_rate
       pg_copy=$this_cpu
     fi
-
-    # Then every row the engine committed, not only its messages: its trades' statuses, its
-    # CLS in the outbox and its exceptions too, each instance's four tables loaded one after
-    # another in one session, all instances at once. Timed in the same round as the messages
-    # alone. The fastest load's seconds are compared with the engine's own (messages ÷ its
-    # rate).
-    for url in "${url_list[@]}"; do psql "$url" -qc "TRUNCATE $copies_of_tables"; done
-    settle
-    started=$(date +%s.%N)
-    pids=()
-    for url in "${url_list[@]}"; do
-      loads=()
-      for table in "${tables[@]}"; do loads+=(-c "$(load "$table" "$url")"); done
-      psql "$url" -q -v ON_ERROR_STOP=1 "${loads[@]}" &
-      pids+=($!)
-    done
-    for pid in "${pids[@]}"; do wait "$pid"; done
-    finished=$(date +%s.%N)
-    this_s=$(python3 -c "print(f'{$finished - $started:.3f}')")
+    # Then every row the engine committed, not only its messages, in the same round. The
+    # fastest such load's seconds are compared with the engine's own (messages ÷ its rate).
+    result=$(timed_load "${tables[@]}")
+    read -r this_s _ <<< "$result"
     all_copy_seconds+=("$this_s")
     if [ -z "$all_copy_s" ] || python3 -c "import sys; sys.exit(0 if $this_s < $all_copy_s else 1)"; then
       all_copy_s=$this_s
