@@ -10,7 +10,7 @@
 #                                               sent with the signatures made beside it, so
 #                                               that the engine's CPU holds no generating or
 #                                               signing
-#   STE_BENCH_ARGS="--batch-max 16384" bench/postgres.sh ...
+#   STE_BENCH_ARGS="--batch-max 4096" bench/postgres.sh ...
 #                                               more options for the timed run of the driver
 #   STE_BENCH_COPIES=N bench/postgres.sh ...   time the COPY N times (default 3), and compare
 #                                               the engine with the fastest

@@ -19,7 +19,10 @@ fn config(source: Source, store: StoreKind, run_dir: &Path) -> RunConfig {
             sample_interval: Duration::from_millis(5),
             ..Settings::default()
         },
-        batch_max_messages: 512,
+        batch_max: ste_engine::pipeline::BatchBound {
+            messages: 512,
+            ..Default::default()
+        },
         batch_linger: Duration::from_millis(2),
         queue_capacity_messages: 1024,
         rate_msgs_per_s: None,
@@ -142,6 +145,24 @@ fn a_fault_mix_gives_exactly_the_expected_outcome_on_the_embedded_store() {
         summary.rss_mb_at_answered,
         summary.peak_rss_mb
     );
+}
+
+#[test]
+fn transactions_bounded_in_bytes_split_queued_batches_and_lose_nothing() {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let mut config = config(fault_mix(400), StoreKind::Embedded, dir.path());
+    // About three messages a transaction at their weight, where the queues carry batches of
+    // hundreds: every queued batch is split, and its rest starts the next transaction.
+    config.batch_max = ste_engine::pipeline::BatchBound {
+        messages: 512,
+        bytes: 4096,
+    };
+    let summary = ste_driver::run(&config, refdata()).expect("the run completes");
+    assert_outcome_is_expected(&summary);
+    let stored: u64 = summary.shards.iter().map(|s| s.stored_messages).sum();
+    assert_eq!(stored, summary.outcome.accepted);
+    let stored_cls: u64 = summary.shards.iter().map(|s| s.stored_cls).sum();
+    assert_eq!(stored_cls, summary.outcome.cls);
 }
 
 fn driver() -> Command {

@@ -317,7 +317,10 @@ fn owner_config(
         database_url: database_url.to_owned(),
         tolerances: ste_engine::profile::Tolerances::default(),
         aging: None,
-        batch_max_messages: 64,
+        batch_max: ste_engine::pipeline::BatchBound {
+            messages: 64,
+            ..Default::default()
+        },
         retry: ste_engine::pipeline::RetryPolicy::default(),
         // Small generations: what the shard commits is soon only in the filter and the store.
         matcher_memory: MatcherMemory {

@@ -30,7 +30,7 @@ pub mod roles;
 
 pub use ingress::{AckRouter, ClsFeed, Ingress, GATEWAYS_MAX};
 pub use node::{retrying, retrying_carrier, Holdings, Node, NodeConfig, STARTING_PATIENCE};
-pub use owner::{OwnershipReport, ShardOwner, ShardOwnerConfig};
+pub use owner::{OwnershipReport, ShardOwner, ShardOwnerConfig, OWNER_BATCH_MAX};
 
 use std::path::PathBuf;
 

@@ -31,7 +31,7 @@ pub struct NodeConfig {
     pub database_urls: Vec<String>,
     pub tolerances: Tolerances,
     pub aging: Option<Aging>,
-    pub batch_max_messages: usize,
+    pub batch_max: crate::pipeline::BatchBound,
     pub retry: RetryPolicy,
     /// What each of its shards' matchers keeps in memory.
     pub matcher_memory: MatcherMemory,
@@ -192,7 +192,7 @@ fn supervise(
                 database_url: config.database_urls[shard as usize].clone(),
                 tolerances: config.tolerances.clone(),
                 aging: config.aging,
-                batch_max_messages: config.batch_max_messages,
+                batch_max: config.batch_max,
                 retry: config.retry,
                 matcher_memory: config.matcher_memory,
             };

@@ -11,7 +11,7 @@ use crate::matcher::{MatcherMemory, ShardCounts};
 use crate::network::{
     join, spawn, Ack, Aging, Envelope, Joined, OutboundEvent, PipelineError, RetryPolicy,
 };
-use crate::pipeline::restore_matcher;
+use crate::pipeline::{restore_matcher, BatchBound};
 use crate::profile::Tolerances;
 use crate::queue::jetstream::{JetStream, StopReceiving};
 use crate::queue::{local, BatchReceiver, Tx};
@@ -35,7 +35,7 @@ pub struct ShardOwnerConfig {
     pub database_url: String,
     pub tolerances: Tolerances,
     pub aging: Option<Aging>,
-    pub batch_max_messages: usize,
+    pub batch_max: BatchBound,
     pub retry: RetryPolicy,
     /// What the shard's matcher keeps in memory ([`crate::matcher::Matcher::bounded`]).
     pub matcher_memory: MatcherMemory,
@@ -74,9 +74,17 @@ const WATERMARK_POLL: Duration = Duration::from_millis(100);
 const STORE_QUEUE_BATCHES: usize = 128;
 /// Bytes between an owner's matcher and its writer: what waits beyond them waits in the shard's
 /// inbound queue, on disk, so that an owner's memory does not follow the backlog of a load its
-/// writer cannot keep up with. About two commits of 4,096 messages, at their weight of some
-/// 2.5 KB each: the next commit is ready when the last one ends.
+/// writer cannot keep up with. Two commits of [`OWNER_BATCH_MAX`]: the next commit is ready
+/// when the last one ends.
 const STORE_QUEUE_BYTES: usize = 20 << 20;
+/// What an owner's writer commits in one transaction at most: 4,096 messages (about 6 MB at
+/// their weight), or half its store queue's bytes. An owner keeps the bound it was measured
+/// with; the larger default of one process ([`BatchBound::DEFAULT`]) is not measured in a
+/// cluster, and would need a store queue twice its size to keep the next commit ready.
+pub const OWNER_BATCH_MAX: BatchBound = BatchBound {
+    messages: 4096,
+    bytes: STORE_QUEUE_BYTES / 2,
+};
 /// Batches between an owner's validator and its matcher, and its exception writer: what waits
 /// beyond them waits in the shard's inbound queue, on disk.
 const MATCH_QUEUE_BATCHES: usize = 256;
@@ -169,7 +177,7 @@ impl ShardOwner {
         ));
         let follower = follow_watermark(book, shard, delivered.clone());
         let clock = RunClock::start();
-        let batch_max = config.batch_max_messages.max(1);
+        let batch_max = config.batch_max.at_least_one();
         let retry = config.retry;
 
         let (store_tx, store_rx) = local::bounded_bytes::<ToStore>(

@@ -42,6 +42,7 @@ pub use crate::network::{
 };
 pub(crate) use crate::network::{join, spawn_counted, Joined};
 pub use crate::stations::sampler::{station_time_path, SAMPLES_HEADER, STATION_TIME_HEADER};
+pub use crate::stations::BatchBound;
 
 /// Default of [`PipelineConfig::unchecked_exception_days`].
 pub const UNCHECKED_EXCEPTION_DAYS_DEFAULT: u32 = 30;
@@ -69,8 +70,8 @@ pub struct PipelineConfig {
     pub queue_capacity_messages: usize,
     /// Capacity of the ack and outbound queues.
     pub outbound_capacity: usize,
-    /// Largest number of messages committed in one transaction.
-    pub batch_max_messages: usize,
+    /// Most messages, and most bytes of them, committed in one transaction.
+    pub batch_max: BatchBound,
     /// How long a writer waits for more messages before committing a batch that is not full
     /// (zero: commit what is queued at once).
     pub batch_linger: Duration,
@@ -120,7 +121,7 @@ impl Default for PipelineConfig {
             validators: 2,
             queue_capacity_messages: 8192,
             outbound_capacity: 1024,
-            batch_max_messages: 4096,
+            batch_max: BatchBound::DEFAULT,
             batch_linger: Duration::ZERO,
             store: StoreConfig::Memory,
             sample_interval: Duration::from_millis(10),
@@ -299,7 +300,7 @@ impl Pipeline {
         let outbound_station = out_tx.station().clone();
         let retry = config.retry;
         let delivery = Delivery::local(shards);
-        let batch_max = config.batch_max_messages.max(1);
+        let batch_max = config.batch_max.at_least_one();
 
         // Writers and their store queues.
         let mut store_txs = Vec::new();

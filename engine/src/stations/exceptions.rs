@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use time::OffsetDateTime;
 
 use super::{
-    commit_retrying, complete_merged, next_batch, queue_error, RejectedItem, WriterReport,
+    commit_retrying, complete_merged, queue_error, BatchBound, Batcher, RejectedItem, WriterReport,
 };
 use crate::network::{Ack, AckResult, PipelineError, RetryPolicy, EXCEPTION_RAW_PREFIX_BYTES};
 use crate::queue::{Rx, Tx};
@@ -111,7 +111,7 @@ pub(crate) fn run_exception_writer(
     rx: Rx<RejectedItem>,
     mut store: Box<dyn Store>,
     ack_tx: Tx<Ack>,
-    batch_max: usize,
+    batch_max: BatchBound,
     retry: RetryPolicy,
     keep_days: Option<u32>,
 ) -> Result<WriterReport, PipelineError> {
@@ -119,7 +119,8 @@ pub(crate) fn run_exception_writer(
     let mut commit_retries = 0;
     let mut budget = Budget::new(Instant::now());
     let mut purged_on: Option<time::Date> = None;
-    while let Some(merged) = next_batch(&rx, batch_max, Duration::ZERO)? {
+    let mut batches = Batcher::new(rx, batch_max, Duration::ZERO);
+    while let Some(merged) = batches.next()? {
         let count = merged.len() as u64;
         let (items, enqueued_sum_ns, receipt) = merged.into_parts();
         let started = Instant::now();
@@ -164,7 +165,7 @@ pub(crate) fn run_exception_writer(
         let (_, retries) = commit_retrying(store.as_mut(), &mut batch, station.name(), retry)?;
         commit_retries += retries;
         complete_merged(
-            &rx,
+            batches.rx(),
             count,
             started.elapsed().as_nanos() as u64,
             enqueued_sum_ns,

@@ -21,7 +21,7 @@ use time::Date;
 use crate::matcher::{AgedTrade, Content, Outcome};
 use crate::model::{Msg, Text};
 use crate::network::{PipelineError, RetryPolicy};
-use crate::queue::{receive, QueueError, Receipt, Rx};
+use crate::queue::{receive, QueueError, Receipt, Received, Rx};
 use crate::reason::Rejection;
 use crate::store::{Batch, RowCounts, Store, StoreError};
 
@@ -247,6 +247,61 @@ pub(crate) fn complete_merged<T>(rx: &Rx<T>, count: u64, busy_ns: u64, enqueued_
     rx.station().complete(count, busy_ns, response_ns);
 }
 
+/// What one transaction holds at most: messages, and their weight in bytes (what holding them
+/// costs in memory, [`Weigh`]). A message heavier than the byte bound is committed alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchBound {
+    pub messages: usize,
+    pub bytes: usize,
+}
+
+impl BatchBound {
+    /// The default bound: 16,384 messages, which a writer's transactions reach under a
+    /// saturating load, or 32 MiB of them as a writer weighs them ([`ToStore::weight_bytes`]:
+    /// twice the raw bytes and the item's fixed size, 304 bytes on x86-64 today). Standard
+    /// messages of about 580 bytes weigh about 1.5 KB, so 16,384 of them stay under 25 MB;
+    /// messages of the largest size, 64 KiB, reach the byte bound at 255. Larger transactions
+    /// than the former 4,096 cost the servers less a message (BENCHMARKS.md).
+    pub const DEFAULT: Self = Self {
+        messages: 16_384,
+        bytes: 32 * 1024 * 1024,
+    };
+
+    /// A bound of at least one message and one byte.
+    pub fn at_least_one(self) -> Self {
+        Self {
+            messages: self.messages.max(1),
+            bytes: self.bytes.max(1),
+        }
+    }
+}
+
+impl Default for BatchBound {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+/// What an item costs in memory while a station holds it, in bytes.
+pub(crate) trait Weigh {
+    fn weight_bytes(&self) -> usize;
+}
+
+impl Weigh for ToStore {
+    fn weight_bytes(&self) -> usize {
+        ToStore::weight_bytes(self)
+    }
+}
+
+impl Weigh for RejectedItem {
+    fn weight_bytes(&self) -> usize {
+        self.bytes.len()
+            + self.rejection.detail.len()
+            + self.sender.as_ref().map_or(0, String::len)
+            + std::mem::size_of::<Self>()
+    }
+}
+
 /// A batch merged from several queue batches, with the sum of its items' enqueue stamps and the
 /// receipts of every batch it holds. The batches are kept as they came, not copied into one
 /// vector: a writer's merged batch can hold thousands of items of a few hundred bytes, and
@@ -256,12 +311,15 @@ pub(crate) struct Merged<T> {
     /// Σ over the merged batches of (items × enqueue stamp), wrapping.
     enqueued_sum_ns: u64,
     receipt: Receipt,
+    /// The items held, and their weight.
+    items: usize,
+    bytes: usize,
 }
 
 impl<T> Merged<T> {
     /// How many items the merged batches hold.
     pub fn len(&self) -> usize {
-        self.batches.iter().map(Vec::len).sum()
+        self.items
     }
 
     /// The items, in the order they were queued, and the stamps and receipts apart.
@@ -274,36 +332,230 @@ impl<T> Merged<T> {
     }
 }
 
-/// Takes the first batch (waiting for it), then whatever is already queued or arrives within
-/// `linger`, until `batch_max` items are held. `None` once the queue is closed and drained.
-pub(crate) fn next_batch<T>(
-    rx: &Rx<T>,
-    batch_max: usize,
-    linger: Duration,
-) -> Result<Option<Merged<T>>, PipelineError> {
-    let Some(first) = receive(rx).map_err(queue_error)? else {
-        return Ok(None);
-    };
-    let deadline = Instant::now() + linger;
-    let stamps = |count: usize, enqueued_ns: u64| (count as u64).wrapping_mul(enqueued_ns);
-    let mut held = first.items.len();
-    let mut merged = Merged {
-        enqueued_sum_ns: stamps(first.items.len(), first.enqueued_ns),
-        batches: vec![first.items],
-        receipt: first.receipt,
-    };
-    while held < batch_max {
-        let next = match rx.recv_until(Some(deadline)) {
-            Ok(Some(next)) => next,
-            Ok(None) | Err(QueueError::Closed { .. }) => break,
-            Err(error) => return Err(queue_error(error)),
-        };
-        merged.enqueued_sum_ns = merged
-            .enqueued_sum_ns
-            .wrapping_add(stamps(next.items.len(), next.enqueued_ns));
-        held += next.items.len();
-        merged.batches.push(next.items);
-        merged.receipt.merge(next.receipt);
+impl<T: Weigh> Merged<T> {
+    fn empty() -> Self {
+        Self {
+            batches: Vec::new(),
+            enqueued_sum_ns: 0,
+            receipt: Receipt::none(),
+            items: 0,
+            bytes: 0,
+        }
     }
-    Ok(Some(merged))
+
+    fn is_full(&self, bound: BatchBound) -> bool {
+        self.items >= bound.messages || self.bytes >= bound.bytes
+    }
+
+    /// Takes as much of `received` as `bound` leaves room for (its first item at least, if
+    /// nothing is held yet) and returns the rest, with its share of the receipt.
+    fn take_fitting(
+        &mut self,
+        mut received: Received<T>,
+        bound: BatchBound,
+    ) -> Option<Received<T>> {
+        let mut fitting = 0;
+        let mut bytes = 0;
+        for item in &received.items {
+            let weight = item.weight_bytes();
+            let room = self.items + fitting < bound.messages
+                && (self.bytes + bytes + weight <= bound.bytes || self.items + fitting == 0);
+            if !room {
+                break;
+            }
+            bytes += weight;
+            fitting += 1;
+        }
+        if fitting == 0 {
+            return Some(received);
+        }
+        let rest = (fitting < received.items.len()).then(|| received.items.split_off(fitting));
+        let receipt = match rest {
+            Some(_) => {
+                let mut parts = received.receipt.split(2).into_iter();
+                let taken = parts.next().unwrap_or_default();
+                received.receipt = parts.next().unwrap_or_default();
+                taken
+            }
+            None => std::mem::take(&mut received.receipt),
+        };
+        self.enqueued_sum_ns = self
+            .enqueued_sum_ns
+            .wrapping_add((fitting as u64).wrapping_mul(received.enqueued_ns));
+        self.items += fitting;
+        self.bytes += bytes;
+        self.receipt.merge(receipt);
+        let taken = std::mem::replace(&mut received.items, rest.unwrap_or_default());
+        self.batches.push(taken);
+        (!received.items.is_empty()).then_some(received)
+    }
+}
+
+/// Merges a queue's batches into transactions within a [`BatchBound`]: a queued batch that does
+/// not fit is split, and its rest starts the next transaction, so the bound holds exactly
+/// whatever size the batches were queued in.
+pub(crate) struct Batcher<T> {
+    rx: Rx<T>,
+    bound: BatchBound,
+    linger: Duration,
+    /// The rest of a queued batch the last transaction had no room for.
+    carried: Option<Received<T>>,
+}
+
+impl<T: Weigh> Batcher<T> {
+    pub(crate) fn new(rx: Rx<T>, bound: BatchBound, linger: Duration) -> Self {
+        Self {
+            rx,
+            bound: bound.at_least_one(),
+            linger,
+            carried: None,
+        }
+    }
+
+    /// The queue batches come from.
+    pub(crate) fn rx(&self) -> &Rx<T> {
+        &self.rx
+    }
+
+    /// Takes the first batch (waiting for it), then whatever is already queued or arrives
+    /// within the linger, until the bound is reached. `None` once the queue is closed and
+    /// drained.
+    pub(crate) fn next(&mut self) -> Result<Option<Merged<T>>, PipelineError> {
+        let first = match self.carried.take() {
+            Some(carried) => carried,
+            None => match receive(&self.rx).map_err(queue_error)? {
+                Some(first) => first,
+                None => return Ok(None),
+            },
+        };
+        let deadline = Instant::now() + self.linger;
+        let mut merged = Merged::empty();
+        let mut next = Some(first);
+        while let Some(received) = next.take() {
+            if let Some(rest) = merged.take_fitting(received, self.bound) {
+                self.carried = Some(rest);
+                break;
+            }
+            if merged.is_full(self.bound) {
+                break;
+            }
+            next = match self.rx.recv_until(Some(deadline)) {
+                Ok(next) => next,
+                Err(QueueError::Closed { .. }) => None,
+                Err(error) => return Err(queue_error(error)),
+            };
+        }
+        assert!(merged.items >= 1, "a merged batch holds an item");
+        assert!(
+            merged.items <= self.bound.messages,
+            "a merged batch holds at most its bound's messages"
+        );
+        assert!(
+            merged.bytes <= self.bound.bytes || merged.items == 1,
+            "a merged batch weighs at most its bound's bytes, or is one message"
+        );
+        Ok(Some(merged))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::queue::local;
+    use crate::queue::BatchSender;
+    use crate::station::RunClock;
+
+    /// An item that weighs its value in bytes.
+    struct Weight(usize);
+
+    impl Weigh for Weight {
+        fn weight_bytes(&self) -> usize {
+            self.0
+        }
+    }
+
+    fn batcher(bound: BatchBound, batches: Vec<Vec<usize>>) -> Batcher<Weight> {
+        let (tx, rx) = local::bounded::<Weight>("store.0", 64, RunClock::start());
+        for batch in batches {
+            tx.send(batch.into_iter().map(Weight).collect())
+                .expect("the queue takes the batch");
+        }
+        Batcher::new(Box::new(rx), bound, Duration::ZERO)
+    }
+
+    /// Each merged batch's weights, until the queue is drained (its senders are gone).
+    fn transactions(mut batches: Batcher<Weight>) -> Vec<Vec<usize>> {
+        let mut out = Vec::new();
+        while let Some(merged) = batches.next().expect("the queue drains") {
+            let (items, _, receipt) = merged.into_parts();
+            out.push(items.map(|item| item.0).collect());
+            receipt.ack().expect("acknowledged");
+        }
+        out
+    }
+
+    #[test]
+    fn a_queued_batch_past_the_message_bound_is_split_and_its_rest_starts_the_next() {
+        let bound = BatchBound {
+            messages: 3,
+            bytes: 1 << 20,
+        };
+        let got = transactions(batcher(
+            bound,
+            vec![vec![1, 2], vec![3, 4, 5, 6, 7], vec![8]],
+        ));
+        assert_eq!(got, vec![vec![1, 2, 3], vec![4, 5, 6], vec![7, 8]]);
+    }
+
+    #[test]
+    fn the_byte_bound_holds_and_a_heavier_message_goes_alone() {
+        let bound = BatchBound {
+            messages: 100,
+            bytes: 10,
+        };
+        let got = transactions(batcher(
+            bound,
+            vec![vec![4, 4, 4], vec![25, 1], vec![6, 4, 1]],
+        ));
+        assert_eq!(
+            got,
+            vec![vec![4, 4], vec![4], vec![25], vec![1, 6], vec![4, 1]]
+        );
+        for transaction in &got {
+            assert!(transaction.len() == 1 || transaction.iter().sum::<usize>() <= 10);
+        }
+    }
+
+    #[test]
+    fn a_split_batch_is_acknowledged_once_both_parts_are() {
+        let acked = Arc::new(AtomicBool::new(false));
+        let flag = acked.clone();
+        let received = Received {
+            items: vec![Weight(1), Weight(1), Weight(1)],
+            enqueued_ns: 7,
+            receipt: Receipt::from_fn(move || {
+                flag.store(true, Ordering::SeqCst);
+                Ok(())
+            }),
+        };
+        let bound = BatchBound {
+            messages: 2,
+            bytes: 100,
+        };
+        let mut merged = Merged::empty();
+        let rest = merged.take_fitting(received, bound).expect("a rest");
+        assert_eq!((merged.len(), rest.items.len()), (2, 1));
+        assert_eq!(merged.enqueued_sum_ns, 14, "two items stamped 7");
+        let (_, _, receipt) = merged.into_parts();
+        receipt.ack().expect("acknowledged");
+        assert!(
+            !acked.load(Ordering::SeqCst),
+            "half of the batch is not yet committed"
+        );
+        rest.receipt.ack().expect("acknowledged");
+        assert!(acked.load(Ordering::SeqCst));
+    }
 }

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use ahash::AHashMap;
 use time::{Date, OffsetDateTime};
 
-use super::{commit_retrying, complete_merged, next_batch, queue_error, ToStore, WriterReport};
+use super::{
+    commit_retrying, complete_merged, queue_error, BatchBound, Batcher, ToStore, WriterReport,
+};
 use crate::codec::encode_cls;
 use crate::matcher::{Disposition, TradeStatus};
 use crate::network::{Ack, AckResult, OutboundEvent, PipelineError, RetryPolicy, DELIVERY_WAIT};
@@ -19,7 +21,7 @@ pub(crate) struct WriterContext {
     pub(crate) shard: u32,
     pub(crate) ack_tx: Tx<Ack>,
     pub(crate) out_tx: Tx<OutboundEvent>,
-    pub(crate) batch_max: usize,
+    pub(crate) batch_max: BatchBound,
     pub(crate) linger: Duration,
     pub(crate) retry: RetryPolicy,
     /// The shard's delivery watermark, which the consumer of the CLS raises.
@@ -109,7 +111,8 @@ pub(crate) fn run_writer(
     let station = rx.station().clone();
     let mut commit_retries = 0;
     let mut purged_on = OffsetDateTime::now_utc().date();
-    while let Some(merged) = next_batch(&rx, batch_max, linger)? {
+    let mut batches = Batcher::new(rx, batch_max, linger);
+    while let Some(merged) = batches.next()? {
         let count = merged.len() as u64;
         let (items, enqueued_sum_ns, receipt) = merged.into_parts();
         let started = Instant::now();
@@ -274,7 +277,7 @@ pub(crate) fn run_writer(
             }
         }
         complete_merged(
-            &rx,
+            batches.rx(),
             count,
             started.elapsed().as_nanos() as u64,
             enqueued_sum_ns,
