@@ -354,6 +354,11 @@ impl<T: Weigh> Merged<T> {
         mut received: Received<T>,
         bound: BatchBound,
     ) -> Option<Received<T>> {
+        if received.items.is_empty() {
+            // Nothing to commit: acknowledged with the transaction it came with.
+            self.receipt.merge(received.receipt);
+            return None;
+        }
         let mut fitting = 0;
         let mut bytes = 0;
         for item in &received.items {
@@ -421,12 +426,19 @@ impl<T: Weigh> Batcher<T> {
     /// within the linger, until the bound is reached. `None` once the queue is closed and
     /// drained.
     pub(crate) fn next(&mut self) -> Result<Option<Merged<T>>, PipelineError> {
-        let first = match self.carried.take() {
-            Some(carried) => carried,
-            None => match receive(&self.rx).map_err(queue_error)? {
-                Some(first) => first,
-                None => return Ok(None),
-            },
+        let first = loop {
+            let received = match self.carried.take() {
+                Some(carried) => carried,
+                None => match receive(&self.rx).map_err(queue_error)? {
+                    Some(received) => received,
+                    None => return Ok(None),
+                },
+            };
+            if !received.items.is_empty() {
+                break received;
+            }
+            // A batch of nothing stands for nothing to commit.
+            received.receipt.ack().map_err(queue_error)?;
         };
         let deadline = Instant::now() + self.linger;
         let mut merged = Merged::empty();
@@ -527,6 +539,40 @@ mod tests {
         for transaction in &got {
             assert!(transaction.len() == 1 || transaction.iter().sum::<usize>() <= 10);
         }
+    }
+
+    #[test]
+    fn an_empty_queued_batch_is_acknowledged_with_the_transaction_it_joins() {
+        let acked = Arc::new(AtomicBool::new(false));
+        let flag = acked.clone();
+        let bound = BatchBound {
+            messages: 2,
+            bytes: 100,
+        };
+        let mut merged = Merged::empty();
+        let first = Received {
+            items: vec![Weight(1)],
+            enqueued_ns: 1,
+            receipt: Receipt::none(),
+        };
+        assert!(merged.take_fitting(first, bound).is_none());
+        let empty = Received {
+            items: Vec::new(),
+            enqueued_ns: 2,
+            receipt: Receipt::from_fn(move || {
+                flag.store(true, Ordering::SeqCst);
+                Ok(())
+            }),
+        };
+        assert!(
+            merged.take_fitting(empty, bound).is_none(),
+            "nothing carried"
+        );
+        assert_eq!((merged.len(), merged.enqueued_sum_ns), (1, 1));
+        let (_, _, receipt) = merged.into_parts();
+        assert!(!acked.load(Ordering::SeqCst), "not before the transaction");
+        receipt.ack().expect("acknowledged");
+        assert!(acked.load(Ordering::SeqCst));
     }
 
     #[test]
