@@ -1586,8 +1586,7 @@ fn run_config(args: RunArgs) -> anyhow::Result<RunConfig> {
         batch_max: BatchBound {
             messages: args.batch_max,
             bytes: args.batch_max_bytes,
-        }
-        .at_least_one(),
+        },
         batch_linger: Duration::from_millis(args.batch_delay_ms),
         queue_capacity_messages: args.queue_capacity.max(1),
         rate_msgs_per_s: args.rate.filter(|rate| *rate > 0.0),

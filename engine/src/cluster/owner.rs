@@ -177,7 +177,7 @@ impl ShardOwner {
         ));
         let follower = follow_watermark(book, shard, delivered.clone());
         let clock = RunClock::start();
-        let batch_max = config.batch_max.at_least_one();
+        let batch_max = config.batch_max;
         let retry = config.retry;
 
         let (store_tx, store_rx) = local::bounded_bytes::<ToStore>(

@@ -300,7 +300,7 @@ impl Pipeline {
         let outbound_station = out_tx.station().clone();
         let retry = config.retry;
         let delivery = Delivery::local(shards);
-        let batch_max = config.batch_max.at_least_one();
+        let batch_max = config.batch_max;
 
         // Writers and their store queues.
         let mut store_txs = Vec::new();

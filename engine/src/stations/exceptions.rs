@@ -119,7 +119,7 @@ pub(crate) fn run_exception_writer(
     let mut commit_retries = 0;
     let mut budget = Budget::new(Instant::now());
     let mut purged_on: Option<time::Date> = None;
-    let mut batches = Batcher::new(rx, batch_max, Duration::ZERO);
+    let mut batches = Batcher::new(rx, batch_max, RejectedItem::weight_bytes, Duration::ZERO);
     while let Some(merged) = batches.next()? {
         let count = merged.len() as u64;
         let (items, enqueued_sum_ns, receipt) = merged.into_parts();

@@ -248,7 +248,8 @@ pub(crate) fn complete_merged<T>(rx: &Rx<T>, count: u64, busy_ns: u64, enqueued_
 }
 
 /// What one transaction holds at most: messages, and their weight in bytes (what holding them
-/// costs in memory, [`Weigh`]). A message heavier than the byte bound is committed alone.
+/// costs in memory, as the station's queue items weigh themselves: [`ToStore::weight_bytes`],
+/// [`RejectedItem::weight_bytes`]). A message heavier than the byte bound is committed alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchBound {
     pub messages: usize,
@@ -266,14 +267,6 @@ impl BatchBound {
         messages: 16_384,
         bytes: 32 * 1024 * 1024,
     };
-
-    /// A bound of at least one message and one byte.
-    pub fn at_least_one(self) -> Self {
-        Self {
-            messages: self.messages.max(1),
-            bytes: self.bytes.max(1),
-        }
-    }
 }
 
 impl Default for BatchBound {
@@ -282,19 +275,10 @@ impl Default for BatchBound {
     }
 }
 
-/// What an item costs in memory while a station holds it, in bytes.
-pub(crate) trait Weigh {
-    fn weight_bytes(&self) -> usize;
-}
-
-impl Weigh for ToStore {
-    fn weight_bytes(&self) -> usize {
-        ToStore::weight_bytes(self)
-    }
-}
-
-impl Weigh for RejectedItem {
-    fn weight_bytes(&self) -> usize {
+impl RejectedItem {
+    /// What the item costs while the exception writer holds it: its bytes, its reason's detail
+    /// and sender, and its fixed size.
+    pub(crate) fn weight_bytes(&self) -> usize {
         self.bytes.len()
             + self.rejection.detail.len()
             + self.sender.as_ref().map_or(0, String::len)
@@ -330,9 +314,7 @@ impl<T> Merged<T> {
             self.receipt,
         )
     }
-}
 
-impl<T: Weigh> Merged<T> {
     fn empty() -> Self {
         Self {
             batches: Vec::new(),
@@ -353,6 +335,7 @@ impl<T: Weigh> Merged<T> {
         &mut self,
         mut received: Received<T>,
         bound: BatchBound,
+        weigh: fn(&T) -> usize,
     ) -> Option<Received<T>> {
         if received.items.is_empty() {
             // Nothing to commit: acknowledged with the transaction it came with.
@@ -362,7 +345,7 @@ impl<T: Weigh> Merged<T> {
         let mut fitting = 0;
         let mut bytes = 0;
         for item in &received.items {
-            let weight = item.weight_bytes();
+            let weight = weigh(item);
             let room = self.items + fitting < bound.messages
                 && (self.bytes + bytes + weight <= bound.bytes || self.items + fitting == 0);
             if !room {
@@ -402,16 +385,28 @@ impl<T: Weigh> Merged<T> {
 pub(crate) struct Batcher<T> {
     rx: Rx<T>,
     bound: BatchBound,
+    weigh: fn(&T) -> usize,
     linger: Duration,
     /// The rest of a queued batch the last transaction had no room for.
     carried: Option<Received<T>>,
 }
 
-impl<T: Weigh> Batcher<T> {
-    pub(crate) fn new(rx: Rx<T>, bound: BatchBound, linger: Duration) -> Self {
+impl<T> Batcher<T> {
+    /// A bound of no message or no byte is taken as one: a transaction holds a message at least.
+    pub(crate) fn new(
+        rx: Rx<T>,
+        bound: BatchBound,
+        weigh: fn(&T) -> usize,
+        linger: Duration,
+    ) -> Self {
+        let bound = BatchBound {
+            messages: bound.messages.max(1),
+            bytes: bound.bytes.max(1),
+        };
         Self {
             rx,
-            bound: bound.at_least_one(),
+            bound,
+            weigh,
             linger,
             carried: None,
         }
@@ -444,7 +439,7 @@ impl<T: Weigh> Batcher<T> {
         let mut merged = Merged::empty();
         let mut next = Some(first);
         while let Some(received) = next.take() {
-            if let Some(rest) = merged.take_fitting(received, self.bound) {
+            if let Some(rest) = merged.take_fitting(received, self.bound, self.weigh) {
                 self.carried = Some(rest);
                 break;
             }
@@ -483,10 +478,8 @@ mod tests {
     /// An item that weighs its value in bytes.
     struct Weight(usize);
 
-    impl Weigh for Weight {
-        fn weight_bytes(&self) -> usize {
-            self.0
-        }
+    fn weigh(item: &Weight) -> usize {
+        item.0
     }
 
     fn batcher(bound: BatchBound, batches: Vec<Vec<usize>>) -> Batcher<Weight> {
@@ -495,7 +488,7 @@ mod tests {
             tx.send(batch.into_iter().map(Weight).collect())
                 .expect("the queue takes the batch");
         }
-        Batcher::new(Box::new(rx), bound, Duration::ZERO)
+        Batcher::new(Box::new(rx), bound, weigh, Duration::ZERO)
     }
 
     /// Each merged batch's weights, until the queue is drained (its senders are gone).
@@ -555,7 +548,7 @@ mod tests {
             enqueued_ns: 1,
             receipt: Receipt::none(),
         };
-        assert!(merged.take_fitting(first, bound).is_none());
+        assert!(merged.take_fitting(first, bound, weigh).is_none());
         let empty = Received {
             items: Vec::new(),
             enqueued_ns: 2,
@@ -565,7 +558,7 @@ mod tests {
             }),
         };
         assert!(
-            merged.take_fitting(empty, bound).is_none(),
+            merged.take_fitting(empty, bound, weigh).is_none(),
             "nothing carried"
         );
         assert_eq!((merged.len(), merged.enqueued_sum_ns), (1, 1));
@@ -592,7 +585,7 @@ mod tests {
             bytes: 100,
         };
         let mut merged = Merged::empty();
-        let rest = merged.take_fitting(received, bound).expect("a rest");
+        let rest = merged.take_fitting(received, bound, weigh).expect("a rest");
         assert_eq!((merged.len(), rest.items.len()), (2, 1));
         assert_eq!(merged.enqueued_sum_ns, 14, "two items stamped 7");
         let (_, _, receipt) = merged.into_parts();

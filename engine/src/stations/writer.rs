@@ -111,7 +111,7 @@ pub(crate) fn run_writer(
     let station = rx.station().clone();
     let mut commit_retries = 0;
     let mut purged_on = OffsetDateTime::now_utc().date();
-    let mut batches = Batcher::new(rx, batch_max, linger);
+    let mut batches = Batcher::new(rx, batch_max, ToStore::weight_bytes, linger);
     while let Some(merged) = batches.next()? {
         let count = merged.len() as u64;
         let (items, enqueued_sum_ns, receipt) = merged.into_parts();
