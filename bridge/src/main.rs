@@ -484,7 +484,7 @@ fn run_node(cli: &Cli, settings: &Settings, url: &str) -> anyhow::Result<()> {
         database_urls: settings.database_urls.clone(),
         tolerances: settings.tolerances.clone(),
         aging: settings.aging,
-        batch_max: ste_engine::cluster::OWNER_BATCH_MAX,
+        batch_max: settings.batch_max,
         retry: Default::default(),
         matcher_memory: settings.matcher_memory,
         // Published on ste.samples.<node> for whoever collects them (the driver of a run).

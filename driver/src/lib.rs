@@ -69,10 +69,8 @@ impl Source {
 pub struct RunConfig {
     pub source: Source,
     /// The pipeline's options as the engine takes them too: store, shards, validators,
-    /// backlog, retention, aging, matcher memory, sampling, profile.
+    /// backlog, retention, aging, matcher memory, sampling, profile, transaction bound.
     pub settings: Settings,
-    /// Most messages, and most bytes of them, committed in one transaction.
-    pub batch_max: ste_engine::pipeline::BatchBound,
     /// How long a writer waits to fill a batch before committing it.
     pub batch_linger: Duration,
     pub queue_capacity_messages: usize,
@@ -705,7 +703,6 @@ pub fn run(config: &RunConfig, refdata: Arc<RefData>) -> anyhow::Result<Summary>
         .with_context(|| format!("creating {}", config.run_dir.display()))?;
     let pipeline_config = PipelineConfig {
         queue_capacity_messages: config.queue_capacity_messages,
-        batch_max: config.batch_max,
         batch_linger: config.batch_linger,
         recover: config.resume,
         matcher_memory: matcher_memory(config),

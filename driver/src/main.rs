@@ -19,7 +19,6 @@ use ste_driver::{RunConfig, Source, StoreKind, Summary};
 use ste_engine::generator::{GeneratorConfig, DEFAULT_SEED};
 use ste_engine::keys::KeyRing;
 use ste_engine::options::{PipelineArgs, Scope, TlsIdentityArgs};
-use ste_engine::pipeline::BatchBound;
 use ste_engine::refdata::RefData;
 
 mod node_sweep;
@@ -257,14 +256,6 @@ struct RunArgs {
     input: Option<PathBuf>,
     #[command(flatten)]
     pipeline: PipelineArgs,
-    /// Most messages committed in one transaction.
-    #[arg(long, default_value_t = BatchBound::DEFAULT.messages)]
-    batch_max: usize,
-    /// Most bytes of messages committed in one transaction, as a writer weighs them (twice
-    /// their raw bytes and an item's fixed size, 304 bytes today); a heavier message is
-    /// committed alone.
-    #[arg(long, default_value_t = BatchBound::DEFAULT.bytes)]
-    batch_max_bytes: usize,
     /// Milliseconds a writer waits to fill a batch before committing it (0: commit at once).
     #[arg(long, default_value_t = 0)]
     batch_delay_ms: u64,
@@ -1583,10 +1574,6 @@ fn run_config(args: RunArgs) -> anyhow::Result<RunConfig> {
     let config = RunConfig {
         source,
         settings,
-        batch_max: BatchBound {
-            messages: args.batch_max,
-            bytes: args.batch_max_bytes,
-        },
         batch_linger: Duration::from_millis(args.batch_delay_ms),
         queue_capacity_messages: args.queue_capacity.max(1),
         rate_msgs_per_s: args.rate.filter(|rate| *rate > 0.0),

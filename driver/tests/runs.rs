@@ -17,11 +17,11 @@ fn config(source: Source, store: StoreKind, run_dir: &Path) -> RunConfig {
             store,
             shards: 3,
             sample_interval: Duration::from_millis(5),
+            batch_max: ste_engine::pipeline::BatchBound {
+                messages: 512,
+                ..Default::default()
+            },
             ..Settings::default()
-        },
-        batch_max: ste_engine::pipeline::BatchBound {
-            messages: 512,
-            ..Default::default()
         },
         batch_linger: Duration::from_millis(2),
         queue_capacity_messages: 1024,
@@ -153,7 +153,7 @@ fn transactions_bounded_in_bytes_split_queued_batches_and_lose_nothing() {
     let mut config = config(fault_mix(400), StoreKind::Embedded, dir.path());
     // About three messages a transaction at their weight, where the queues carry batches of
     // hundreds: every queued batch is split, and its rest starts the next transaction.
-    config.batch_max = ste_engine::pipeline::BatchBound {
+    config.settings.batch_max = ste_engine::pipeline::BatchBound {
         messages: 512,
         bytes: 4096,
     };

@@ -1,12 +1,12 @@
 //! The command-line options that the engine (`engine`) and the load driver (`driver`) share,
 //! defined once here and flattened into both: where the shards keep their rows and how many
 //! there are, the validators, the shards' backlog, how long rows are kept, when unmatched trades
-//! age out, what a matcher keeps in memory, sampling and the matching profile
-//! ([`PipelineArgs`]); and the certificate a process shows over TLS ([`TlsIdentityArgs`]).
+//! age out, what a matcher keeps in memory, sampling, the matching profile and the bound of a
+//! writer's transaction ([`PipelineArgs`]); and the certificate a process shows over TLS ([`TlsIdentityArgs`]).
 //!
 //! [`PipelineArgs::resolve`] checks them together, once, and gives [`Settings`]: a process in
 //! one piece takes its [`PipelineConfig`] from them ([`Settings::pipeline`]), a node of a
-//! cluster its shards' databases, memory, aging and sampling. No binary repeats a default or a
+//! cluster its shards' databases, memory, aging, sampling and transaction bound. No binary repeats a default or a
 //! check of these options.
 
 use std::path::{Path, PathBuf};
@@ -14,9 +14,10 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
+use crate::cluster::OWNER_BATCH_MAX;
 use crate::matcher::MatcherMemory;
 use crate::pipeline::{
-    Aging, PipelineConfig, StoreConfig, CLUSTER_SHARD_BACKLOG_BYTES_DEFAULT,
+    Aging, BatchBound, PipelineConfig, StoreConfig, CLUSTER_SHARD_BACKLOG_BYTES_DEFAULT,
     SHARD_BACKLOG_BYTES_DEFAULT, UNCHECKED_EXCEPTION_DAYS_DEFAULT,
 };
 use crate::profile::{ProfileError, Tolerances};
@@ -136,6 +137,16 @@ pub struct PipelineArgs {
     /// Matching profile (JSON); default: the T2S-style tolerances.
     #[arg(long, value_name = "FILE")]
     pub profile: Option<PathBuf>,
+    /// Most messages a shard's writer commits in one transaction. Default 16,384 in one
+    /// process; 4,096 on a node of a cluster.
+    #[arg(long, env = "STE_BATCH_MAX", value_name = "MESSAGES")]
+    pub batch_max: Option<usize>,
+    /// Most bytes of messages a shard's writer commits in one transaction, as it weighs them
+    /// (twice their raw bytes and an item's fixed size, 304 bytes today); a heavier message is
+    /// committed alone. The queue in front of each writer holds twice as many. Default 32 MiB
+    /// in one process; 10 MiB on a node of a cluster.
+    #[arg(long, env = "STE_BATCH_MAX_BYTES", value_name = "BYTES")]
+    pub batch_max_bytes: Option<usize>,
 }
 
 /// The certificate a process shows over TLS, shared by `engine` and `driver`.
@@ -188,6 +199,8 @@ pub struct Settings {
     /// Whether `--sample-ms` was given; otherwise a sweep samples more often.
     pub sample_given: bool,
     pub tolerances: Tolerances,
+    /// What one transaction of a shard's writer holds at most.
+    pub batch_max: BatchBound,
 }
 
 impl PipelineArgs {
@@ -244,6 +257,10 @@ impl PipelineArgs {
             );
         }
         let default_memory = MatcherMemory::default();
+        let default_batch = match scope {
+            Scope::InProcess => BatchBound::DEFAULT,
+            Scope::Cluster => OWNER_BATCH_MAX,
+        };
         Ok(Settings {
             store,
             database_urls,
@@ -274,6 +291,10 @@ impl PipelineArgs {
             sample_interval: Duration::from_millis(self.sample_ms.unwrap_or(SAMPLE_MS_DEFAULT)),
             sample_given: self.sample_ms.is_some(),
             tolerances: Tolerances::load(self.profile.as_deref())?,
+            batch_max: BatchBound {
+                messages: self.batch_max.unwrap_or(default_batch.messages),
+                bytes: self.batch_max_bytes.unwrap_or(default_batch.bytes),
+            },
         })
     }
 }
@@ -295,6 +316,7 @@ impl Default for Settings {
             sample_interval: Duration::from_millis(SAMPLE_MS_DEFAULT),
             sample_given: false,
             tolerances: Tolerances::default(),
+            batch_max: BatchBound::DEFAULT,
         }
     }
 }
@@ -328,6 +350,7 @@ impl Settings {
             aging: self.aging,
             shard_backlog_bytes: self.shard_backlog_bytes,
             matcher_memory: self.matcher_memory,
+            batch_max: self.batch_max,
             ..PipelineConfig::default()
         }
     }
@@ -384,6 +407,34 @@ mod tests {
         assert_eq!(settings.shard_backlog_bytes, 64 << 20);
         let settings = resolve(&["--shard-backlog-mib", "16"], Scope::InProcess).expect("resolves");
         assert_eq!(settings.shard_backlog_bytes, 16 << 20);
+    }
+
+    #[test]
+    fn a_transaction_bound_by_scope_unless_given_and_into_the_pipeline() {
+        let in_process = resolve(&[], Scope::InProcess).expect("defaults resolve");
+        assert_eq!(in_process.batch_max, BatchBound::DEFAULT);
+        let cluster = resolve(&["--db", "postgres://a/x"], Scope::Cluster).expect("resolves");
+        assert_eq!(cluster.batch_max, OWNER_BATCH_MAX);
+        assert_ne!(cluster.batch_max, in_process.batch_max);
+        let given = resolve(
+            &[
+                "--db",
+                "postgres://a/x",
+                "--batch-max",
+                "16384",
+                "--batch-max-bytes",
+                "1048576",
+            ],
+            Scope::Cluster,
+        )
+        .expect("resolves");
+        let bound = BatchBound {
+            messages: 16_384,
+            bytes: 1 << 20,
+        };
+        assert_eq!(given.batch_max, bound);
+        assert_eq!(given.pipeline(Path::new("/data")).batch_max, bound);
+        assert_eq!(bound.queue_bytes(), 2 << 20);
     }
 
     #[test]

@@ -72,25 +72,22 @@ pub(super) const LEASE_POLLS_PER_TTL: u32 = 4;
 const WATERMARK_POLL: Duration = Duration::from_millis(100);
 /// Batches between an owner's matcher and its writer.
 const STORE_QUEUE_BATCHES: usize = 128;
-/// Bytes between an owner's matcher and its writer: what waits beyond them waits in the shard's
-/// inbound queue, on disk, so that an owner's memory does not follow the backlog of a load its
-/// writer cannot keep up with. Two commits of [`OWNER_BATCH_MAX`]: the next commit is ready
-/// when the last one ends.
-const STORE_QUEUE_BYTES: usize = 20 << 20;
-/// What an owner's writer commits in one transaction at most: 4,096 messages (about 6 MB at
-/// their weight), or half its store queue's bytes. An owner keeps the bound it was measured
-/// with; the larger default of one process ([`BatchBound::DEFAULT`]) is not measured in a
-/// cluster, and would need a store queue twice its size to keep the next commit ready.
+/// What an owner's writer commits in one transaction at most, unless its node is told
+/// otherwise (`engine --batch-max`, `--batch-max-bytes`): 4,096 messages (about 6 MB at their
+/// weight), or 10 MiB. The queue between an owner's matcher and its writer holds two such
+/// transactions' bytes ([`BatchBound::queue_bytes`]): the next commit is ready when the last one
+/// ends, and what waits beyond them waits in the shard's inbound queue, on disk, so that an
+/// owner's memory does not follow the backlog of a load its writer cannot keep up with.
 pub const OWNER_BATCH_MAX: BatchBound = BatchBound {
     messages: 4096,
-    bytes: STORE_QUEUE_BYTES / 2,
+    bytes: 10 << 20,
 };
 /// Batches between an owner's validator and its matcher, and its exception writer: what waits
 /// beyond them waits in the shard's inbound queue, on disk.
 const MATCH_QUEUE_BATCHES: usize = 256;
-/// Bytes between an owner's validator and its matcher: the matcher takes a batch in a fraction
-/// of the writer's time for it, so a few batches keep it busy; the backlog of an unpaced load
-/// waits on disk rather than here.
+/// Bytes between an owner's validator and its matcher, and between it and its exception writer:
+/// the matcher takes a batch in a fraction of the writer's time for it, so a few batches keep it
+/// busy; the backlog of an unpaced load waits on disk rather than here.
 const MATCH_QUEUE_BYTES: usize = 4 << 20;
 
 impl ShardOwner {
@@ -183,7 +180,7 @@ impl ShardOwner {
         let (store_tx, store_rx) = local::bounded_bytes::<ToStore>(
             format!("store.{shard}"),
             STORE_QUEUE_BATCHES,
-            STORE_QUEUE_BYTES,
+            batch_max.queue_bytes(),
             ToStore::weight_bytes,
             clock,
         );
@@ -194,9 +191,11 @@ impl ShardOwner {
             Validated::weight_bytes,
             clock,
         );
-        let (exception_tx, exception_rx) = local::bounded::<RejectedItem>(
+        let (exception_tx, exception_rx) = local::bounded_bytes::<RejectedItem>(
             format!("exceptions.{shard}"),
             MATCH_QUEUE_BATCHES,
+            MATCH_QUEUE_BYTES,
+            RejectedItem::weight_bytes,
             clock,
         );
         let stations = vec![

@@ -66,7 +66,9 @@ pub enum StoreConfig {
 pub struct PipelineConfig {
     pub shards: u32,
     pub validators: u32,
-    /// Capacity of every inbound, match and store queue, in messages.
+    /// Capacity of every inbound, match and store queue, in messages. The match queues are
+    /// bounded in bytes as well ([`Self::shard_backlog_bytes`]), and so are the store queues and
+    /// the exception queue, at two transactions' bytes ([`BatchBound::queue_bytes`]).
     pub queue_capacity_messages: usize,
     /// Capacity of the ack and outbound queues.
     pub outbound_capacity: usize,
@@ -327,7 +329,13 @@ impl Pipeline {
                 committed: committed.clone(),
                 retry,
             }));
-            let (tx, rx) = local::bounded::<ToStore>(format!("store.{shard}"), capacity, clock);
+            let (tx, rx) = local::bounded_bytes::<ToStore>(
+                format!("store.{shard}"),
+                capacity,
+                batch_max.queue_bytes(),
+                ToStore::weight_bytes,
+                clock,
+            );
             store_stations.push(tx.station().clone());
             store_txs.push(tx);
             let context = WriterContext {
@@ -348,8 +356,13 @@ impl Pipeline {
             }));
         }
 
-        let (exception_tx, exception_rx) =
-            local::bounded::<RejectedItem>("exceptions", capacity, clock);
+        let (exception_tx, exception_rx) = local::bounded_bytes::<RejectedItem>(
+            "exceptions",
+            capacity,
+            batch_max.queue_bytes(),
+            RejectedItem::weight_bytes,
+            clock,
+        );
         let exception_station = exception_tx.station().clone();
         let unchecked_exception_days = config.unchecked_exception_days;
         let exception_writer = {

@@ -267,6 +267,13 @@ impl BatchBound {
         messages: 16_384,
         bytes: 32 * 1024 * 1024,
     };
+
+    /// Bytes of the queue in front of a writer committing at this bound: two transactions'
+    /// worth, so that the next transaction is ready when one commits, and no more (what waits
+    /// beyond it waits upstream, in the match queue's bounded backlog).
+    pub const fn queue_bytes(self) -> usize {
+        self.bytes.saturating_mul(2)
+    }
 }
 
 impl Default for BatchBound {
