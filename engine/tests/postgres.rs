@@ -685,3 +685,106 @@ fn exceptions_of_unchecked_input_go_after_their_days_and_remembered_ones_stay() 
     assert_eq!(store.row_counts().expect("counts").exceptions, 2);
     assert_eq!(store.purge_unchecked_exceptions(before).expect("purges"), 0);
 }
+
+/// `url` with `role` as its user (and no password).
+fn as_role(url: &str, role: &str) -> String {
+    let authority = url.find("://").map_or(0, |scheme| scheme + 3);
+    let end = url[authority..]
+        .find(['/', '?'])
+        .map_or(url.len(), |at| authority + at);
+    let host = url[authority..end]
+        .rsplit_once('@')
+        .map_or(&url[authority..end], |(_, host)| host);
+    format!("{}{role}@{host}{}", &url[..authority], &url[end..])
+}
+
+/// A process that has just closed its connections leaves their sessions on the server for a
+/// moment, and the role that drops the database (its owner, no superuser) may not end another
+/// role's sessions: the drop waits for them instead of failing, as a sweep's next level once
+/// did right after its nodes stopped.
+#[test]
+fn a_database_is_dropped_once_another_roles_session_on_it_ends() {
+    let admin = common::admin_url();
+    let pid = std::process::id();
+    let (dropper, other, name) = (
+        format!("ste_test_dropper_{pid}"),
+        format!("ste_test_other_{pid}"),
+        format!("ste_test_linger_{pid}"),
+    );
+    // One statement at a time: DROP and CREATE DATABASE run outside a transaction only.
+    let run = |statements: &[String]| {
+        block_on(async {
+            let mut connection = PgConnection::connect(&admin).await?;
+            for statement in statements {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(statement.clone()))
+                    .execute(&mut connection)
+                    .await?;
+            }
+            connection.close().await
+        })
+        .expect("the administrative connection runs it")
+    };
+    let cleanup = [
+        format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+        format!("DROP ROLE IF EXISTS {dropper}"),
+        format!("DROP ROLE IF EXISTS {other}"),
+    ];
+    run(&cleanup);
+    run(&[
+        format!("CREATE ROLE {dropper} LOGIN CREATEDB"),
+        format!("CREATE ROLE {other} LOGIN"),
+        format!("CREATE DATABASE {name} OWNER {dropper}"),
+    ]);
+    let other_url = PgStore::url_of_database(&as_role(&admin, &other), &name);
+    let session = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let connection = PgConnection::connect(&other_url)
+                .await
+                .expect("the other role connects");
+            tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+            drop(connection);
+        });
+    });
+    // The other role's session is on the database while the drop starts.
+    let dropper_url = as_role(&admin, &dropper);
+    let count_sessions = || {
+        block_on(async {
+            let mut connection = PgConnection::connect(&admin).await?;
+            let count: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND usename = $2",
+            )
+            .bind(&name)
+            .bind(&other)
+            .fetch_one(&mut connection)
+            .await?;
+            connection.close().await?;
+            Ok::<_, sqlx::Error>(count)
+        })
+        .expect("reads the sessions")
+    };
+    let started = std::time::Instant::now();
+    while count_sessions() == 0 {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "the other role's session never appeared"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let dropped = PgStore::recreate_database(&dropper_url, &name, false);
+    session.join().expect("the session's thread");
+    let left: i64 = block_on(async {
+        let mut connection = PgConnection::connect(&admin).await?;
+        sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname = $1")
+            .bind(&name)
+            .fetch_one(&mut connection)
+            .await
+    })
+    .expect("reads the databases");
+    run(&cleanup);
+    dropped.expect("the drop waits for the other role's session and succeeds");
+    assert_eq!(left, 0, "the database is gone");
+}

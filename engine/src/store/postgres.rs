@@ -17,6 +17,12 @@ use crate::reason::ReasonCode;
 
 static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/postgres");
 
+/// How long [`PgStore::recreate_database`] waits for other roles' sessions on the database to
+/// end before it drops it.
+pub const DROP_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How often it looks.
+const DROP_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// A shard in a PostgreSQL database, written through sqlx with one `UNNEST` insert per table and
 /// batch, inside one transaction. Inserts with a natural key are idempotent.
 pub struct PgStore {
@@ -379,6 +385,13 @@ impl PgStore {
     /// Drops database `name` on the server of `url` if it is there (closing its connections)
     /// and, with `create`, makes it again, empty: the fresh shards of one sweep level. Returns
     /// the database's URL.
+    ///
+    /// `WITH (FORCE)` ends the sessions of the dropping role, but another role's only when the
+    /// dropper may signal them (a superuser, or a member of `pg_signal_backend`); otherwise
+    /// `DROP` refuses while they last. A process that has just closed its connections leaves
+    /// their server sessions behind for a moment, so the sessions of other roles are waited
+    /// for first, for [`DROP_WAIT`] at most: a database still in use after that is refused
+    /// with the server's reason.
     pub fn recreate_database(url: &str, name: &str, create: bool) -> Result<String, StoreError> {
         if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
             return Err(StoreError::Unsupported(
@@ -391,6 +404,21 @@ impl PgStore {
         runtime
             .block_on(async {
                 let mut connection = PgConnection::connect(&admin).await?;
+                let deadline = tokio::time::Instant::now() + DROP_WAIT;
+                loop {
+                    let others: i64 = sqlx::query_scalar(
+                        "SELECT count(*) FROM pg_stat_activity \
+                         WHERE datname = $1 AND usename <> current_user \
+                         AND NOT pg_has_role('pg_signal_backend', 'MEMBER')",
+                    )
+                    .bind(name)
+                    .fetch_one(&mut connection)
+                    .await?;
+                    if others == 0 || tokio::time::Instant::now() >= deadline {
+                        break;
+                    }
+                    tokio::time::sleep(DROP_POLL).await;
+                }
                 sqlx::query(sqlx::AssertSqlSafe(format!(
                     "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
                 )))
