@@ -2,12 +2,13 @@
 //! defined once here and flattened into both: where the shards keep their rows and how many
 //! there are, the validators, the shards' backlog, how long rows are kept, when unmatched trades
 //! age out, what a matcher keeps in memory, sampling, the matching profile and the bound of a
-//! writer's transaction ([`PipelineArgs`]); and the certificate a process shows over TLS ([`TlsIdentityArgs`]).
+//! writer's transaction ([`PipelineArgs`]); and the certificate a process shows over TLS
+//! ([`TlsIdentityArgs`]).
 //!
 //! [`PipelineArgs::resolve`] checks them together, once, and gives [`Settings`]: a process in
 //! one piece takes its [`PipelineConfig`] from them ([`Settings::pipeline`]), a node of a
-//! cluster its shards' databases, memory, aging, sampling and transaction bound. No binary repeats a default or a
-//! check of these options.
+//! cluster its shards' databases, memory, aging, sampling and transaction bound. No binary
+//! repeats a default or a check of these options.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
