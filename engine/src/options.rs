@@ -143,9 +143,9 @@ pub struct PipelineArgs {
     #[arg(long, env = "STE_BATCH_MAX", value_name = "MESSAGES")]
     pub batch_max: Option<usize>,
     /// Most bytes of messages a shard's writer commits in one transaction, as it weighs them
-    /// (twice their raw bytes and an item's fixed size, 304 bytes today); a heavier message is
-    /// committed alone. The queue in front of each writer holds twice as many. Default 32 MiB
-    /// in one process; 10 MiB on a node of a cluster.
+    /// (twice their raw bytes and an item's fixed size); a heavier message is committed alone.
+    /// The queue in front of each writer holds twice as many. Default 32 MiB in one process;
+    /// 10 MiB on a node of a cluster.
     #[arg(long, env = "STE_BATCH_MAX_BYTES", value_name = "BYTES")]
     pub batch_max_bytes: Option<usize>,
 }

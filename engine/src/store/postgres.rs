@@ -19,7 +19,7 @@ static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migration
 
 /// How long [`PgStore::recreate_database`] waits for other roles' sessions on the database to
 /// end before it drops it.
-pub const DROP_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+const DROP_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 /// How often it looks.
 const DROP_POLL: std::time::Duration = std::time::Duration::from_millis(50);
 
@@ -390,8 +390,8 @@ impl PgStore {
     /// dropper may signal them (a superuser, or a member of `pg_signal_backend`); otherwise
     /// `DROP` refuses while they last. A process that has just closed its connections leaves
     /// their server sessions behind for a moment, so the sessions of other roles are waited
-    /// for first, for [`DROP_WAIT`] at most: a database still in use after that is refused
-    /// with the server's reason.
+    /// for first, ten seconds at most (`DROP_WAIT`): a database still in use after that is
+    /// refused with the server's reason.
     pub fn recreate_database(url: &str, name: &str, create: bool) -> Result<String, StoreError> {
         if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
             return Err(StoreError::Unsupported(
