@@ -390,8 +390,8 @@ impl PgStore {
     /// dropper may signal them (a superuser, or a member of `pg_signal_backend`); otherwise
     /// `DROP` refuses while they last. A process that has just closed its connections leaves
     /// their server sessions behind for a moment, so the sessions of other roles are waited
-    /// for first, ten seconds at most (`DROP_WAIT`): a database still in use after that is
-    /// refused with the server's reason.
+    /// for first, for at most `DROP_WAIT`: a database still in use after that is refused with
+    /// the server's reason.
     pub fn recreate_database(url: &str, name: &str, create: bool) -> Result<String, StoreError> {
         if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
             return Err(StoreError::Unsupported(
