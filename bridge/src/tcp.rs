@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ahash::AHashSet;
-use rand::RngCore;
+use rand::Rng;
 use ste_engine::pipeline::{AckResult, Envelope, EXCEPTION_RAW_PREFIX_BYTES};
 use ste_engine::reason::{ReasonCode, Rejection};
 use ste_engine::sign::SIGNATURE_LEN;
@@ -154,7 +154,7 @@ async fn connection(
     ));
 
     let mut nonce = [0_u8; NONCE_LEN];
-    rand::thread_rng().fill_bytes(&mut nonce);
+    rand::rng().fill_bytes(&mut nonce);
     let _ = control_tx.send(Frame::Challenge { nonce }).await;
 
     let writer = tokio::spawn(write_loop(

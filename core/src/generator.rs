@@ -9,13 +9,13 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use compact_str::format_compact;
-use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use time::{Date, Duration, Month};
 
 use crate::codec::{encode_fields, encode_msg, fields_of};
+use crate::draw::Draws;
 use crate::model::{push_date, Decimal, Function, Msg, MsgType, PaymentType, Side, Text};
 use crate::reason::ReasonCode;
 use crate::refdata::generate::csd_of_market;
@@ -76,9 +76,9 @@ pub fn is_run_id(text: &str) -> bool {
 /// one of 60 million, so that two runs meet once in tens of millions of pairs.
 pub fn random_run_id() -> String {
     const DIGITS: &[u8; 36] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ";
-    let mut rng = rand::thread_rng();
+    let mut rng = rand::rng();
     (0..RUN_ID_LEN)
-        .map(|_| char::from(DIGITS[rng.gen_range(0..DIGITS.len())]))
+        .map(|_| char::from(DIGITS[rng.random_range(0..DIGITS.len())]))
         .collect()
 }
 
@@ -304,29 +304,28 @@ impl<'r> Generator<'r> {
         }
         let index = self.next_trade;
         self.next_trade += 1;
-        let fault =
-            if self.config.fault_rate > 0.0 && self.rng.gen_bool(self.config.fault_rate.min(1.0)) {
-                let choice = self
-                    .rng
-                    .gen_range(0..INVALID_CODES.len() + OTHER_FAULTS.len());
-                Some(if choice < INVALID_CODES.len() {
-                    Fault::Invalid {
-                        code: INVALID_CODES[choice],
-                        corrected: self.rng.gen_bool(0.5),
-                    }
-                } else {
-                    OTHER_FAULTS[choice - INVALID_CODES.len()]
-                })
+        let fault = if self.config.fault_rate > 0.0
+            && self.rng.draw_bool(self.config.fault_rate.min(1.0))
+        {
+            let choice = self.rng.draw(0..INVALID_CODES.len() + OTHER_FAULTS.len());
+            Some(if choice < INVALID_CODES.len() {
+                Fault::Invalid {
+                    code: INVALID_CODES[choice],
+                    corrected: self.rng.draw_bool(0.5),
+                }
             } else {
-                None
-            };
+                OTHER_FAULTS[choice - INVALID_CODES.len()]
+            })
+        } else {
+            None
+        };
         let case = self.build_trade(index, fault);
         self.expected.add(&case.expected);
         Some(case)
     }
 
     fn pick<'a, T>(rng: &mut ChaCha8Rng, items: &'a [T]) -> &'a T {
-        &items[rng.gen_range(0..items.len())]
+        &items[rng.draw(0..items.len())]
     }
 
     fn business_day_on_or_after(&self, market: &str, mut date: Date) -> Date {
@@ -353,18 +352,18 @@ impl<'r> Generator<'r> {
             .currency(&ccy)
             .map_or(2, |currency| currency.minor_units);
         let pset = Text::new(csd_of_market(&market).unwrap_or_default());
-        let day_of_year = rng.gen_range(5..340);
-        let side = if rng.gen_bool(0.5) {
+        let day_of_year = rng.draw(5..340);
+        let side = if rng.draw_bool(0.5) {
             Side::Buy
         } else {
             Side::Sell
         };
-        let price = Decimal::from_minor(rng.gen_range(PRICE_MIN_MINOR..5_000_000), 4);
-        let qty: u64 = rng.gen_range(1_000..100_000);
+        let price = Decimal::from_minor(rng.draw(PRICE_MIN_MINOR..5_000_000), 4);
+        let qty: u64 = rng.draw(1_000..100_000);
         // Each allocation at least ALLOCATION_QTY_MIN: a SELL's net proceeds (gross less
         // commission and fees) stay positive at the lowest price.
-        let first_qty = rng.gen_range(ALLOCATION_QTY_MIN..=qty - ALLOCATION_QTY_MIN);
-        let payment_type = if rng.gen_bool(0.9) {
+        let first_qty = rng.draw(ALLOCATION_QTY_MIN..=qty - ALLOCATION_QTY_MIN);
+        let payment_type = if rng.draw_bool(0.9) {
             PaymentType::Dvp
         } else {
             PaymentType::Fop
@@ -516,7 +515,7 @@ impl<'r> Generator<'r> {
                 let victim = match code {
                     // Only the NOE and the ALCs carry a Market; only the broker may send a NOE.
                     ReasonCode::Market | ReasonCode::Auth => 0,
-                    _ => self.rng.gen_range(0..MESSAGES_PER_TRADE),
+                    _ => self.rng.draw(0..MESSAGES_PER_TRADE),
                 };
                 let bad = self.invalid_line(&messages[victim], code);
                 *expected
@@ -572,13 +571,13 @@ impl<'r> Generator<'r> {
                 }
             }
             Some(Fault::Duplicate) => {
-                let victim = self.rng.gen_range(0..MESSAGES_PER_TRADE);
+                let victim = self.rng.draw(0..MESSAGES_PER_TRADE);
                 lines.insert(victim + 1, lines[victim].clone());
                 expected.messages_in += 1;
                 expected.duplicates += 1;
             }
             Some(Fault::DupId) => {
-                let victim = self.rng.gen_range(0..MESSAGES_PER_TRADE);
+                let victim = self.rng.draw(0..MESSAGES_PER_TRADE);
                 let other = Msg {
                     sent_at: messages[victim]
                         .sent_at
@@ -646,7 +645,7 @@ impl<'r> Generator<'r> {
             FinalState::Cancelled => expected.cancelled_trades += 1,
         }
         if self.config.shuffle && order_independent {
-            lines.shuffle(&mut self.rng);
+            self.rng.shuffle(&mut lines);
         }
         lines.extend(tail);
         TradeCase {

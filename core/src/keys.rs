@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::Path;
 
-use rand::RngCore;
+use rand::Rng;
 use serde::Deserialize;
 
 use crate::sign::{self, KeyedMac};
@@ -146,7 +146,8 @@ impl KeyRing {
     /// One fresh random key (id `k1`) for each of `bics`, from the operating system's random
     /// source: a throw-away key set for a benchmark run or a test.
     pub fn generate<'a>(bics: impl IntoIterator<Item = &'a str>) -> Self {
-        let mut rng = rand::rngs::OsRng;
+        // Panics only if the operating system's random source fails: a key needs its bytes.
+        let mut rng = rand::rand_core::UnwrapErr(rand::rngs::SysRng);
         let entries = bics
             .into_iter()
             .map(|bic| {

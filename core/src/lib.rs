@@ -1,5 +1,6 @@
 //! STE's pure core: the message model and its canonical codec, signing, reference data and
-//! keys, routing, the matching tolerances, the validator and the matcher.
+//! keys, routing, the matching tolerances, the validator and the matcher, and the seeded draws
+//! that make the reference data and the load.
 //!
 //! Nothing here does I/O on a network or a database, starts a thread or reads the clock: time
 //! comes in as an argument, so that a seed reproduces any run. This crate's dependencies keep
@@ -7,6 +8,7 @@
 //! key sets and matching profiles can be read from files, as configuration is, before a run.)
 
 pub mod codec;
+pub mod draw;
 pub mod generator;
 pub mod keys;
 pub mod matcher;

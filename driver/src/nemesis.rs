@@ -23,11 +23,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use ste_engine::cluster::roles::Role;
 use ste_engine::cluster::{retrying, ClusterAccess, STARTING_PATIENCE};
+use ste_engine::draw::Draws;
 use ste_engine::generator::{GeneratorConfig, RunOutcome, RUN_ID_LEN};
 use ste_engine::keys::KeyRing;
 use ste_engine::lease::{Leased, Leases};
@@ -177,11 +178,11 @@ pub fn schedule(seed: u64, span: Duration, mean_gap: Duration, kinds: &[FaultKin
         return faults;
     }
     loop {
-        at += rng.gen_range(gap / 2..=gap + gap / 2);
+        at += rng.draw(gap / 2..=gap + gap / 2);
         if at >= span.as_millis() as u64 {
             return faults;
         }
-        let kind = kinds[rng.gen_range(0..kinds.len())];
+        let kind = kinds[rng.draw(0..kinds.len())];
         let (targets, shortest, longest) = kind.bounds();
         let free: Vec<u32> = (0..targets)
             .filter(|&target| {
@@ -190,12 +191,12 @@ pub fn schedule(seed: u64, span: Duration, mean_gap: Duration, kinds: &[FaultKin
                     .is_none_or(|&until| until <= at)
             })
             .collect();
-        let target = free.get(rng.gen_range(0..free.len().max(1))).copied();
-        let lasts_ms = rng.gen_range(shortest..=longest);
+        let target = free.get(rng.draw(0..free.len().max(1))).copied();
+        let lasts_ms = rng.draw(shortest..=longest);
         let jump_s = match kind {
             FaultKind::ClockJump => {
-                let size = rng.gen_range(CLOCK_JUMP_MIN_S..=CLOCK_JUMP_MAX_S);
-                if rng.gen_bool(0.5) {
+                let size = rng.draw(CLOCK_JUMP_MIN_S..=CLOCK_JUMP_MAX_S);
+                if rng.draw_bool(0.5) {
                     size
                 } else {
                     -size

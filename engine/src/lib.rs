@@ -7,7 +7,7 @@
 
 // The pure core, under the paths the engine has always given it.
 pub use ste_core::{
-    codec, generator, keys, matcher, model, profile, reason, refdata, routing, sign, validate,
+    codec, draw, generator, keys, matcher, model, profile, reason, refdata, routing, sign, validate,
 };
 
 pub mod cluster;

@@ -9,12 +9,13 @@ use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::path::Path;
 
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use time::{Date, Duration, Month, Weekday};
 
 use super::iso::{COUNTRIES, CURRENCIES};
 use super::{isin_check_digit, FILES};
+use crate::draw::Draws;
 use crate::model::format_date;
 
 /// Years covered by the holiday calendars.
@@ -599,10 +600,10 @@ pub fn generate_texts() -> [String; 7] {
             // A national securities identifying number: nine characters, mostly digits.
             let nsin: String = (0..9)
                 .map(|position| {
-                    if position == 3 && rng.gen_bool(0.3) {
-                        char::from(b'A' + rng.gen_range(0..26u8))
+                    if position == 3 && rng.draw_bool(0.3) {
+                        char::from(b'A' + rng.draw(0..26u8))
                     } else {
-                        char::from(b'0' + rng.gen_range(0..10u8))
+                        char::from(b'0' + rng.draw(0..10u8))
                     }
                 })
                 .collect();
@@ -638,8 +639,8 @@ pub fn generate_texts() -> [String; 7] {
     ];
     for (prefix, count, role) in roles {
         for index in 0..count {
-            let country = market_countries[rng.gen_range(0..market_countries.len())];
-            let location = rng.gen_range(1..10u8);
+            let country = market_countries[rng.draw(0..market_countries.len())];
+            let location = rng.draw(1..10u8);
             let bic = format!("{prefix}{}{country}2{location}XXX", letters(index, 3));
             participants_rows.insert((bic, role));
         }
@@ -664,7 +665,7 @@ pub fn generate_texts() -> [String; 7] {
     for inv_mgr in of_role("INVMGR") {
         let mut drawn = 0;
         while drawn < CUSTODIANS_PER_INVMGR {
-            let custodian = custodian_bics[rng.gen_range(0..custodian_bics.len())];
+            let custodian = custodian_bics[rng.draw(0..custodian_bics.len())];
             if custodian_rows.insert((inv_mgr, custodian)) {
                 drawn += 1;
             }

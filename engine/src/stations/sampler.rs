@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rand::Rng;
+use rand::RngExt;
 
 use crate::network::PipelineError;
 use crate::station::{RunClock, Station, StationReading};
@@ -162,7 +162,7 @@ pub(crate) fn run_sampler(
     let mut next = Instant::now();
     let mut flushed = Instant::now();
     let mut readings = Vec::with_capacity(stations.len());
-    let mut rng = rand::thread_rng();
+    let mut rng = rand::rng();
     loop {
         write_samples(&mut out, stations, &mut readings, clock).map_err(PipelineError::Samples)?;
         // A live dashboard reads the file while the run goes on.
@@ -175,7 +175,7 @@ pub(crate) fn run_sampler(
         }
         // Spread at random around the interval: samples at a fixed period can fall in step
         // with the stations' own timed wake-ups and read them at the same phase every time.
-        next += interval.mul_f64(rng.gen_range(0.5..1.5));
+        next += interval.mul_f64(rng.random_range(0.5..1.5));
         let now = Instant::now();
         if next > now {
             std::thread::sleep(next - now);
