@@ -20,13 +20,13 @@ pub trait Uniform: Copy {
 }
 
 macro_rules! uniform {
-    ($ty:ty, $unsigned:ty, $large:ty, $wide:ty, $next:ident) => {
+    ($ty:ty, $unsigned:ty, $large:ty, $next:ident, $product:ident) => {
         impl Uniform for $ty {
             fn draw_inclusive<R: Rng + ?Sized>(rng: &mut R, low: Self, high: Self) -> Self {
                 let range = high.wrapping_sub(low).wrapping_add(1) as $unsigned as $large;
                 if range == 0 {
                     // The type's whole range.
-                    return rng.$next() as $ty;
+                    return $next(rng) as $ty;
                 }
                 // The largest multiple of `range`, less one, that fits: exact for types of 16
                 // bits or fewer, a conservative bound for wider ones.
@@ -37,10 +37,7 @@ macro_rules! uniform {
                     (range << range.leading_zeros()).wrapping_sub(1)
                 };
                 loop {
-                    let value = rng.$next() as $large;
-                    let product = <$wide>::from(value) * <$wide>::from(range);
-                    let (high_part, low_part) =
-                        ((product >> <$large>::BITS) as $large, product as $large);
+                    let (high_part, low_part) = $product($next(rng), range);
                     if low_part <= zone {
                         return low.wrapping_add(high_part as $ty);
                     }
@@ -54,39 +51,43 @@ macro_rules! uniform {
     };
 }
 
-uniform!(u8, u8, u32, u64, next_u32);
-uniform!(u16, u16, u32, u64, next_u32);
-uniform!(u32, u32, u32, u64, next_u32);
-uniform!(i32, u32, u32, u64, next_u32);
-uniform!(u64, u64, u64, u128, next_u64);
-uniform!(i64, u64, u64, u128, next_u64);
-uniform!(usize, usize, u64, u128, next_u64);
+// The types the generators draw. A value is drawn as rand 0.8 draws the wider type: one word of
+// 32 bits, one of 64, or for 128 bits two of 64, the low one first.
+uniform!(u8, u8, u32, next_32, product_32);
+uniform!(u32, u32, u32, next_32, product_32);
+uniform!(i32, u32, u32, next_32, product_32);
+uniform!(u64, u64, u64, next_64, product_64);
+uniform!(i64, u64, u64, next_64, product_64);
+uniform!(usize, usize, u64, next_64, product_64);
+uniform!(i128, u128, u128, next_128, product_128);
 
-impl Uniform for i128 {
-    fn draw_inclusive<R: Rng + ?Sized>(rng: &mut R, low: Self, high: Self) -> Self {
-        // As the macro's, on 128 bits: a value is two words, the first drawn the low one, and
-        // the product of two is 256 bits, kept as its high and low halves.
-        let mut next = || u128::from(rng.next_u64()) | u128::from(rng.next_u64()) << 64;
-        let range = high.wrapping_sub(low).wrapping_add(1) as u128;
-        if range == 0 {
-            return next() as i128;
-        }
-        let zone = (range << range.leading_zeros()).wrapping_sub(1);
-        loop {
-            let (high_part, low_part) = wide_product(next(), range);
-            if low_part <= zone {
-                return low.wrapping_add(high_part as i128);
-            }
-        }
-    }
+fn next_32<R: Rng + ?Sized>(rng: &mut R) -> u32 {
+    rng.next_u32()
+}
 
-    fn before(self) -> Self {
-        self - 1
-    }
+fn next_64<R: Rng + ?Sized>(rng: &mut R) -> u64 {
+    rng.next_u64()
+}
+
+fn next_128<R: Rng + ?Sized>(rng: &mut R) -> u128 {
+    let low = u128::from(rng.next_u64());
+    low | u128::from(rng.next_u64()) << 64
+}
+
+/// `a × b` as its high and low 32 bits.
+fn product_32(a: u32, b: u32) -> (u32, u32) {
+    let product = u64::from(a) * u64::from(b);
+    ((product >> 32) as u32, product as u32)
+}
+
+/// `a × b` as its high and low 64 bits.
+fn product_64(a: u64, b: u64) -> (u64, u64) {
+    let product = u128::from(a) * u128::from(b);
+    ((product >> 64) as u64, product as u64)
 }
 
 /// `a × b` as its high and low 128 bits.
-fn wide_product(a: u128, b: u128) -> (u128, u128) {
+fn product_128(a: u128, b: u128) -> (u128, u128) {
     const LOW: u128 = u64::MAX as u128;
     let (a_high, a_low) = (a >> 64, a & LOW);
     let (b_high, b_low) = (b >> 64, b & LOW);
@@ -185,14 +186,14 @@ mod tests {
         [401969, 4885755, 2585569, 202115] [2, 9, 0, 6, 7, 4, 3, 1, 5, 8]";
 
     #[test]
-    fn the_wide_product_is_the_product() {
+    fn the_128_bit_product_is_the_product() {
         for (a, b) in [
             (u128::MAX, u128::MAX),
             (u128::MAX, 2),
             (1 << 64, 1 << 64),
             (12345, 678),
         ] {
-            let (high, low) = wide_product(a, b);
+            let (high, low) = product_128(a, b);
             // Checked against the product of the halves as a 256-bit sum, four 64-bit limbs.
             let limbs = |x: u128| [x as u64 as u128, x >> 64];
             let mut sum = [0_u128; 4];
