@@ -1,7 +1,11 @@
 //! The matcher's keys: 128-bit hashes standing in for (Sender, MsgId) pairs and trade keys,
 //! and the verdict remembered under each.
 
-use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+use std::hash::Hasher;
+
+use rand::Rng;
+use siphasher::sip128::{Hasher128, SipHasher24};
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::reason::ReasonCode;
 
@@ -9,38 +13,58 @@ use crate::reason::ReasonCode;
 /// ever accepted by a shard can be remembered in 24 bytes.
 pub type HashKey = [u64; 2];
 
-pub(super) fn hash_key(parts: &[&str]) -> HashKey {
-    // Joined on the stack where they fit (a Sender and a MsgId do): a key a message, or two.
-    let mut joined = [0_u8; 128];
-    let mut length = 0;
-    for part in parts {
-        let Some(room) = joined.get_mut(length..length + part.len() + 1) else {
-            return hash_key_long(parts);
-        };
-        room[..part.len()].copy_from_slice(part.as_bytes());
-        room[part.len()] = 0;
-        length += part.len() + 1;
+/// How a matcher makes its keys: SipHash-2-4 with 128-bit output, a MAC, under a 128-bit
+/// secret drawn from the operating system when the matcher is made and never written down.
+///
+/// A participant chooses its MsgIds. Under a hash whose key it could know, it could search for
+/// a MsgId whose key equals the predictable key of another participant's next message, which
+/// would then be refused as a duplicate: an unkeyed hash (or xxh3 under any secret, whose
+/// maintainers state that a MAC must be used where an adversary chooses the input) leaves that
+/// open. Under a secret MAC, a key it has not seen is 128 random bits to it.
+///
+/// Nothing outside the matcher that made them reads its keys: its files of retired facts are
+/// written again by the next process ([`crate::matcher`]), so the secret needs no keeping.
+#[derive(Clone)]
+pub struct KeyHasher {
+    secret: [u64; 2],
+}
+
+impl KeyHasher {
+    /// A hasher under a new secret from the operating system's generator.
+    pub fn random() -> Self {
+        let mut rng = rand::rng();
+        Self {
+            secret: [rng.next_u64(), rng.next_u64()],
+        }
     }
-    split(xxh3_128(&joined[..length]))
-}
 
-/// [`hash_key`] of parts longer than its buffer: the same bytes, on the heap.
-fn hash_key_long(parts: &[&str]) -> HashKey {
-    let mut bytes = Vec::with_capacity(parts.iter().map(|part| part.len() + 1).sum());
-    for part in parts {
-        bytes.extend_from_slice(part.as_bytes());
-        bytes.push(0);
+    /// The key of parts, each followed by a zero byte (no part holds one), so that parts
+    /// cannot be cut differently into the same bytes.
+    pub(super) fn key(&self, parts: &[&str]) -> HashKey {
+        let mut hasher = SipHasher24::new_with_keys(self.secret[0], self.secret[1]);
+        for part in parts {
+            hasher.write(part.as_bytes());
+            hasher.write(&[0]);
+        }
+        let hash = hasher.finish128();
+        [hash.h1, hash.h2]
     }
-    split(xxh3_128(&bytes))
+
+    /// The key of a message: its Sender and MsgId.
+    pub fn message(&self, sender: &str, msg_id: &str) -> HashKey {
+        self.key(&[sender, msg_id])
+    }
+
+    /// The key of a trade.
+    pub(super) fn trade(&self, trade_key: &str) -> HashKey {
+        self.key(&[trade_key])
+    }
 }
 
-fn split(hash: u128) -> HashKey {
-    [(hash >> 64) as u64, hash as u64]
-}
-
-/// The key of a message: its Sender and MsgId.
-pub fn message_key(sender: &str, msg_id: &str) -> HashKey {
-    hash_key(&[sender, msg_id])
+impl std::fmt::Debug for KeyHasher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeyHasher { secret: <hidden> }")
+    }
 }
 
 /// What the matcher keeps of a message's wire bytes: their length, which counts toward what its
@@ -112,19 +136,59 @@ impl Verdict {
 mod tests {
     use super::*;
 
+    fn sip(secret: [u64; 2], bytes: &[u8]) -> HashKey {
+        let mut hasher = SipHasher24::new_with_keys(secret[0], secret[1]);
+        hasher.write(bytes);
+        let hash = hasher.finish128();
+        [hash.h1, hash.h2]
+    }
+
     #[test]
-    fn a_key_is_the_hash_of_its_parts_each_ended_by_a_zero_byte_however_long() {
+    fn a_key_is_the_mac_of_its_parts_each_ended_by_a_zero_byte_however_long() {
+        let hasher = KeyHasher::random();
         let long = "X".repeat(200);
         for parts in [
             vec!["BRKAAU21XXX", "BRKAAU21XXX-00000001-01"],
             vec![&long, "A"],
+            vec!["TRADE"],
         ] {
             let mut joined = Vec::new();
             for part in &parts {
                 joined.extend_from_slice(part.as_bytes());
                 joined.push(0);
             }
-            assert_eq!(hash_key(&parts), split(xxh3_128(&joined)), "{parts:?}");
+            assert_eq!(hasher.key(&parts), sip(hasher.secret, &joined), "{parts:?}");
         }
+        // Parts cut differently are different keys.
+        assert_ne!(hasher.message("AB", "C"), hasher.message("A", "BC"));
+    }
+
+    #[test]
+    fn each_hasher_has_a_secret_of_its_own_that_its_debug_output_does_not_show() {
+        let (one, two) = (KeyHasher::random(), KeyHasher::random());
+        assert_ne!(one.secret, two.secret);
+        let key = one.message("BRKAAU21XXX", "M1");
+        assert_eq!(
+            one.message("BRKAAU21XXX", "M1"),
+            key,
+            "stable under one secret"
+        );
+        assert_ne!(two.message("BRKAAU21XXX", "M1"), key);
+        let shown = format!("{one:?}");
+        assert!(!shown.contains(&one.secret[0].to_string()), "{shown}");
+        assert!(!shown.contains(&format!("{:x}", one.secret[0])), "{shown}");
+    }
+
+    #[test]
+    fn the_mac_is_siphash_2_4_with_128_bits_out() {
+        // The first reference vector of SipHash-2-4-128 (the authors' vectors.h): key 00..0f,
+        // the empty message.
+        let key = |range: std::ops::Range<u8>| {
+            u64::from_le_bytes(range.collect::<Vec<u8>>().try_into().expect("8 bytes"))
+        };
+        let [h1, h2] = sip([key(0..8), key(8..16)], b"");
+        let mut bytes = h1.to_le_bytes().to_vec();
+        bytes.extend_from_slice(&h2.to_le_bytes());
+        assert_eq!(hex::encode(bytes), "a3817f04ba25a8e66df67214c7550293");
     }
 }

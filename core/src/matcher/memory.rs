@@ -233,14 +233,15 @@ pub(super) struct Window {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::matcher::message_key;
+    use crate::matcher::KeyHasher;
 
     #[test]
     fn the_filter_has_no_false_negatives_and_few_false_positives_at_its_size() {
         // 1 MiB over 100,000 keys: 84 bits a key.
         let mut filter = Filter::new(1 << 20);
+        let hasher = KeyHasher::random();
         let keys: Vec<HashKey> = (0..100_000)
-            .map(|i| message_key("BROKERGB2L", &format!("M{i}")))
+            .map(|i| hasher.message("BROKERGB2L", &format!("M{i}")))
             .collect();
         for key in &keys {
             filter.insert(*key, FactKind::Seen);
@@ -248,7 +249,10 @@ mod tests {
         assert!(keys.iter().all(|key| filter.contains(*key, FactKind::Seen)));
         let others = (0..100_000)
             .filter(|i| {
-                filter.contains(message_key("BROKERGB2L", &format!("N{i}")), FactKind::Seen)
+                filter.contains(
+                    hasher.message("BROKERGB2L", &format!("N{i}")),
+                    FactKind::Seen,
+                )
             })
             .count();
         assert!(others < 10, "{others} false positives in 100,000");

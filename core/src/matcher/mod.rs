@@ -1,6 +1,8 @@
 //! The matcher: a deterministic state machine per shard. It does no I/O and reads no clock; the
 //! time it stamps on a CLS is handed in by its caller. Its state can always be rebuilt by
-//! replaying the shard's accepted messages.
+//! replaying the shard's accepted messages. It hashes its keys under a secret of its own
+//! ([`KeyHasher`], drawn from the operating system as its hash maps' seeds are); what it answers
+//! does not depend on the secret.
 //!
 //! Cancel and amend are order-independent by construction: a message is *live* when it is
 //! accepted, is not a CAN, and no accepted CAN or AMD names it. The state of a trade is a
@@ -25,8 +27,8 @@ use crate::refdata::RefData;
 
 pub use criteria::evaluate_trade;
 use criteria::{Group, TypeCounts};
-use keys::{hash_key, Verdict};
-pub use keys::{message_key, Content, HashKey};
+use keys::Verdict;
+pub use keys::{Content, HashKey, KeyHasher};
 pub use memory::{
     FactKind, MatcherMemory, FILTER_BITS_PER_FACT, FILTER_BYTES_MAX, PARTICIPANT_HELD_BYTES_DEFAULT,
 };
@@ -237,6 +239,8 @@ pub struct ShardCounts {
 pub struct Matcher {
     refdata: Arc<RefData>,
     tolerances: Tolerances,
+    /// Makes the keys of `closed`, `seen` and `named` under this matcher's own secret.
+    keys: KeyHasher,
     open: AHashMap<Box<str>, Trade>,
     /// Matched trades and the date their rows are stored under.
     /// (It fills the entry's padding: an aged trade costs no more than a matched one.)
@@ -266,6 +270,7 @@ impl Matcher {
         Self {
             refdata,
             tolerances,
+            keys: KeyHasher::random(),
             open: AHashMap::new(),
             closed: Remembered::new(),
             seen: Remembered::new(),
@@ -408,12 +413,12 @@ impl Matcher {
         received_on: Date,
         restoring: bool,
     ) -> Outcome {
-        let key = message_key(&msg.sender, &msg.msg_id);
+        let key = self.keys.message(&msg.sender, &msg.msg_id);
         if let Some(seen) = self.answer_seen(key, content, &msg.sender, &msg.msg_id) {
             return Outcome::only(seen);
         }
         let is_named = self.named.contains(&key);
-        if let Some(Closed { date, aged }) = self.closed.get(&hash_key(&[trade_key])) {
+        if let Some(Closed { date, aged }) = self.closed.get(&self.keys.trade(trade_key)) {
             if !is_named {
                 return self.reject(
                     key,
@@ -520,7 +525,7 @@ impl Matcher {
         trade.last_active = trade.last_active.max(received_on);
         if msg.function != Function::New {
             if let Some(related) = &msg.related_id {
-                let named = message_key(&msg.sender, related);
+                let named = self.keys.message(&msg.sender, related);
                 for held in &mut trade.messages {
                     held.named |= held.key == named;
                 }
@@ -686,7 +691,7 @@ impl Matcher {
         self.closed_total += aged.len() as u64;
         for trade in &aged {
             self.closed.insert(
-                hash_key(&[&trade.trade_key]),
+                self.keys.trade(&trade.trade_key),
                 Closed {
                     date: trade.trade_date,
                     aged: true,
@@ -745,7 +750,7 @@ impl Matcher {
         content: Content,
         rejection: Rejection,
     ) -> Disposition {
-        let key = message_key(sender, msg_id);
+        let key = self.keys.message(sender, msg_id);
         match self.seen.get(&key) {
             None => self.reject(key, content, rejection).disposition,
             Some(seen) if seen.same_content(Verdict::new(content, None)) => self
@@ -759,7 +764,7 @@ impl Matcher {
     /// the accepted messages, so that a key already accepted keeps its verdict.
     pub fn restore_rejection(&mut self, sender: &str, msg_id: &str, raw: &[u8], code: ReasonCode) {
         self.seen.insert_new(
-            message_key(sender, msg_id),
+            self.keys.message(sender, msg_id),
             Verdict::new(Content::of(raw), Some(code)),
         );
     }
@@ -769,7 +774,8 @@ impl Matcher {
         self.accepted += 1;
         if msg.function != Function::New {
             if let Some(related) = &msg.related_id {
-                self.named.insert(message_key(&msg.sender, related), ());
+                self.named
+                    .insert(self.keys.message(&msg.sender, related), ());
             }
         }
     }
@@ -833,7 +839,7 @@ impl Matcher {
                 }
             }
             self.closed
-                .insert(hash_key(&[trade_key]), Closed { date, aged: false });
+                .insert(self.keys.trade(trade_key), Closed { date, aged: false });
             self.closed_total += 1;
         } else if let Some(trade) = self.open.get_mut(trade_key) {
             trade.status = status;
@@ -889,7 +895,7 @@ impl Matcher {
     /// The status of a trade, if the shard knows it (a bounded matcher: if it has not retired
     /// it).
     pub fn status_of(&self, trade_key: &str) -> Option<TradeStatus> {
-        if let Some(closed) = self.closed.get(&hash_key(&[trade_key])) {
+        if let Some(closed) = self.closed.get(&self.keys.trade(trade_key)) {
             return Some(if closed.aged {
                 TradeStatus::Aged
             } else {

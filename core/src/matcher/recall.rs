@@ -4,7 +4,7 @@
 
 use time::Date;
 
-use super::keys::{hash_key, message_key, Content, HashKey, Verdict};
+use super::keys::{Content, HashKey, Verdict};
 use super::memory::FactKind;
 use super::{Closed, Matcher};
 use crate::reason::ReasonCode;
@@ -97,12 +97,12 @@ impl Matcher {
         let Some(window) = &self.window else {
             return;
         };
-        let key = message_key(sender, msg_id);
+        let key = self.keys.message(sender, msg_id);
         if !self.seen.contains(&key) && window.filter.contains(key, FactKind::Seen) {
             want(FactKind::Seen, key);
         }
         if let Some(trade_key) = trade_key {
-            let hash = hash_key(&[trade_key]);
+            let hash = self.keys.trade(trade_key);
             if !self.open.contains_key(trade_key)
                 && !self.closed.contains(&hash)
                 && window.filter.contains(hash, FactKind::Closed)
@@ -169,13 +169,13 @@ impl Matcher {
     pub fn recall(&mut self, recalled: Recalled) {
         for verdict in recalled.verdicts {
             self.seen.insert_new(
-                message_key(&verdict.sender, &verdict.msg_id),
+                self.keys.message(&verdict.sender, &verdict.msg_id),
                 Verdict::new(Content::of(&verdict.raw), verdict.rejected),
             );
         }
         for trade in recalled.closed {
             self.closed.insert(
-                hash_key(&[&trade.trade_key]),
+                self.keys.trade(&trade.trade_key),
                 Closed {
                     date: trade.trade_date,
                     aged: trade.aged,
@@ -183,7 +183,7 @@ impl Matcher {
             );
         }
         for (sender, msg_id) in recalled.names {
-            self.named.insert(message_key(&sender, &msg_id), ());
+            self.named.insert(self.keys.message(&sender, &msg_id), ());
         }
     }
 
@@ -253,22 +253,22 @@ impl Matcher {
             } => {
                 window
                     .filter
-                    .insert(message_key(&sender, &msg_id), FactKind::Seen);
+                    .insert(self.keys.message(&sender, &msg_id), FactKind::Seen);
                 if let Some(named) = names {
                     window
                         .filter
-                        .insert(message_key(&sender, &named), FactKind::Named);
+                        .insert(self.keys.message(&sender, &named), FactKind::Named);
                 }
             }
             RetiredFact::Rejected { sender, msg_id } => {
                 window
                     .filter
-                    .insert(message_key(&sender, &msg_id), FactKind::Seen);
+                    .insert(self.keys.message(&sender, &msg_id), FactKind::Seen);
             }
             RetiredFact::Closed { trade_key, aged } => {
                 window
                     .filter
-                    .insert(hash_key(&[&trade_key]), FactKind::Closed);
+                    .insert(self.keys.trade(&trade_key), FactKind::Closed);
                 self.closed_total += 1;
                 self.aged += u64::from(aged);
             }
