@@ -326,7 +326,7 @@ fn resolve_reference(reference: &quick_xml::events::BytesRef<'_>) -> Result<Stri
 ///
 /// A message in the canonical layout (what [`encode_msg`] writes: the root with the default
 /// namespace declared, then known fields as `<Name>text</Name>` with no markup in their text)
-/// is read in one pass over its bytes ([`parse_canonical`]); any other falls through to the
+/// is read in one pass over its bytes (`parse_canonical`); any other falls through to the
 /// general XML parser, which gives the same fields or the reason the message is refused.
 pub fn parse_fields(bytes: &[u8]) -> Result<RawFields<'_>, Rejection> {
     let text = std::str::from_utf8(bytes).map_err(|_| parse_error("the message is not UTF-8"))?;

@@ -30,9 +30,10 @@ pub struct KeyHasher {
 }
 
 impl KeyHasher {
-    /// A hasher under a new secret from the operating system's generator.
+    /// A hasher under a new secret from the operating system's generator (as the
+    /// participants' generated keys are: [`crate::keys`]).
     pub fn random() -> Self {
-        let mut rng = rand::rng();
+        let mut rng = rand::rand_core::UnwrapErr(rand::rngs::SysRng);
         Self {
             secret: [rng.next_u64(), rng.next_u64()],
         }

@@ -8,7 +8,7 @@ use ahash::AHashMap;
 use super::keys::HashKey;
 
 /// How much a matcher remembers exactly, and the filter that stands for what it retired
-/// (see [`Matcher::bounded`]).
+/// (see [`Matcher::bounded`](super::Matcher::bounded)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatcherMemory {
     /// Entries (message keys, closed trades, names) of one generation of the exact tables.
@@ -16,7 +16,7 @@ pub struct MatcherMemory {
     /// Bytes of the filter over retired entries (rounded up to a power of two).
     pub filter_bytes: usize,
     /// Bytes that one participant's messages may hold in the open trades of one shard (as
-    /// [`Matcher`] counts them: each message's bytes and what it takes in memory, and a trade's
+    /// [`Matcher`](super::Matcher) counts them: each message's bytes and what it takes in memory, and a trade's
     /// entry for the message that opens it); a message beyond it is refused E_LIMIT, so that no
     /// participant can fill the memory the others need. It applies to every store's matcher.
     pub participant_held_bytes: u64,
