@@ -16,9 +16,10 @@ pub struct MatcherMemory {
     /// Bytes of the filter over retired entries (rounded up to a power of two).
     pub filter_bytes: usize,
     /// Bytes that one participant's messages may hold in the open trades of one shard (as
-    /// [`Matcher`](super::Matcher) counts them: each message's bytes and what it takes in memory, and a trade's
-    /// entry for the message that opens it); a message beyond it is refused E_LIMIT, so that no
-    /// participant can fill the memory the others need. It applies to every store's matcher.
+    /// [`Matcher`](super::Matcher) counts them: each message's bytes and what it takes in
+    /// memory, and a trade's entry for the message that opens it); a message beyond it is
+    /// refused E_LIMIT, so that no participant can fill the memory the others need. It applies
+    /// to every store's matcher.
     pub participant_held_bytes: u64,
 }
 

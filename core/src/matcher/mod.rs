@@ -418,7 +418,17 @@ impl Matcher {
             return Outcome::only(seen);
         }
         let is_named = self.named.contains(&key);
-        if let Some(Closed { date, aged }) = self.closed.get(&self.keys.trade(trade_key)) {
+        // A trade is open or closed, never both: it opens only past this check and closes only
+        // as it leaves `open`. An open trade's messages (all but its first) therefore skip the
+        // key and the look-up in `closed`, which is large and cold.
+        let open = self.open.contains_key(trade_key);
+        debug_assert!(!open || self.closed.get(&self.keys.trade(trade_key)).is_none());
+        let closed = if open {
+            None
+        } else {
+            self.closed.get(&self.keys.trade(trade_key))
+        };
+        if let Some(Closed { date, aged }) = closed {
             if !is_named {
                 return self.reject(
                     key,

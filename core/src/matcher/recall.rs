@@ -102,12 +102,12 @@ impl Matcher {
             want(FactKind::Seen, key);
         }
         if let Some(trade_key) = trade_key {
-            let hash = self.keys.trade(trade_key);
-            if !self.open.contains_key(trade_key)
-                && !self.closed.contains(&hash)
-                && window.filter.contains(hash, FactKind::Closed)
-            {
-                want(FactKind::Closed, hash);
+            // An open trade is not closed (see `process_dated`): its key is not made.
+            if !self.open.contains_key(trade_key) {
+                let hash = self.keys.trade(trade_key);
+                if !self.closed.contains(&hash) && window.filter.contains(hash, FactKind::Closed) {
+                    want(FactKind::Closed, hash);
+                }
             }
             if !self.named.contains(&key) && window.filter.contains(key, FactKind::Named) {
                 want(FactKind::Named, key);
