@@ -10,15 +10,17 @@
 //! 3. Participants with valid keys against the others, each attack on a fresh node beside a
 //!    framed-XML run of whole trades, against the same run alone on a fresh node, alternated:
 //!    a chain of 10,000 AMDs of one ALC (stopped at the trade's bound, E_LIMIT); 600,000 NOEs
-//!    that never match (stopped at the participant's quota, E_LIMIT); FIX logons of one key,
+//!    that never match (stopped at the participant's quota, E_LIMIT), spread over the shards as
+//!    routing puts them and again with every TradeRef chosen to route to one shard; FIX logons of one key,
 //!    logged on and dropped as fast as it can (stopped at its own bound, E_BUSY, while another
 //!    participant still logs on); 671 ResendRequests for the whole of a full FIX resend store
 //!    (paid from the session's budget, E_BUSY beyond it); and wrongly signed SOAP requests
 //!    (kept within the exception writer's budget). For each: the run's slowdown, what the
 //!    attack got, and the node's resident set and disk growth.
 //!
-//! `cargo build --release -p ste-bridge && target/release/attackbench [--trades 2000] [--rounds 3]`
-//! (the `engine` binary is taken from beside this one).
+//! `cargo build --release -p ste-bridge && target/release/attackbench [--trades 2000] [--rounds 3]
+//! [--only TEXT]` (the `engine` binary is taken from beside this one; `--only` runs only the
+//! participants' attacks whose name holds TEXT).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -205,6 +207,18 @@ fn main() -> anyhow::Result<()> {
     let keys = dir.join("keys.csv");
     ring.write(&keys)?;
     let refdata = refdata.with_keys(&ring)?;
+    // `--only TEXT`: only the attacks of participants whose name holds TEXT, nothing else.
+    let args: Vec<String> = std::env::args().collect();
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
+    if only.is_some() {
+        participant_attacks(&dir, &keys, &refdata, trades, rounds, only.as_deref())?;
+        let _ = std::fs::remove_dir_all(&dir);
+        return Ok(());
+    }
 
     // 1. Slowdown of a framed-XML run by two namespace-flood SOAP clients, each run on a fresh
     // node (generated MsgIds repeat across seeds, and a node never accepts one twice).
@@ -392,7 +406,7 @@ fn main() -> anyhow::Result<()> {
     );
     drop(node);
 
-    participant_attacks(&dir, &keys, &refdata, trades, rounds)?;
+    participant_attacks(&dir, &keys, &refdata, trades, rounds, only.as_deref())?;
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
@@ -551,6 +565,30 @@ fn noe_flood(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
     let mut attacked = send_counting(node, refdata, &broker, 600_000, message)?;
     attacked.note = format!(
         "the quota is {} MiB a shard",
+        ste_engine::matcher::PARTICIPANT_HELD_BYTES_DEFAULT >> 20
+    );
+    Ok(attacked)
+}
+
+/// The same broker's 600,000 NOEs, every TradeRef chosen so that its trade routes to shard 0:
+/// routing is FNV-1a and jump hash of `Broker/TradeRef` (the contract's), which anyone can
+/// compute, so a participant can aim all of its rate and open trades at one shard.
+fn noe_flood_one_shard(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
+    let noe = template_line(refdata, 0)?;
+    let broker = element(&noe, "Sender");
+    let shards = ste_engine::options::SHARDS_DEFAULT;
+    let trade_refs: Vec<String> = (0_u64..)
+        .map(|n| format!("ZF{n:010}"))
+        .filter(|trade_ref| ste_engine::routing::shard_of_parts(&broker, trade_ref, shards) == 0)
+        .take(600_000)
+        .collect();
+    let message = move |seq: u64| -> Vec<u8> {
+        let line = replace_element(&noe, "TradeRef", &trade_refs[seq as usize]);
+        replace_element(&line, "MsgId", &format!("ZF-{seq:010}")).into_bytes()
+    };
+    let mut attacked = send_counting(node, refdata, &broker, 600_000, message)?;
+    attacked.note = format!(
+        "every trade on shard 0 of {shards}; the quota is {} MiB a shard",
         ste_engine::matcher::PARTICIPANT_HELD_BYTES_DEFAULT >> 20
     );
     Ok(attacked)
@@ -918,10 +956,15 @@ fn participant_attacks(
     refdata: &RefData,
     trades: usize,
     rounds: usize,
+    only: Option<&str>,
 ) -> anyhow::Result<()> {
-    let attacks: [(&str, Attack); 8] = [
+    let attacks: [(&str, Attack); 9] = [
         ("a chain of 10,000 AMDs of one ALC", amd_chain),
         ("600,000 NOEs that never match", noe_flood),
+        (
+            "600,000 NOEs that never match, every one routed to shard 0",
+            noe_flood_one_shard,
+        ),
         ("FIX logons of one key, as fast as it can", logon_flood),
         ("671 FIX ResendRequests for a full store", resend_flood),
         (
@@ -942,6 +985,9 @@ fn participant_attacks(
     ];
     println!("  participants with valid keys against the others ({trades} trades beside each attack, embedded store, {rounds} rounds alternated):");
     for (index, (name, attack)) in attacks.into_iter().enumerate() {
+        if only.is_some_and(|only| !name.contains(only)) {
+            continue;
+        }
         let (mut alone, mut beside) = (Vec::new(), Vec::new());
         let mut report = None;
         let mut alone_grew = (0.0, 0.0, 0.0);
