@@ -556,41 +556,44 @@ fn amd_chain(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
 
 /// A broker sends 600,000 NOEs of trades that never get another message.
 fn noe_flood(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
-    let noe = template_line(refdata, 0)?;
-    let broker = element(&noe, "Sender");
-    let message = move |seq: u64| -> Vec<u8> {
-        let line = replace_element(&noe, "TradeRef", &format!("ZF{seq:010}"));
-        replace_element(&line, "MsgId", &format!("ZF-{seq:010}")).into_bytes()
-    };
-    let mut attacked = send_counting(node, refdata, &broker, 600_000, message)?;
-    attacked.note = format!(
-        "the quota is {} MiB a shard",
-        ste_engine::matcher::PARTICIPANT_HELD_BYTES_DEFAULT >> 20
-    );
-    Ok(attacked)
+    noe_flood_on(node, refdata, None)
 }
 
 /// The same broker's 600,000 NOEs, every TradeRef chosen so that its trade routes to shard 0:
 /// routing is FNV-1a and jump hash of `Broker/TradeRef` (the contract's), which anyone can
 /// compute, so a participant can aim all of its rate and open trades at one shard.
 fn noe_flood_one_shard(node: &Node, refdata: &RefData) -> anyhow::Result<Attacked> {
+    noe_flood_on(node, refdata, Some(0))
+}
+
+/// 600,000 NOEs of one broker that never match: TradeRefs `ZF0000000000`, `ZF0000000001`, …,
+/// or only those of them whose trades route to `shard` of the node's shards.
+fn noe_flood_on(node: &Node, refdata: &RefData, shard: Option<u32>) -> anyhow::Result<Attacked> {
+    const COUNT: u64 = 600_000;
     let noe = template_line(refdata, 0)?;
     let broker = element(&noe, "Sender");
     let shards = ste_engine::options::SHARDS_DEFAULT;
     let trade_refs: Vec<String> = (0_u64..)
         .map(|n| format!("ZF{n:010}"))
-        .filter(|trade_ref| ste_engine::routing::shard_of_parts(&broker, trade_ref, shards) == 0)
-        .take(600_000)
+        .filter(|trade_ref| {
+            shard.is_none_or(|shard| {
+                ste_engine::routing::shard_of_parts(&broker, trade_ref, shards) == shard
+            })
+        })
+        .take(COUNT as usize)
         .collect();
     let message = move |seq: u64| -> Vec<u8> {
         let line = replace_element(&noe, "TradeRef", &trade_refs[seq as usize]);
         replace_element(&line, "MsgId", &format!("ZF-{seq:010}")).into_bytes()
     };
-    let mut attacked = send_counting(node, refdata, &broker, 600_000, message)?;
-    attacked.note = format!(
-        "every trade on shard 0 of {shards}; the quota is {} MiB a shard",
-        ste_engine::matcher::PARTICIPANT_HELD_BYTES_DEFAULT >> 20
-    );
+    let mut attacked = send_counting(node, refdata, &broker, COUNT, message)?;
+    let quota = ste_engine::matcher::PARTICIPANT_HELD_BYTES_DEFAULT >> 20;
+    attacked.note = match shard {
+        None => format!("the quota is {quota} MiB a shard"),
+        Some(shard) => {
+            format!("every trade on shard {shard} of {shards}; the quota is {quota} MiB a shard")
+        }
+    };
     Ok(attacked)
 }
 
