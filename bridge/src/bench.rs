@@ -4,12 +4,16 @@
 
 /// The value of `--name N` on the command line, or `default`.
 pub fn arg(name: &str, default: u64) -> u64 {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
+    arg_text(name)
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// The text after `--name` on the command line, if it is there.
+pub fn arg_text(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    let at = args.iter().position(|a| a == name)?;
+    args.get(at + 1).cloned()
 }
 
 /// The resident set of process `pid` (`self` for this one) in bytes, from /proc; 0 where there

@@ -11,9 +11,9 @@
 //!    framed-XML run of whole trades, against the same run alone on a fresh node, alternated:
 //!    a chain of 10,000 AMDs of one ALC (stopped at the trade's bound, E_LIMIT); 600,000 NOEs
 //!    that never match (stopped at the participant's quota, E_LIMIT), spread over the shards as
-//!    routing puts them and again with every TradeRef chosen to route to one shard; FIX logons of one key,
-//!    logged on and dropped as fast as it can (stopped at its own bound, E_BUSY, while another
-//!    participant still logs on); 671 ResendRequests for the whole of a full FIX resend store
+//!    routing puts them and again with every TradeRef chosen to route to one shard; FIX logons
+//!    of one key, logged on and dropped as fast as it can (stopped at its own bound, E_BUSY,
+//!    while another participant still logs on); 671 ResendRequests for the whole of a full FIX resend store
 //!    (paid from the session's budget, E_BUSY beyond it); and wrongly signed SOAP requests
 //!    (kept within the exception writer's budget). For each: the run's slowdown, what the
 //!    attack got, and the node's resident set and disk growth.
@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use ste_bridge::bench::{arg, namespace_flood_body, LOOPBACK_LISTENERS};
+use ste_bridge::bench::{arg, arg_text, namespace_flood_body, LOOPBACK_LISTENERS};
 use ste_bridge::client::{self, Logon};
 use ste_bridge::fix;
 use ste_bridge::frame::{Frame, PushClass};
@@ -208,18 +208,24 @@ fn main() -> anyhow::Result<()> {
     ring.write(&keys)?;
     let refdata = refdata.with_keys(&ring)?;
     // `--only TEXT`: only the attacks of participants whose name holds TEXT, nothing else.
-    let args: Vec<String> = std::env::args().collect();
-    let only = args
-        .iter()
-        .position(|a| a == "--only")
-        .and_then(|i| args.get(i + 1))
-        .cloned();
-    if only.is_some() {
-        participant_attacks(&dir, &keys, &refdata, trades, rounds, only.as_deref())?;
-        let _ = std::fs::remove_dir_all(&dir);
-        return Ok(());
+    let only = arg_text("--only");
+    if only.is_none() {
+        client_attacks(&dir, &keys, &refdata, trades, rounds)?;
     }
+    participant_attacks(&dir, &keys, &refdata, trades, rounds, only.as_deref())?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
 
+/// Sections 1 and 2 of the account above: the slowdown beside namespace-flood SOAP clients, and
+/// the node's memory under each memory attack.
+fn client_attacks(
+    dir: &Path,
+    keys: &Path,
+    refdata: &RefData,
+    trades: usize,
+    rounds: usize,
+) -> anyhow::Result<()> {
     // 1. Slowdown of a framed-XML run by two namespace-flood SOAP clients, each run on a fresh
     // node (generated MsgIds repeat across seeds, and a node never accepts one twice).
     let body = Arc::new(namespace_flood_body());
@@ -227,7 +233,7 @@ fn main() -> anyhow::Result<()> {
     let mut floods_answered = 0_u64;
     let lines_of = |seed: u64| -> Vec<Vec<u8>> {
         Generator::new(
-            &refdata,
+            refdata,
             GeneratorConfig {
                 seed,
                 ..GeneratorConfig::clean(trades as u64)
@@ -239,14 +245,14 @@ fn main() -> anyhow::Result<()> {
         let lines = lines_of(1000 + round as u64 * 2);
         let node = Node::start(
             &dir.join(format!("alone-{round}")),
-            &keys,
+            keys,
             &["--store", "memory"],
         )?;
-        alone.push(framed_run(&node, &refdata, &lines, trades)?);
+        alone.push(framed_run(&node, refdata, &lines, trades)?);
         drop(node);
         let node = Node::start(
             &dir.join(format!("flooded-{round}")),
-            &keys,
+            keys,
             &["--store", "memory"],
         )?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -266,7 +272,7 @@ fn main() -> anyhow::Result<()> {
             .collect();
         std::thread::sleep(Duration::from_millis(200));
         let lines = lines_of(1001 + round as u64 * 2);
-        flooded.push(framed_run(&node, &refdata, &lines, trades)?);
+        flooded.push(framed_run(&node, refdata, &lines, trades)?);
         stop.store(true, Ordering::Relaxed);
         for flooder in flooders {
             floods_answered += flooder.join().unwrap_or(0);
@@ -286,7 +292,7 @@ fn main() -> anyhow::Result<()> {
 
     // 2. Memory under each attack, on a fresh node each (embedded store, for the disk figure).
     println!("  memory of the engine (resident set, MiB):");
-    let node = Node::start(&dir.join("frames"), &keys, &["--store", "memory"])?;
+    let node = Node::start(&dir.join("frames"), keys, &["--store", "memory"])?;
     let before = node.rss_mib();
     {
         let bic = &refdata.participants()[0].bic;
@@ -296,7 +302,7 @@ fn main() -> anyhow::Result<()> {
             subscribe: false,
         }];
         let (mut writer, mut reader) = client::connect(node.tcp, &logons)?;
-        let line = Generator::new(&refdata, GeneratorConfig::clean(1))
+        let line = Generator::new(refdata, GeneratorConfig::clean(1))
             .next()
             .context("a line")?;
         let padding = "x".repeat(1024 * 1024 - 1024);
@@ -326,7 +332,7 @@ fn main() -> anyhow::Result<()> {
     );
     drop(node);
 
-    let node = Node::start(&dir.join("fixgap"), &keys, &["--store", "memory"])?;
+    let node = Node::start(&dir.join("fixgap"), keys, &["--store", "memory"])?;
     let before = node.rss_mib();
     let filler = "x".repeat(60 * 1024);
     for session in 0..20 {
@@ -357,7 +363,7 @@ fn main() -> anyhow::Result<()> {
     );
     drop(node);
 
-    let node = Node::start(&dir.join("idle"), &keys, &["--store", "memory"])?;
+    let node = Node::start(&dir.join("idle"), keys, &["--store", "memory"])?;
     let before = node.rss_mib();
     let mut idle = Vec::new();
     let mut challenged = 0;
@@ -389,7 +395,7 @@ fn main() -> anyhow::Result<()> {
     drop(node);
 
     let data = dir.join("garbage");
-    let node = Node::start(&data, &keys, &["--store", "embedded"])?;
+    let node = Node::start(&data, keys, &["--store", "embedded"])?;
     let garbage = vec![b'x'; 1024 * 1024 - 1024];
     for _ in 0..135 {
         post(node.http, &garbage)?;
@@ -405,9 +411,6 @@ fn main() -> anyhow::Result<()> {
         (exceptions + wal) as f64 / (1024.0 * 1024.0)
     );
     drop(node);
-
-    participant_attacks(&dir, &keys, &refdata, trades, rounds, only.as_deref())?;
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 
@@ -567,23 +570,26 @@ fn noe_flood_one_shard(node: &Node, refdata: &RefData) -> anyhow::Result<Attacke
 }
 
 /// 600,000 NOEs of one broker that never match: TradeRefs `ZF0000000000`, `ZF0000000001`, …,
-/// or only those of them whose trades route to `shard` of the node's shards.
+/// or only those of them whose trades route to `shard` of the node's shards (it runs with the
+/// default number).
 fn noe_flood_on(node: &Node, refdata: &RefData, shard: Option<u32>) -> anyhow::Result<Attacked> {
     const COUNT: u64 = 600_000;
+    let trade_ref = |n: u64| format!("ZF{n:010}");
     let noe = template_line(refdata, 0)?;
     let broker = element(&noe, "Sender");
     let shards = ste_engine::options::SHARDS_DEFAULT;
-    let trade_refs: Vec<String> = (0_u64..)
-        .map(|n| format!("ZF{n:010}"))
-        .filter(|trade_ref| {
-            shard.is_none_or(|shard| {
-                ste_engine::routing::shard_of_parts(&broker, trade_ref, shards) == shard
+    // The numbers of the TradeRefs that route to `shard`, chosen before the flood starts.
+    let chosen: Option<Vec<u64>> = shard.map(|shard| {
+        (0_u64..)
+            .filter(|&n| {
+                ste_engine::routing::shard_of_parts(&broker, &trade_ref(n), shards) == shard
             })
-        })
-        .take(COUNT as usize)
-        .collect();
+            .take(COUNT as usize)
+            .collect()
+    });
     let message = move |seq: u64| -> Vec<u8> {
-        let line = replace_element(&noe, "TradeRef", &trade_refs[seq as usize]);
+        let n = chosen.as_ref().map_or(seq, |chosen| chosen[seq as usize]);
+        let line = replace_element(&noe, "TradeRef", &trade_ref(n));
         replace_element(&line, "MsgId", &format!("ZF-{seq:010}")).into_bytes()
     };
     let mut attacked = send_counting(node, refdata, &broker, COUNT, message)?;
